@@ -1,0 +1,34 @@
+"""tbo: two-batch overlap for LLM inference, as declarative operation lists and a small compiled executor.
+
+A layer is a list of ops with `Yield` between stages; `execute_overlapped_operations` runs two (or more) microbatches
+through it so that one microbatch's communication overlaps another's compute.
+"""
+
+from .errors import CommTimeoutError, HangError, OperationError, StrategyError
+from .executors import execute_operations, execute_overlapped_operations
+from .observer import Observer
+from .operations import Operation, Yield, op_name
+from .schedule import Schedule, interleave
+from .sm_budget import deep_gemm_num_sms
+from .state import State
+from .strategy import OperationsStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommTimeoutError",
+    "HangError",
+    "Observer",
+    "Operation",
+    "OperationError",
+    "OperationsStrategy",
+    "Schedule",
+    "State",
+    "StrategyError",
+    "Yield",
+    "deep_gemm_num_sms",
+    "execute_operations",
+    "execute_overlapped_operations",
+    "interleave",
+    "op_name",
+]

@@ -1,0 +1,64 @@
+"""The ``tbo`` command: inspect strategies and their compiled schedules without running a model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .errors import StrategyError
+from .schedule import interleave
+from .strategy import OperationsStrategy
+
+__all__ = ["main", "load_strategy"]
+
+
+def load_strategy(source: str) -> OperationsStrategy:
+    """A strategy from a JSON file path."""
+    path = Path(source)
+    if not path.is_file():
+        raise StrategyError(f"{source!r} is not a strategy JSON file")
+    return OperationsStrategy.model_validate_json(path.read_text())
+
+
+def render_strategy(strategy: OperationsStrategy, delta: int | None, microbatches: int) -> str:
+    """The stages, then the interleaved schedule of ``microbatches`` copies of the strategy."""
+    delta = strategy.delta_stages if delta is None else delta
+    schedule = interleave([strategy.num_stages] * microbatches, delta)
+    labels = [", ".join(names) for names in strategy.stage_names]
+    return (
+        f"{strategy.describe()}\n\nschedule: {microbatches} microbatches, delta_stages={delta}, "
+        f"{schedule.num_rounds} rounds\n{schedule.render(labels)}"
+    )
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    if args.microbatches < 1:
+        raise StrategyError(f"--microbatches must be >= 1, got {args.microbatches}")
+    print(render_strategy(load_strategy(args.strategy), args.delta, args.microbatches))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tbo", description="Two-batch overlap: inspect strategies and schedules.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="print a strategy's stages and its interleaved schedule")
+    show.add_argument("strategy", help="a strategy JSON file")
+    show.add_argument("--delta", type=int, default=None, help="delta_stages (default: the strategy's own)")
+    show.add_argument("--microbatches", type=int, default=2, help="number of microbatches (default 2)")
+    show.set_defaults(func=_cmd_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (StrategyError, ValueError) as exc:
+        print(f"tbo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

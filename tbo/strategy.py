@@ -1,0 +1,228 @@
+"""`OperationsStrategy`: a layer's operation list as validated, immutable data.
+
+A strategy is written once, per model and mode, as a Python list of op names (or callables) with `Yield` markers.
+It is checked at construction, so a malformed list fails where it is written, with its list index, rather than deep
+inside a forward pass. Stages are split once and cached on the object; the executor never re-splits per call.
+String-only strategies round-trip through JSON, which is what ``tbo show`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any, Iterable, Sequence
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from .errors import StrategyError
+from .operations import YIELD_NAME, Operation, Yield, is_yield, op_name
+
+__all__ = ["OperationsStrategy"]
+
+
+def _as_strategy_error(exc: ValidationError) -> StrategyError:
+    """Pydantic wraps validator errors; hand the user ours, or a StrategyError naming the field."""
+    for err in exc.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, StrategyError):
+            return cause
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "strategy"
+    return StrategyError(f"{loc}: {err['msg']}")
+
+
+class OperationsStrategy(BaseModel):
+    """An operation list with Yield markers, the lead between microbatches, and the DeepGEMM SM budget.
+
+    ``delta_stages`` is how many stages each microbatch runs ahead of the next one. ``deep_gemm_num_sms`` limits
+    DeepGEMM to that many SMs while the strategy runs, leaving the rest to communication kernels (None: no limit).
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
+
+    operations: tuple[Any, ...]
+    delta_stages: int = 0
+    deep_gemm_num_sms: int | None = None
+    name: str | None = None
+
+    # ---- construction: our errors, not pydantic's wrappers --------------------------------------------------------
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _as_strategy_error(exc) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "OperationsStrategy":  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise _as_strategy_error(exc) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes, **kwargs: Any) -> "OperationsStrategy":  # type: ignore[override]
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as exc:
+            raise _as_strategy_error(exc) from None
+
+    @field_validator("operations", mode="before")
+    @classmethod
+    def _check_operations(cls, ops: Any) -> tuple[Any, ...]:
+        if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
+            raise StrategyError(f"operations must be a list of ops and Yield markers, got {type(ops).__name__}")
+        items = tuple(Yield if is_yield(item) else item for item in ops)
+        if not items:
+            raise StrategyError("operations is empty: a strategy needs at least one op")
+        for i, item in enumerate(items):
+            if item is Yield:
+                if i == 0:
+                    raise StrategyError("operations[0] is Yield: the first stage would be empty")
+                if i == len(items) - 1:
+                    raise StrategyError(f"operations[{i}] is Yield at the end: the last stage would be empty")
+                if items[i - 1] is Yield:
+                    raise StrategyError(f"operations[{i}] is a second Yield in a row: that stage would be empty")
+            elif isinstance(item, str):
+                if not item.isidentifier():
+                    raise StrategyError(f"operations[{i}] = {item!r} is not a valid op name (an identifier)")
+            elif not callable(item):
+                raise StrategyError(
+                    f"operations[{i}] = {item!r} ({type(item).__name__}) is neither a callable, an op name, nor Yield"
+                )
+        return items
+
+    @field_validator("deep_gemm_num_sms")
+    @classmethod
+    def _check_sms(cls, n: int | None) -> int | None:
+        if n is not None and n <= 0:
+            raise StrategyError(f"deep_gemm_num_sms must be positive or None, got {n}")
+        return n
+
+    @model_validator(mode="after")
+    def _check_delta(self) -> "OperationsStrategy":
+        n = len(self.stages)
+        if self.delta_stages < 0:
+            raise StrategyError(f"delta_stages must be >= 0, got {self.delta_stages}")
+        if self.delta_stages >= n:
+            raise StrategyError(
+                f"delta_stages={self.delta_stages} must be less than the number of stages ({n}): "
+                "otherwise the microbatches never overlap"
+            )
+        return self
+
+    # ---- derived, computed once ----------------------------------------------------------------------------------
+    @cached_property
+    def stages(self) -> tuple[tuple[Operation, ...], ...]:
+        """The operation list cut at each Yield."""
+        stages: list[tuple[Operation, ...]] = []
+        current: list[Operation] = []
+        for item in self.operations:
+            if item is Yield:
+                stages.append(tuple(current))
+                current = []
+            else:
+                current.append(item)
+        stages.append(tuple(current))
+        return tuple(stages)
+
+    @cached_property
+    def stage_names(self) -> tuple[tuple[str, ...], ...]:
+        """Debug names of each stage's ops; used for errors, tracing and `Schedule.render`."""
+        return tuple(tuple(op_name(op) for op in stage) for stage in self.stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def is_bound(self) -> bool:
+        """True when every op is callable: the strategy can run."""
+        return not any(isinstance(op, str) for op in self.operations)
+
+    def describe(self) -> str:
+        """One line per stage: ``stage 3: dispatch_b, experts, combine_a``."""
+        head = f"strategy {self.name or '(unnamed)'}: {self.num_stages} stages, delta_stages={self.delta_stages}"
+        if self.deep_gemm_num_sms is not None:
+            head += f", deep_gemm_num_sms={self.deep_gemm_num_sms}"
+        width = len(str(self.num_stages - 1))
+        lines = [f"  stage {s:>{width}}: {', '.join(names)}" for s, names in enumerate(self.stage_names)]
+        return "\n".join([head, *lines])
+
+    # ---- binding and joining ------------------------------------------------------------------------------------
+    def bind(self, layer: object) -> "OperationsStrategy":
+        """Resolve every op name to ``layer.op_<name>``. Missing methods are reported together, with their indices."""
+        missing = [
+            f"[{i}] op_{item}"
+            for i, item in enumerate(self.operations)
+            if isinstance(item, str) and not callable(getattr(layer, f"op_{item}", None))
+        ]
+        if missing:
+            raise StrategyError(
+                f"cannot bind strategy {self.name or '(unnamed)'} to {type(layer).__name__}: "
+                f"missing methods {', '.join(missing)}"
+            )
+        bound = [getattr(layer, f"op_{it}") if isinstance(it, str) else it for it in self.operations]
+        return self._with_operations(bound)
+
+    def _with_operations(self, operations: Sequence[Any]) -> "OperationsStrategy":
+        # A fresh, validated instance: model_copy would carry over the cached stages of the original.
+        return type(self)(
+            operations=operations,
+            delta_stages=self.delta_stages,
+            deep_gemm_num_sms=self.deep_gemm_num_sms,
+            name=self.name,
+        )
+
+    @classmethod
+    def concat(cls, strategies: Iterable["OperationsStrategy"], name: str | None = None) -> "OperationsStrategy":
+        """Join per-layer strategies into one list, the way a model runs its layers back to back.
+
+        No Yield is inserted between layers: the last stage of one layer and the first stage of the next run as one
+        stage, as in DeepSeek decode where ``output, comm_postprocess_layer`` flows into the next ``attn_prepare``.
+        All layers must agree on ``delta_stages`` and ``deep_gemm_num_sms``, since the whole run has one of each.
+        """
+        parts = list(strategies)
+        if not parts:
+            raise StrategyError("concat needs at least one strategy")
+        first = parts[0]
+        for i, part in enumerate(parts[1:], start=1):
+            for field in ("delta_stages", "deep_gemm_num_sms"):
+                if getattr(part, field) != getattr(first, field):
+                    raise StrategyError(
+                        f"concat: strategy [{i}] has {field}={getattr(part, field)} but strategy [0] has "
+                        f"{getattr(first, field)}; all layers of one run must agree"
+                    )
+        ops: list[Any] = []
+        for part in parts:
+            ops.extend(part.operations)
+        return cls(
+            operations=ops,
+            delta_stages=first.delta_stages,
+            deep_gemm_num_sms=first.deep_gemm_num_sms,
+            name=name if name is not None else first.name,
+        )
+
+    # ---- JSON ---------------------------------------------------------------------------------------------------
+    def model_dump_json(self, **kwargs: Any) -> str:  # type: ignore[override]
+        """JSON for a string-only strategy; Yield is written as ``"Yield"``. Callables cannot be serialised."""
+        for i, item in enumerate(self.operations):
+            if not (item is Yield or isinstance(item, str)):
+                raise StrategyError(
+                    f"operations[{i}] ({op_name(item)}) is a callable; only op names and Yield serialise to JSON"
+                )
+        data = {
+            "name": self.name,
+            "delta_stages": self.delta_stages,
+            "deep_gemm_num_sms": self.deep_gemm_num_sms,
+            "operations": [YIELD_NAME if item is Yield else item for item in self.operations],
+        }
+        return json.dumps(data, indent=kwargs.get("indent"))
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(it) if it is Yield else repr(op_name(it)) for it in self.operations)
+        return (
+            f"OperationsStrategy(name={self.name!r}, delta_stages={self.delta_stages}, "
+            f"deep_gemm_num_sms={self.deep_gemm_num_sms}, operations=[{shown}])"
+        )
+
+    __str__ = describe

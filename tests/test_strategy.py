@@ -1,0 +1,131 @@
+import pickle
+
+import pytest
+
+from tbo import OperationsStrategy, StrategyError, Yield
+from tbo.operations import op_name
+
+
+def op_attn(state):
+    return None
+
+
+class Layer:
+    def op_attn(self, state):
+        return None
+
+    def op_mlp(self, state):
+        return None
+
+
+def test_yield_singleton_repr_pickle():
+    assert repr(Yield) == "Yield"
+    assert type(Yield)() is Yield
+    assert pickle.loads(pickle.dumps(Yield)) is Yield
+
+
+def test_op_name():
+    import functools
+
+    assert op_name(op_attn) == "attn"
+    assert op_name(Layer().op_mlp) == "mlp"
+    assert op_name(functools.partial(op_attn)) == "attn"
+    assert op_name("dispatch_a") == "dispatch_a"
+    assert op_name(lambda s: None) == "<lambda>"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(operations=[]), r"empty"),
+        (dict(operations=[Yield, "a"]), r"operations\[0\] is Yield"),
+        (dict(operations=["a", "b", Yield]), r"operations\[2\] is Yield at the end"),
+        (dict(operations=["a", Yield, Yield, "b"]), r"operations\[2\] is a second Yield"),
+        (dict(operations=["a", Yield, 3.5]), r"operations\[2\] = 3.5 \(float\)"),
+        (dict(operations=["a", "not an id"]), r"operations\[1\] = 'not an id'"),
+        (dict(operations=["a"], delta_stages=-1), r"delta_stages must be >= 0"),
+        (dict(operations=["a", Yield, "b"], delta_stages=2), r"delta_stages=2 must be less than the number of stages \(2\)"),
+        (dict(operations=["a"], deep_gemm_num_sms=0), r"deep_gemm_num_sms must be positive"),
+        (dict(operations=["a"], deep_gemm_num_sms=-4), r"deep_gemm_num_sms must be positive"),
+        (dict(operations=["a"], bogus=1), r"bogus"),
+        (dict(operations="abc"), r"must be a list"),
+    ],
+)
+def test_validation_errors(kwargs, match):
+    with pytest.raises(StrategyError, match=match):
+        OperationsStrategy(**kwargs)
+
+
+def test_strategy_error_is_value_error():
+    assert issubclass(StrategyError, ValueError)
+
+
+def test_stages_cached_and_shape():
+    s = OperationsStrategy(operations=["a", "b", Yield, "c", Yield, op_attn], delta_stages=1)
+    assert s.stages == (("a", "b"), ("c",), (op_attn,))
+    assert s.stages is s.stages
+    assert s.stage_names == (("a", "b"), ("c",), ("attn",))
+    assert s.num_stages == 3
+
+
+def test_strategy_is_frozen():
+    s = OperationsStrategy(operations=["a"])
+    with pytest.raises(Exception):
+        s.delta_stages = 3  # type: ignore[misc]
+
+
+def test_bind_resolves_and_reports_all_missing():
+    layer = Layer()
+    s = OperationsStrategy(operations=["attn", Yield, "mlp"], delta_stages=1, name="x")
+    b = s.bind(layer)
+    assert b.is_bound and not s.is_bound
+    assert b.stages == ((layer.op_attn,), (layer.op_mlp,))
+    assert b.delta_stages == 1 and b.name == "x"
+    bad = OperationsStrategy(operations=["attn", "gate", Yield, "mlp", "experts"])
+    with pytest.raises(StrategyError, match=r"\[1\] op_gate, \[4\] op_experts"):
+        bad.bind(layer)
+
+
+def test_concat_joins_without_yield_and_checks_agreement():
+    a = OperationsStrategy(operations=["attn", Yield, "mlp"], delta_stages=1)
+    joined = OperationsStrategy.concat([a, a, a])
+    assert joined.num_stages == 4  # the last stage of each layer flows into the next layer's first
+    assert joined.stages[1] == ("mlp", "attn")
+    with pytest.raises(StrategyError, match=r"strategy \[1\] has delta_stages=0"):
+        OperationsStrategy.concat([a, OperationsStrategy(operations=["attn", Yield, "mlp"])])
+    with pytest.raises(StrategyError, match=r"strategy \[2\] has deep_gemm_num_sms=8"):
+        OperationsStrategy.concat([a, a, OperationsStrategy(operations=["x", Yield, "y"], delta_stages=1,
+                                                            deep_gemm_num_sms=8)])
+    with pytest.raises(StrategyError, match="at least one"):
+        OperationsStrategy.concat([])
+
+
+def test_json_round_trip():
+    s = OperationsStrategy(operations=["attn", Yield, "dispatch_a", Yield, "combine_b"], delta_stages=2,
+                           deep_gemm_num_sms=100, name="demo")
+    text = s.model_dump_json()
+    assert '"Yield"' in text
+    back = OperationsStrategy.model_validate_json(text)
+    assert back == s
+    assert back.stages == s.stages
+    assert back.operations[1] is Yield
+
+
+def test_json_rejects_callables_with_index():
+    s = OperationsStrategy(operations=["attn", Yield, op_attn])
+    with pytest.raises(StrategyError, match=r"operations\[2\] \(attn\) is a callable"):
+        s.model_dump_json()
+
+
+def test_json_validation_errors_are_strategy_errors():
+    with pytest.raises(StrategyError, match=r"operations\[0\] is Yield"):
+        OperationsStrategy.model_validate_json('{"operations": ["Yield", "a"]}')
+    with pytest.raises(StrategyError, match=r"delta_stages"):
+        OperationsStrategy.model_validate_json('{"operations": ["a"], "delta_stages": "two"}')
+
+
+def test_describe_lists_stages():
+    s = OperationsStrategy(operations=["attn", "gate", Yield, "dispatch_a"], name="n", deep_gemm_num_sms=3)
+    text = s.describe()
+    assert "strategy n: 2 stages, delta_stages=0, deep_gemm_num_sms=3" in text
+    assert "stage 0: attn, gate" in text and "stage 1: dispatch_a" in text
