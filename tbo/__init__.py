@@ -10,6 +10,7 @@ from .observer import Observer
 from .operations import Operation, Yield, op_name
 from .schedule import Schedule, interleave
 from .sm_budget import deep_gemm_num_sms
+from .split import ForwardMode, SplitPlan, SplitPolicy, agree_to_split, merge_outputs, split_inputs
 from .state import State
 from .strategy import OperationsStrategy
 
@@ -17,6 +18,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommTimeoutError",
+    "ForwardMode",
+    "SplitPlan",
+    "SplitPolicy",
+    "agree_to_split",
+    "merge_outputs",
+    "split_inputs",
     "HangError",
     "Observer",
     "Operation",

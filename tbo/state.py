@@ -5,6 +5,9 @@ Each microbatch owns one State, which is what makes two microbatches in flight s
 Keys are write-once so that one op cannot silently overwrite another's tensor, and ``clear(expect_keys=...)`` at the
 end of a layer catches tensors that would otherwise leak into the next layer.
 
+Pinned keys (``state.pin(...)``) hold step-scoped metadata such as the microbatch's ``stage_idx``: they survive
+``clear`` and cannot be popped, so every layer's ops can read them.
+
 Values live in the instance ``__dict__`` so reads are plain attribute loads, as fast as any Python object.
 """
 
@@ -20,8 +23,20 @@ _MISSING: Any = object()
 class State:
     """Attribute-style, write-once key/value store for one microbatch."""
 
+    __slots__ = ("__dict__", "_pinned")
+
     def __init__(self, **values: Any) -> None:
+        object.__setattr__(self, "_pinned", frozenset())
         self.update(**values)
+
+    def pin(self, **values: Any) -> None:
+        """Set step-scoped keys that `clear` keeps and `pop` refuses: metadata every layer reads."""
+        self.update(**values)
+        object.__setattr__(self, "_pinned", self._pinned | frozenset(values))
+
+    @property
+    def pinned(self) -> frozenset[str]:
+        return self._pinned
 
     # ---- writes -------------------------------------------------------------------------------------------------
     def __setattr__(self, key: str, value: Any) -> None:
@@ -56,6 +71,8 @@ class State:
 
     def pop(self, key: str, default: Any = _MISSING) -> Any:
         """Remove and return a key. Without a default, a missing key raises KeyError naming the keys present."""
+        if key in self._pinned:
+            raise KeyError(f"State key {key!r} is pinned for the whole step and cannot be popped")
         if default is _MISSING:
             try:
                 return self.__dict__.pop(key)
@@ -77,16 +94,17 @@ class State:
 
     # ---- end of layer -------------------------------------------------------------------------------------------
     def clear(self, expect_keys: Iterable[str] = ()) -> None:
-        """Empty the State. Raise, and keep everything, if keys other than ``expect_keys`` remain.
+        """Remove every unpinned key. Raise, and keep everything, if keys other than ``expect_keys`` remain.
 
         Call this at the end of a layer: a key nobody expected is a tensor some op forgot to pop, which would
         otherwise stay alive (and be read by mistake) in the next layer.
         """
-        allowed = set(expect_keys)
+        allowed = set(expect_keys) | self._pinned
         unexpected = sorted(k for k in self.__dict__ if k not in allowed)
         if unexpected:
             raise ValueError(f"State.clear: unexpected keys remain {unexpected} (expected only {sorted(allowed)})")
-        self.__dict__.clear()
+        for key in [k for k in self.__dict__ if k not in self._pinned]:
+            del self.__dict__[key]
 
     def __repr__(self) -> str:
         return f"State({', '.join(sorted(self.__dict__))})"

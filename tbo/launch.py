@@ -1,0 +1,124 @@
+"""Run a function on N ranks: under ``torchrun`` in place, or spawned locally over gloo on 127.0.0.1.
+
+Examples, benchmarks and tests all go through here, so the same script runs on a laptop (``--ranks 2``) and
+multi-node under the launcher users already have (``torchrun --nnodes ...``). Each rank uses one torch thread, so
+two ranks on a 2-core machine do not fight over cores. The parent waits with a deadline: a stuck rank is reported
+and killed, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["launch", "under_torchrun", "free_port", "RankError"]
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message carries that rank's traceback."""
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or any env:// launcher) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _child(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
+           results: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        _init(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s)
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including KeyboardInterrupt in a child
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    ranks: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    comm_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on every rank with a process group initialised; return results by rank.
+
+    Under torchrun this process is one rank: it runs ``fn`` once and returns ``[its result]``. Otherwise it spawns
+    ``ranks`` processes (``fn`` and ``args`` must pickle) and returns all their results, raising `RankError` with
+    the first failing rank's traceback, or `TimeoutError` if the ranks are not done within ``timeout_s``.
+    """
+    if under_torchrun():
+        import torch.distributed as dist
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if not dist.is_initialized():
+            _init(rank, world, "env://", backend, comm_timeout_s)
+        return [fn(rank, world, *args)]
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, ranks, port, backend, comm_timeout_s, fn, args, results), daemon=True)
+        for r in range(ranks)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) + len(failures) < ranks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(ranks)) - set(out) - set(failures))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:g}s")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
+                        and r not in failures]
+                for r in dead:
+                    failures[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                continue
+            (out if ok else failures)[rank] = value
+            if failures:
+                break  # one failure is enough; the others may be blocked on the failed rank
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if failures else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        rank = min(failures)
+        raise RankError(f"rank {rank} of {ranks} failed:\n{failures[rank]}")
+    return [out[r] for r in range(ranks)]

@@ -1,0 +1,216 @@
+"""`SplitPolicy` decides whether and where a step splits; `SplitPlan` describes the microbatches it makes.
+
+The plan is plain data: per microbatch, its token and request ranges, padded and unpadded lengths, stage index and
+count. These are the fields an attention-FFN connector puts on the wire and the fields ops read from their State.
+Thresholds live here and nowhere else: a step too small to gain from overlap gets no plan, and runs unsplit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..state import State
+from .index import DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, Cut, ForwardMode, _decode_cut, extend_cut, sequence_lens
+
+__all__ = ["MicrobatchSlice", "SplitPlan", "SplitPolicy", "plan_from_cuts"]
+
+
+@dataclass(frozen=True)
+class MicrobatchSlice:
+    """One microbatch of a split step.
+
+    ``extend_lens`` are this microbatch's share of each of its requests; a request cut in two appears in both
+    microbatches. ``prefix_offset`` is how many tokens of the first request earlier microbatches already hold: its
+    cached prefix for attention (0 unless the request was cut).
+    """
+
+    stage_idx: int
+    num_stages: int
+    tokens_start: int
+    tokens_len: int
+    tokens_unpadded_len: int
+    requests_start: int
+    requests_len: int
+    extend_lens: tuple[int, ...]
+    prefix_offset: int
+
+    @property
+    def tokens_end(self) -> int:
+        return self.tokens_start + self.tokens_unpadded_len
+
+    @property
+    def requests_end(self) -> int:
+        return self.requests_start + self.requests_len
+
+    @property
+    def padding(self) -> int:
+        return self.tokens_len - self.tokens_unpadded_len
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How one step's batch is cut into microbatches."""
+
+    mode: ForwardMode
+    num_tokens: int
+    num_requests: int
+    microbatches: tuple[MicrobatchSlice, ...]
+    cuts: tuple[Cut, ...]
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    @property
+    def two_chunk(self) -> bool:
+        """True when a cut falls inside a sequence (the sequence is processed in two chunks)."""
+        return any(cut.inside for cut in self.cuts)
+
+    @property
+    def split_seq_index(self) -> int:
+        """The first cut's sequence index: where microbatch 1 starts (or the cut sequence in two-chunk mode)."""
+        return self.cuts[0].seq_index
+
+    @property
+    def split_token_index(self) -> int:
+        return self.cuts[0].token_index
+
+    @property
+    def cut_extend_lens(self) -> tuple[int, int] | None:
+        """Two-chunk mode: the cut sequence's extend length in the first and the second microbatch."""
+        if not self.cuts[0].inside:
+            return None
+        return self.microbatches[0].extend_lens[-1], self.microbatches[1].extend_lens[0]
+
+    def make_states(self, **extra: Any) -> list[State]:
+        """One State per microbatch, pinned with ``stage_idx``, ``num_stages`` and ``split`` (its slice)."""
+        states = []
+        for mb in self.microbatches:
+            state = State()
+            state.pin(stage_idx=mb.stage_idx, num_stages=mb.num_stages, split=mb, **extra)
+            states.append(state)
+        return states
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_from_cuts(
+    mode: ForwardMode, lens: Sequence[int], cuts: Sequence[Cut], pad_to_multiple: int = 1
+) -> SplitPlan:
+    """Derive every microbatch's ranges from the cuts of the token stream (``len(cuts) + 1`` microbatches)."""
+    starts = [0, *accumulate(lens)]
+    total, n = starts[-1], len(lens)
+    bounds = [Cut(0, 0, False), *cuts]
+    count = len(bounds)
+    slices = []
+    for k, cut in enumerate(bounds):
+        token_end = cuts[k].token_index if k < len(cuts) else total
+        if k + 1 < count:
+            nxt = bounds[k + 1]
+            req_end = nxt.seq_index + (1 if nxt.inside else 0)
+        else:
+            req_end = n
+        req_start = cut.seq_index
+        shares = tuple(
+            max(0, min(starts[i + 1], token_end) - max(starts[i], cut.token_index)) for i in range(req_start, req_end)
+        )
+        unpadded = token_end - cut.token_index
+        slices.append(
+            MicrobatchSlice(
+                stage_idx=k,
+                num_stages=count,
+                tokens_start=cut.token_index,
+                tokens_len=_round_up(unpadded, pad_to_multiple),
+                tokens_unpadded_len=unpadded,
+                requests_start=req_start,
+                requests_len=req_end - req_start,
+                extend_lens=shares,
+                prefix_offset=cut.token_index - starts[req_start] if req_start < n else 0,
+            )
+        )
+    return SplitPlan(mode=mode, num_tokens=total, num_requests=n, microbatches=tuple(slices), cuts=tuple(cuts))
+
+
+def _cut_at_token(starts: Sequence[int], token: int) -> Cut:
+    seq = next(i for i in range(len(starts) - 1) if starts[i + 1] > token)
+    return Cut(token, seq, starts[seq] < token)
+
+
+class SplitPolicy(BaseModel):
+    """When to split a step, into how many microbatches, and how to pad them.
+
+    A decode-only step splits when it has at least ``decode_token_threshold`` tokens; a step with any prefill when it
+    has at least ``prefill_token_threshold``. The defaults are the AFD recipe's (decode 2, prefill 12).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_microbatches: int = Field(default=2, description="microbatches per split step")
+    decode_token_threshold: int = Field(default=2, description="a decode-only step splits from this many tokens")
+    prefill_token_threshold: int = Field(default=12, description="a step with prefill splits from this many tokens")
+    token_distribution_threshold: float = Field(
+        default=DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD,
+        description="below this share on one side of a sequence boundary, cut inside a sequence instead",
+    )
+    pad_to_multiple: int = Field(default=1, description="pad each microbatch's tokens to a multiple of this")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SplitPolicy":
+        if self.num_microbatches < 2:
+            raise ValueError(f"num_microbatches must be >= 2, got {self.num_microbatches}")
+        for field in ("decode_token_threshold", "prefill_token_threshold"):
+            if getattr(self, field) < self.num_microbatches:
+                raise ValueError(
+                    f"{field}={getattr(self, field)} is lower than num_microbatches={self.num_microbatches}: "
+                    "a step that small cannot give every microbatch a token"
+                )
+        if not 0 < self.token_distribution_threshold <= 0.5:
+            raise ValueError(
+                f"token_distribution_threshold must be in (0, 0.5], got {self.token_distribution_threshold}"
+            )
+        if self.pad_to_multiple < 1:
+            raise ValueError(f"pad_to_multiple must be >= 1, got {self.pad_to_multiple}")
+        return self
+
+    def threshold_for(self, mode: ForwardMode, lens: Sequence[int]) -> int:
+        has_prefill = mode is ForwardMode.EXTEND and any(n > 1 for n in lens)
+        return self.prefill_token_threshold if has_prefill else self.decode_token_threshold
+
+    def plan(
+        self,
+        mode: ForwardMode,
+        num_tokens: int,
+        extend_lens: Sequence[int] | None = None,
+        token_num_per_seq: int = 1,
+    ) -> SplitPlan | None:
+        """The split plan for this step, or None: run it unsplit (too small, IDLE, or no non-empty cut exists)."""
+        if mode is ForwardMode.IDLE:
+            return None
+        lens = sequence_lens(mode, num_tokens, extend_lens, token_num_per_seq)
+        if num_tokens < self.threshold_for(mode, lens):
+            return None
+        cuts = self._cuts(mode, lens, token_num_per_seq)
+        if cuts is None:
+            return None
+        return plan_from_cuts(mode, lens, cuts, self.pad_to_multiple)
+
+    def _cuts(self, mode: ForwardMode, lens: list[int], token_num_per_seq: int) -> list[Cut] | None:
+        n, total, parts = len(lens), sum(lens), self.num_microbatches
+        if parts == 2:
+            cut = (_decode_cut(n, token_num_per_seq) if mode.is_decode_like
+                   else extend_cut(lens, self.token_distribution_threshold))
+            return None if cut is None else [cut]
+        if mode.is_decode_like:  # whole sequences only: a verified draft cannot be cut
+            if n < parts:
+                return None
+            return [Cut(k * n // parts * token_num_per_seq, k * n // parts, False) for k in range(1, parts)]
+        if total < parts:
+            return None
+        starts = [0, *accumulate(lens)]
+        return [_cut_at_token(starts, k * total // parts) for k in range(1, parts)]

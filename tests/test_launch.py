@@ -1,0 +1,42 @@
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tbo.launch import RankError, launch
+
+
+def _sum_ranks(rank, world):
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return (rank, world, t.item(), torch.get_num_threads())
+
+
+def _fail_on_one(rank, world):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    return rank
+
+
+def _hang(rank, world):
+    time.sleep(60)
+
+
+@pytest.mark.dist
+def test_launch_runs_every_rank_with_a_process_group():
+    assert launch(_sum_ranks, 3) == [(0, 3, 6.0, 1), (1, 3, 6.0, 1), (2, 3, 6.0, 1)]
+
+
+@pytest.mark.dist
+def test_launch_reports_failing_rank():
+    with pytest.raises(RankError, match=r"(?s)rank 1 of 2 failed.*rank one is broken"):
+        launch(_fail_on_one, 2)
+
+
+@pytest.mark.dist
+def test_launch_deadline_instead_of_hang():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s"):
+        launch(_hang, 2, timeout_s=3)
+    assert time.monotonic() - t0 < 30

@@ -1,0 +1,217 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from tbo.launch import launch
+from tbo.split import (ForwardMode, SplitPolicy, agree_to_split, compute_split_seq_index, compute_split_token_index,
+                       merge_outputs, split_inputs)
+
+D, E, V, I = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE
+
+
+# ---- split index rules ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "mode,num_tokens,lens,tpp,seq,tok",
+    [
+        (D, 1, None, 1, None, None),        # a 1-sequence decode does not split
+        (D, 2, None, 1, 1, 1),
+        (D, 7, None, 1, 3, 3),              # (7 // 1) // 2
+        (V, 12, None, 3, 2, 6),             # 4 sequences of 3 draft tokens
+        (V, 3, None, 3, None, None),
+        (E, 100, [100], 1, 0, 50),          # one long prefill: two chunks, cut in the middle
+        (E, 101, [101], 1, 0, 50),
+        (E, 1, [1], 1, None, None),
+        (E, 0, [], 1, None, None),
+        (E, 1, [0, 1], 1, None, None),      # lengths 0 and 1: one side would be empty
+        (E, 2, [1, 1], 1, 1, 1),
+        (E, 2, [0, 2], 1, 1, 1),            # two-chunk inside the second sequence
+        (E, 40, [10, 10, 10, 10], 1, 2, 20),
+        (E, 30, [5, 10, 15], 1, 2, 15),     # |15-15| at i=2
+        (E, 102, [50, 2, 50], 1, 2, 52),    # ties |50-52|=|52-50|: the larger index
+        (E, 20, [9, 2, 9], 1, 1, 10),       # the tie's share 11/20 > 0.52: two-chunk inside sequence 1
+        (E, 100, [10, 90], 1, 1, 50),       # lopsided: two-chunk in sequence 1
+        (E, 100, [48, 52], 1, 1, 48),       # share 0.48 is not below the threshold
+        (E, 100, [47, 53], 1, 1, 50),       # share 0.47 is: two-chunk
+        (E, 100, [50, 0, 50], 1, 2, 50),    # zero-length sequence goes left (larger index on a tie)
+        (I, 0, None, 1, None, None),
+    ],
+)
+def test_split_index_table(mode, num_tokens, lens, tpp, seq, tok):
+    got = compute_split_seq_index(mode, num_tokens, lens, tpp)
+    assert got == seq
+    if seq is not None:
+        assert compute_split_token_index(seq, mode, lens, tpp) == tok
+
+
+def test_threshold_changes_two_chunk():
+    assert compute_split_token_index(1, E, [40, 60], token_distribution_threshold=0.4) == 40
+    assert compute_split_token_index(1, E, [40, 60], token_distribution_threshold=0.45) == 50
+
+
+@pytest.mark.parametrize("t", [0, -0.1, 0.51, 1.0])
+def test_bad_distribution_threshold(t):
+    with pytest.raises(ValueError, match="token_distribution_threshold"):
+        compute_split_seq_index(E, 4, [2, 2], token_distribution_threshold=t)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [((E, 5, [2, 2]), "sum to 4 but num_tokens is 5"), ((E, 4, None), "extend_lens is required"),
+     ((V, 7, None, 3), "not a multiple"), ((E, 0, [1, -1]), r"extend_lens\[1\] = -1"),
+     ((D, -1), "num_tokens must be >= 0")],
+)
+def test_bad_batch_descriptions(args, match):
+    with pytest.raises(ValueError, match=match):
+        compute_split_seq_index(*args)
+
+
+# ---- policy -----------------------------------------------------------------------------------------------------
+def test_policy_thresholds_edges():
+    p = SplitPolicy(decode_token_threshold=4, prefill_token_threshold=12)
+    assert p.plan(D, 3) is None and p.plan(D, 4) is not None
+    assert p.plan(E, 11, [5, 6]) is None and p.plan(E, 12, [6, 6]) is not None
+    assert p.plan(E, 4, [1, 1, 1, 1]) is not None  # extend of decode-like requests uses the decode threshold
+    assert p.plan(I, 0) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [(dict(num_microbatches=1), "num_microbatches"), (dict(decode_token_threshold=1), "decode_token_threshold"),
+     (dict(prefill_token_threshold=1), "prefill_token_threshold"),
+     (dict(num_microbatches=3, decode_token_threshold=2), "decode_token_threshold"),
+     (dict(token_distribution_threshold=0.0), "token_distribution_threshold"),
+     (dict(token_distribution_threshold=0.6), "token_distribution_threshold"), (dict(pad_to_multiple=0), "pad_to")],
+)
+def test_policy_validation_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SplitPolicy(**kwargs)
+    assert issubclass(ValidationError, ValueError)
+
+
+def test_plan_fields_two_chunk():
+    plan = SplitPolicy().plan(E, 100, [10, 90])
+    assert plan.two_chunk and plan.cut_extend_lens == (40, 50)
+    a, b = plan.microbatches
+    assert (a.stage_idx, a.num_stages, b.stage_idx, b.num_stages) == (0, 2, 1, 2)
+    assert (a.tokens_start, a.tokens_unpadded_len, a.requests_start, a.requests_len) == (0, 50, 0, 2)
+    assert (b.tokens_start, b.tokens_unpadded_len, b.requests_start, b.requests_len) == (50, 50, 1, 1)
+    assert a.extend_lens == (10, 40) and b.extend_lens == (50,) and b.prefix_offset == 40
+
+
+def test_plan_padding():
+    plan = SplitPolicy(pad_to_multiple=8).plan(D, 13)
+    assert [(m.tokens_len, m.tokens_unpadded_len) for m in plan.microbatches] == [(8, 6), (8, 7)]
+
+
+def test_plan_states_carry_stage_metadata():
+    plan = SplitPolicy().plan(D, 4)
+    states = plan.make_states()
+    assert [(s.stage_idx, s.num_stages) for s in states] == [(0, 2), (1, 2)]
+    states[0].clear()
+    assert states[0].split is plan.microbatches[0]
+
+
+def test_more_than_two_microbatches():
+    p = SplitPolicy(num_microbatches=3, decode_token_threshold=3, prefill_token_threshold=3)
+    plan = p.plan(E, 100, [100])
+    assert [m.tokens_unpadded_len for m in plan.microbatches] == [33, 33, 34]
+    assert [m.prefix_offset for m in plan.microbatches] == [0, 33, 66]
+    assert all(m.requests_len == 1 for m in plan.microbatches)
+    assert p.plan(D, 7).microbatches[2].requests_len == 3
+    assert p.plan(D, 2) is None
+
+
+# ---- properties -------------------------------------------------------------------------------------------------
+batches = st.one_of(
+    st.tuples(st.just(E), st.lists(st.integers(0, 40), min_size=1, max_size=8)),
+    st.tuples(st.just(D), st.integers(1, 30).map(lambda n: [1] * n)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=batches, parts=st.integers(2, 4), pad=st.integers(1, 4),
+       t=st.floats(min_value=0.05, max_value=0.5))
+def test_property_plans(batch, parts, pad, t):
+    mode, lens = batch
+    total = sum(lens)
+    policy = SplitPolicy(num_microbatches=parts, decode_token_threshold=parts, prefill_token_threshold=parts,
+                         token_distribution_threshold=t, pad_to_multiple=pad)
+    plan = policy.plan(mode, total, lens if mode is E else None)
+    if plan is None:
+        return
+    mbs = plan.microbatches
+    assert all(m.tokens_unpadded_len > 0 for m in mbs)                     # no empty microbatch
+    assert sum(m.tokens_unpadded_len for m in mbs) == total
+    assert all(m.tokens_len % pad == 0 and 0 <= m.padding < pad for m in mbs)
+    for m in mbs:                                                          # shares agree with token ranges
+        assert sum(m.extend_lens) == m.tokens_unpadded_len and len(m.extend_lens) == m.requests_len
+    covered = [0] * len(lens)                                              # every request's tokens land once
+    for m in mbs:
+        for j, share in enumerate(m.extend_lens):
+            covered[m.requests_start + j] += share
+    assert covered == lens
+    if parts == 2 and not plan.two_chunk:                                  # balance within the longest sequence
+        a, b = (m.tokens_unpadded_len for m in mbs)
+        assert abs(a - b) <= max(lens)
+    if parts == 2 and plan.two_chunk:                                      # two-chunk metadata is consistent
+        a, b = mbs
+        assert a.tokens_unpadded_len == total // 2
+        left, right = plan.cut_extend_lens
+        assert left > 0 and right > 0 and left + right == lens[plan.split_seq_index]
+        assert b.prefix_offset == left and b.requests_start == plan.split_seq_index
+
+
+@settings(max_examples=100, deadline=None)
+@given(lens=st.lists(st.integers(0, 20), min_size=1, max_size=6), pad=st.integers(1, 5), seed=st.integers(0, 99))
+def test_property_split_merge_round_trip(lens, pad, seed):
+    total = sum(lens)
+    plan = SplitPolicy(prefill_token_threshold=2, pad_to_multiple=pad).plan(E, total, lens)
+    if plan is None:
+        return
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(total, 3, generator=g)
+    ids = torch.randint(0, 100, (total,), generator=g)
+    inputs = {"hidden": hidden, "ids": ids, "seq_lens": torch.tensor(lens), "cfg": "shared"}
+    parts = split_inputs(inputs, plan, request_keys=["seq_lens"], shared_keys=["cfg"])
+    for part, m in zip(parts, plan.microbatches):
+        assert part["hidden"].shape[0] == m.tokens_len
+        assert torch.all(part["hidden"][m.tokens_unpadded_len:] == 0)
+        assert part["cfg"] == "shared" and part["seq_lens"].shape[0] == m.requests_len
+    assert torch.equal(merge_outputs([p["hidden"] for p in parts], plan), hidden)
+    assert torch.equal(merge_outputs([p["ids"] for p in parts], plan), ids)
+
+
+def test_split_inputs_errors():
+    plan = SplitPolicy().plan(D, 4)
+    x = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="'seq' has leading size 3 but the plan has 4 tokens.*request_keys"):
+        split_inputs({"x": x, "seq": torch.zeros(3)}, plan)
+    with pytest.raises(ValueError, match="'seq' has leading size 3 but the plan has 4 requests"):
+        split_inputs({"x": x, "seq": torch.zeros(3)}, plan, request_keys=["seq"])
+    with pytest.raises(ValueError, match=r"\['nope'\] are listed but not in the inputs"):
+        split_inputs({"x": x}, plan, shared_keys=["nope"])
+    with pytest.raises(ValueError, match="microbatch 1 output has 5 rows"):
+        merge_outputs([x[:2], torch.zeros(5, 2)], plan)
+    with pytest.raises(ValueError, match="3 outputs for a plan of 2"):
+        merge_outputs([x, x, x], plan)
+
+
+# ---- agreement across ranks -------------------------------------------------------------------------------------
+def _agree(rank, world, tokens_per_rank):
+    policy = SplitPolicy(decode_token_threshold=4)
+    plan = policy.plan(D, tokens_per_rank[rank])
+    return plan is not None, agree_to_split(plan)
+
+
+@pytest.mark.dist
+def test_agree_to_split_over_gloo():
+    # rank 1 is below the threshold: neither rank splits, although rank 0 could
+    assert launch(_agree, 2, [8, 3]) == [(True, False), (False, False)]
+    assert launch(_agree, 2, [8, 5]) == [(True, True), (True, True)]
+
+
+def test_agree_without_process_group():
+    assert agree_to_split(None) is False
+    assert agree_to_split(SplitPolicy().plan(D, 4)) is True
