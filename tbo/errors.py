@@ -30,7 +30,8 @@ class OperationError(RuntimeError):
 
 
 class CommTimeoutError(TimeoutError):
-    """A distributed wait ran past its deadline. Raised instead of hanging; the message names the rank and the op."""
+    """A distributed wait did not complete: its deadline passed, or the peer went away. Raised instead of hanging;
+    the message names the rank and the op."""
 
 
 class HangError(TimeoutError):

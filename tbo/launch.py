@@ -20,7 +20,11 @@ __all__ = ["launch", "under_torchrun", "free_port", "RankError"]
 
 
 class RankError(RuntimeError):
-    """A rank raised; the message carries that rank's traceback."""
+    """A rank failed; the message carries its traceback. ``results`` holds what the other ranks returned."""
+
+    def __init__(self, message: str, results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.results = results
 
 
 def under_torchrun() -> bool:
@@ -64,12 +68,14 @@ def launch(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     comm_timeout_s: float = 60.0,
+    failure_grace_s: float = 5.0,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on every rank with a process group initialised; return results by rank.
 
     Under torchrun this process is one rank: it runs ``fn`` once and returns ``[its result]``. Otherwise it spawns
     ``ranks`` processes (``fn`` and ``args`` must pickle) and returns all their results, raising `RankError` with
-    the first failing rank's traceback, or `TimeoutError` if the ranks are not done within ``timeout_s``.
+    the first failing rank's traceback (and, in ``.results``, what the others returned within ``failure_grace_s``),
+    or `TimeoutError` if the ranks are not done within ``timeout_s``.
     """
     if under_torchrun():
         import torch.distributed as dist
@@ -93,32 +99,34 @@ def launch(
         p.start()
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    gone_since: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) + len(failures) < ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(ranks)) - set(out) - set(failures))
+            now = time.monotonic()
+            if failures:  # the others may be blocked on the failed rank: give them a moment, then stop
+                deadline = min(deadline, now + failure_grace_s)
+            if now >= deadline:
+                if failures:
+                    break
+                missing = sorted(set(range(ranks)) - set(out))
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:g}s")
             try:
-                rank, ok, value = results.get(timeout=min(left, 1.0))
+                rank, ok, value = results.get(timeout=min(deadline - now, 0.5))
+                (out if ok else failures)[rank] = value
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
-                        and r not in failures]
-                for r in dead:
-                    failures[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
-                continue
-            (out if ok else failures)[rank] = value
-            if failures:
-                break  # one failure is enough; the others may be blocked on the failed rank
+                for r, p in enumerate(procs):  # a rank that exited without a result (killed, os._exit, crash)
+                    if r not in out and p.exitcode is not None:
+                        if now - gone_since.setdefault(r, now) > 3.0:
+                            failures[r] = f"rank {r} exited with code {p.exitcode} without a result"
     finally:
         for p in procs:
-            p.join(timeout=0.5 if failures else 5.0)
+            p.join(timeout=0.5 if failures else 5.0)  # ranks done by now exit at once
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
     if failures:
         rank = min(failures)
-        raise RankError(f"rank {rank} of {ranks} failed:\n{failures[rank]}")
+        raise RankError(f"rank {rank} of {ranks} failed:\n{failures[rank]}", out)
     return [out[r] for r in range(ranks)]

@@ -40,3 +40,17 @@ def test_launch_deadline_instead_of_hang():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s"):
         launch(_hang, 2, timeout_s=3)
     assert time.monotonic() - t0 < 30
+
+
+def _vanish(rank, world):
+    import os
+
+    if rank == 1:
+        os._exit(0)
+    return rank
+
+
+@pytest.mark.dist
+def test_launch_reports_rank_that_vanished():
+    with pytest.raises(RankError, match="rank 1 exited with code 0 without a result"):
+        launch(_vanish, 2, timeout_s=60)

@@ -28,8 +28,11 @@ def wait_work(work: Any, timeout_s: float, what: str) -> None:
     try:
         completed = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
             raise CommTimeoutError(f"{_rank_label()}: {what} timed out after {timeout_s:g}s") from exc
-        raise
+        # the transport gave up early, e.g. the peer process died and closed its connection
+        first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        raise CommTimeoutError(f"{_rank_label()}: {what} could not complete, the peer is gone: {first_line}") from exc
     if completed is False:  # some backends report a missed deadline by returning False
         raise CommTimeoutError(f"{_rank_label()}: {what} timed out after {timeout_s:g}s")

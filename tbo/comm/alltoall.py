@@ -1,0 +1,156 @@
+"""`LocalBackend` and `TorchDistributedBackend`: one all-to-all dispatch/combine over a pluggable transport.
+
+``dispatch_a`` exchanges the per-expert row counts (small, blocking) and launches the payload; ``dispatch_b`` waits
+and lays the rows out in the requested `DispatchFormat`. ``combine_a`` launches the results back along the reverse
+route; ``combine_b`` waits and reduces over the top-k slots. The local backend is the same code with an identity
+transport, which is why it is the reference for equivalence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .layout import (ExpandedRoute, NormalRoute, check_routing, expanded_route, expert_major_perm, from_masked,
+                     normal_route, to_masked, weighted_sum)
+from .transport import LocalTransport, TorchDistributedTransport, Transport
+from .types import CombineState, DispatchFormat, DispatchOutput, DispatchState
+from .wait import DEFAULT_TIMEOUT_S
+
+__all__ = ["AllToAllBackend", "LocalBackend", "TorchDistributedBackend"]
+
+
+@dataclass(frozen=True)
+class _ExpandedHandle:
+    route: ExpandedRoute
+    recv_counts: torch.Tensor  # [W, L]
+    perm: torch.Tensor  # (source, expert) -> (expert, source)
+    topk_weights: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _NormalHandle:
+    route: NormalRoute
+    recv_counts: torch.Tensor  # [W]
+    num_tokens: int
+
+
+class AllToAllBackend:
+    """Expert-parallel dispatch/combine over a `Transport`, in any `DispatchFormat`."""
+
+    def __init__(self, transport: Transport, num_experts: int, format: DispatchFormat = DispatchFormat.EXPANDED,
+                 masked_capacity: int | None = None) -> None:
+        if num_experts < 1 or num_experts % transport.num_ranks:
+            raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={transport.num_ranks}")
+        self.transport = transport
+        self.format = DispatchFormat(format)
+        self.masked_capacity = masked_capacity
+        self.rank = transport.rank
+        self.num_ranks = transport.num_ranks
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // transport.num_ranks
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, num_ranks={self.num_ranks}, "
+                f"num_experts={self.num_experts}, format={self.format.name})")
+
+    # ---- dispatch -----------------------------------------------------------------------------------------------
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchState:
+        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a")
+        if self.format is DispatchFormat.NORMAL:
+            return self._dispatch_a_normal(hidden, topk_idx, topk_weights)
+        route = expanded_route(topk_idx, self.num_ranks, self.num_local_experts)
+        recv_counts = self.transport.exchange(route.send_counts.reshape(-1), "dispatch_a (row counts)")
+        recv_counts = recv_counts.view(self.num_ranks, self.num_local_experts)
+        rows = hidden[torch.div(route.pair_ids, route.top_k, rounding_mode="floor")]
+        pending = self.transport.start(rows, route.send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(),
+                                       "dispatch_b (rows)")
+        return DispatchState(pending, rows.nbytes, {"route": route, "recv_counts": recv_counts,
+                                                    "topk_weights": topk_weights})
+
+    def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                           topk_weights: torch.Tensor) -> DispatchState:
+        route = normal_route(topk_idx, topk_weights, self.num_ranks, self.num_local_experts)
+        recv_counts = self.transport.exchange(route.send_counts, "dispatch_a (token counts)")
+        send, recv = route.send_counts.tolist(), recv_counts.tolist()
+        rows = hidden[route.token_ids]
+        pending = (
+            self.transport.start(rows, send, recv, "dispatch_b (tokens)"),
+            self.transport.start(route.local_idx, send, recv, "dispatch_b (topk_idx)"),
+            self.transport.start(route.weights, send, recv, "dispatch_b (topk_weights)"),
+        )
+        nbytes = rows.nbytes + route.local_idx.nbytes + route.weights.nbytes
+        return DispatchState(pending, nbytes, {"route": route, "recv_counts": recv_counts,
+                                               "num_tokens": hidden.shape[0]})
+
+    def dispatch_b(self, state: DispatchState) -> DispatchOutput:
+        info = state.info
+        if self.format is DispatchFormat.NORMAL:
+            rows, idx, weights = (self.transport.finish(p) for p in state.pending)
+            counts = torch.stack([(idx == e).sum() for e in range(self.num_local_experts)]) if idx.numel() else (
+                torch.zeros(self.num_local_experts, dtype=torch.long))
+            handle = _NormalHandle(info["route"], info["recv_counts"], info["num_tokens"])
+            return DispatchOutput(DispatchFormat.NORMAL, rows, counts, handle, topk_idx=idx, topk_weights=weights)
+        rows = self.transport.finish(state.pending)
+        perm = expert_major_perm(info["recv_counts"])
+        rows = rows[perm]
+        counts = info["recv_counts"].sum(0)
+        handle = _ExpandedHandle(info["route"], info["recv_counts"], perm, info["topk_weights"], counts)
+        if self.format is DispatchFormat.MASKED:
+            rows = to_masked(rows, counts, self.masked_capacity)
+        return DispatchOutput(self.format, rows, counts, handle)
+
+    # ---- combine ------------------------------------------------------------------------------------------------
+    def combine_a(self, expert_out: torch.Tensor, handle: Any) -> CombineState:
+        if isinstance(handle, _NormalHandle):
+            return self._combine_a_normal(expert_out, handle)
+        if not isinstance(handle, _ExpandedHandle):
+            raise TypeError(f"combine_a: handle must come from this backend's dispatch_b, got {type(handle).__name__}")
+        if self.format is DispatchFormat.MASKED:
+            if expert_out.dim() != 3 or expert_out.shape[0] != self.num_local_experts:
+                raise ValueError(f"combine_a: MASKED expert output must be [{self.num_local_experts}, capacity, H], "
+                                 f"got {tuple(expert_out.shape)}")
+            expert_out = from_masked(expert_out, handle.tokens_per_expert)
+        if expert_out.dim() != 2 or expert_out.shape[0] != handle.perm.shape[0]:
+            raise ValueError(f"combine_a: expert output must be [{handle.perm.shape[0]}, H] (one row per dispatched "
+                             f"row), got {tuple(expert_out.shape)}")
+        rows = torch.empty_like(expert_out)
+        rows[handle.perm] = expert_out  # back to (source, expert) order
+        pending = self.transport.start(rows, handle.recv_counts.sum(1).tolist(),
+                                       handle.route.send_counts.sum(1).tolist(), "combine_b (rows)")
+        return CombineState(pending, rows.nbytes, {"handle": handle})
+
+    def _combine_a_normal(self, expert_out: torch.Tensor, handle: _NormalHandle) -> CombineState:
+        expected = int(handle.recv_counts.sum())
+        if expert_out.dim() != 2 or expert_out.shape[0] != expected:
+            raise ValueError(f"combine_a: NORMAL expert output must be [{expected}, H], got {tuple(expert_out.shape)}")
+        pending = self.transport.start(expert_out, handle.recv_counts.tolist(), handle.route.send_counts.tolist(),
+                                       "combine_b (tokens)")
+        return CombineState(pending, expert_out.nbytes, {"handle": handle})
+
+    def combine_b(self, state: CombineState) -> torch.Tensor:
+        handle = state.info["handle"]
+        rows = self.transport.finish(state.pending)
+        if isinstance(handle, _NormalHandle):
+            out = rows.new_zeros((handle.num_tokens, rows.shape[1]))
+            return out.index_add_(0, handle.route.token_ids, rows)
+        return weighted_sum(rows, handle.route.pair_ids, handle.topk_weights)
+
+
+class LocalBackend(AllToAllBackend):
+    """One process, every expert local, no communication: the equivalence reference."""
+
+    def __init__(self, num_experts: int, format: DispatchFormat = DispatchFormat.EXPANDED,
+                 masked_capacity: int | None = None) -> None:
+        super().__init__(LocalTransport(), num_experts, format, masked_capacity)
+
+
+class TorchDistributedBackend(AllToAllBackend):
+    """All-to-all over a torch.distributed group; every wait has a deadline (`CommTimeoutError`)."""
+
+    def __init__(self, num_experts: int, format: DispatchFormat = DispatchFormat.EXPANDED, group: Any = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, masked_capacity: int | None = None) -> None:
+        super().__init__(TorchDistributedTransport(group, timeout_s), num_experts, format, masked_capacity)

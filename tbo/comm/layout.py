@@ -1,0 +1,135 @@
+"""Routing math shared by every backend: who sends which rows where, and how results come back together.
+
+Keeping this in one place is what makes the distributed backends bit-identical to the local reference: every
+backend orders an expert's rows the same way, by (source rank, token, top-k slot), and every combine reduces over
+the top-k slots in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ExpandedRoute",
+    "NormalRoute",
+    "expanded_route",
+    "normal_route",
+    "expert_major_perm",
+    "to_masked",
+    "from_masked",
+    "weighted_sum",
+    "check_routing",
+]
+
+
+def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                  op: str) -> None:
+    """Reject inputs that would silently misroute, naming the tensor and what was expected."""
+    if hidden.dim() != 2:
+        raise ValueError(f"{op}: hidden must be [num_tokens, hidden], got shape {tuple(hidden.shape)}")
+    t = hidden.shape[0]
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != t:
+        raise ValueError(f"{op}: topk_idx must be [{t}, top_k], got shape {tuple(topk_idx.shape)}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"{op}: topk_weights shape {tuple(topk_weights.shape)} differs from topk_idx {tuple(topk_idx.shape)}"
+        )
+    if topk_idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{op}: topk_idx must be an integer tensor, got {topk_idx.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"{op}: topk_weights must be floating point, got {topk_weights.dtype}")
+    if len({hidden.device, topk_idx.device, topk_weights.device}) > 1:
+        raise ValueError(
+            f"{op}: hidden, topk_idx and topk_weights are on different devices "
+            f"({hidden.device}, {topk_idx.device}, {topk_weights.device})"
+        )
+    if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):
+        raise ValueError(f"{op}: topk_idx values must be in [-1, {num_experts}), got "
+                         f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
+
+
+@dataclass(frozen=True)
+class ExpandedRoute:
+    """One row per valid (token, slot) pair, sent in (destination rank, local expert, token, slot) order."""
+
+    pair_ids: torch.Tensor  #: [S] flat ``token * top_k + slot`` of each sent row
+    send_counts: torch.Tensor  #: [num_ranks, num_local_experts] rows per destination expert
+    num_tokens: int
+    top_k: int
+
+
+def expanded_route(topk_idx: torch.Tensor, num_ranks: int, num_local_experts: int) -> ExpandedRoute:
+    t, k = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    pair_ids = torch.nonzero(flat >= 0).flatten()
+    experts = flat[pair_ids]
+    order = torch.argsort(experts * max(t * k, 1) + pair_ids)  # expert-major, then (token, slot)
+    pair_ids = pair_ids[order]
+    counts = torch.bincount(experts, minlength=num_ranks * num_local_experts)
+    return ExpandedRoute(pair_ids, counts.view(num_ranks, num_local_experts), t, k)
+
+
+@dataclass(frozen=True)
+class NormalRoute:
+    """Each token once per destination rank that hosts any of its experts, in (destination, token) order."""
+
+    token_ids: torch.Tensor  #: [S] source token of each sent row
+    local_idx: torch.Tensor  #: [S, top_k] the destination's local expert ids, -1 for experts elsewhere
+    weights: torch.Tensor  #: [S, top_k]
+    send_counts: torch.Tensor  #: [num_ranks]
+
+
+def normal_route(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_ranks: int,
+                 num_local_experts: int) -> NormalRoute:
+    t = topk_idx.shape[0]
+    idx = topk_idx.long()
+    dest = torch.where(idx >= 0, idx // num_local_experts, torch.full_like(idx, -1))
+    in_rank = torch.stack([(dest == r).any(dim=1) for r in range(num_ranks)]) if t else torch.zeros(
+        num_ranks, 0, dtype=torch.bool)  # [W, T]
+    dest_ids, token_ids = torch.nonzero(in_rank, as_tuple=True)  # row-major: destination, then token
+    local = idx[token_ids] - (dest_ids * num_local_experts).unsqueeze(1)
+    mine = dest[token_ids] == dest_ids.unsqueeze(1)
+    local_idx = torch.where(mine, local, torch.full_like(local, -1))
+    return NormalRoute(token_ids, local_idx, topk_weights[token_ids], in_rank.sum(dim=1))
+
+
+def expert_major_perm(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Rows arrive as (source, local expert); this index reorders them to (local expert, source)."""
+    w, l = recv_counts.shape
+    starts = (torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)).view(w, l)
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_counts[s, e]))
+              for e in range(l) for s in range(w)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def to_masked(rows: torch.Tensor, counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    """Expert-major rows into ``[num_local_experts, capacity, H]``, zero beyond each expert's count."""
+    cap = int(counts.max()) if capacity is None and counts.numel() else (capacity or 0)
+    if counts.numel() and int(counts.max()) > cap:
+        raise ValueError(f"an expert received {int(counts.max())} rows, more than the masked capacity {cap}")
+    out = rows.new_zeros((counts.shape[0], cap, rows.shape[1]))
+    offset = 0
+    for e, n in enumerate(counts.tolist()):
+        out[e, :n] = rows[offset : offset + n]
+        offset += n
+    return out
+
+
+def from_masked(masked: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The valid rows of a masked tensor, expert-major: the inverse of `to_masked`."""
+    return torch.cat([masked[e, :n] for e, n in enumerate(counts.tolist())]) if counts.numel() else masked[:0, 0]
+
+
+def weighted_sum(rows: torch.Tensor, pair_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k w[t, k] * y[t, k]``, summed in slot order, in float32, cast back to the rows' dtype."""
+    t, k = topk_weights.shape
+    y = rows.new_zeros((t * k, rows.shape[1]))
+    y[pair_ids] = rows
+    y = y.view(t, k, rows.shape[1]).float()
+    w = topk_weights.float()
+    out = y[:, 0] * w[:, 0:1]
+    for slot in range(1, k):
+        out = out + y[:, slot] * w[:, slot : slot + 1]
+    return out.to(rows.dtype)

@@ -1,0 +1,174 @@
+"""Expert-parallel backends over real gloo processes, against the local reference."""
+
+import time
+
+import pytest
+import torch
+
+from tbo import CommTimeoutError
+from tbo.comm import DispatchFormat, LocalBackend, TorchDistributedBackend, run_experts
+from tbo.launch import RankError, launch
+from tbo.testing.moe import SwiGLUExperts, dense_moe_reference, make_routing
+
+HIDDEN, INTER = 16, 24
+TOKENS = {2: [9, 0], 4: [5, 0, 11, 3]}  # one rank has no tokens
+
+
+def global_batch(world, top_k, num_experts, seed):
+    counts = TOKENS[world]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), HIDDEN, generator=g)
+    idx, w = make_routing(sum(counts), num_experts, top_k, seed=seed, skew=2.0, drop=0.1)
+    return counts, x, idx, w
+
+
+def moe(backend, x, idx, w, experts_fn):
+    d = backend.dispatch_b(backend.dispatch_a(x, idx, w))
+    return backend.combine_b(backend.combine_a(run_experts(d, experts_fn), d.handle))
+
+
+def reference(world, top_k, fmt, seed, num_experts):
+    counts, x, idx, w = global_batch(world, top_k, num_experts, seed)
+    experts = SwiGLUExperts.build(num_experts, HIDDEN, INTER, seed=seed)
+    return moe(LocalBackend(num_experts, fmt), x, idx, w, experts.local(0, num_experts))
+
+
+def _equivalence(rank, world, cases):
+    results = []
+    for top_k, fmt, seed, num_experts in cases:
+        counts, x, idx, w = global_batch(world, top_k, num_experts, seed)
+        lo = sum(counts[:rank])
+        sl = slice(lo, lo + counts[rank])
+        experts = SwiGLUExperts.build(num_experts, HIDDEN, INTER, seed=seed)
+        backend = TorchDistributedBackend(num_experts, fmt, timeout_s=30)
+        out = moe(backend, x[sl], idx[sl], w[sl], experts.local(rank, backend.num_local_experts))
+        results.append(out)
+    return results
+
+
+CASES = [(k, f, 10 * k + i, 8) for k in (2, 4) for i, f in enumerate(DispatchFormat)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_equals_local(world):
+    per_rank = launch(_equivalence, world, CASES, timeout_s=180)
+    for c, (top_k, fmt, seed, num_experts) in enumerate(CASES):
+        got = torch.cat([per_rank[r][c] for r in range(world)])
+        want = reference(world, top_k, fmt, seed, num_experts)
+        assert got.shape == want.shape
+        if fmt is DispatchFormat.NORMAL:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want), f"{fmt.name} top-{top_k} on {world} ranks is not bit-identical"
+
+
+@pytest.mark.parametrize("fmt", list(DispatchFormat))
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_local_backend_matches_dense_formula(fmt, top_k):
+    experts = SwiGLUExperts.build(8, HIDDEN, INTER, seed=3)
+    x = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(1))
+    idx, w = make_routing(13, 8, top_k, seed=top_k, drop=0.15)
+    got = moe(LocalBackend(8, fmt), x, idx, w, experts.local(0, 8))
+    torch.testing.assert_close(got, dense_moe_reference(x, idx, w, experts), rtol=1e-5, atol=1e-5)
+
+
+def test_masked_capacity_is_enforced():
+    b = LocalBackend(4, DispatchFormat.MASKED, masked_capacity=2)
+    x = torch.randn(6, HIDDEN)
+    idx = torch.zeros(6, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="more than the masked capacity 2"):
+        b.dispatch_b(b.dispatch_a(x, idx, torch.ones(6, 1)))
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [((torch.zeros(4), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2)), "hidden must be"),
+     ((torch.zeros(4, 8), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2)), r"topk_idx must be \[4"),
+     ((torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 3)), "topk_weights shape"),
+     ((torch.zeros(4, 8), torch.zeros(4, 2), torch.zeros(4, 2)), "integer tensor"),
+     ((torch.zeros(4, 8), torch.full((4, 2), 8, dtype=torch.long), torch.zeros(4, 2)), r"\[-1, 8\)")],
+)
+def test_bad_routing_inputs(args, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LocalBackend(8).dispatch_a(*args)
+
+
+def test_bad_expert_output_shape():
+    b = LocalBackend(4)
+    x = torch.randn(3, HIDDEN)
+    d = b.dispatch_b(b.dispatch_a(x, torch.tensor([[0], [1], [2]]), torch.ones(3, 1)))
+    with pytest.raises(ValueError, match=r"expert output must be \[3, H\]"):
+        b.combine_a(torch.zeros(2, HIDDEN), d.handle)
+    with pytest.raises(ValueError, match="multiple of num_ranks"):
+        LocalBackend(0)
+
+
+def _two_in_flight(rank, world):
+    """Microbatch A and B both have dispatches in flight; the TBO interleaving; compare with one at a time."""
+    num_experts, top_k = 8, 2
+    experts = SwiGLUExperts.build(num_experts, HIDDEN, INTER, seed=5)
+    backend = TorchDistributedBackend(num_experts, DispatchFormat.EXPANDED, timeout_s=30)
+    fn = experts.local(rank, backend.num_local_experts)
+    g = torch.Generator().manual_seed(100 + rank)
+    xs = [torch.randn(n, HIDDEN, generator=g) for n in (4 + rank, 3)]
+    routes = [make_routing(x.shape[0], num_experts, top_k, seed=rank * 10 + i) for i, x in enumerate(xs)]
+    alone = [moe(backend, x, *r, fn) for x, r in zip(xs, routes)]
+    da = backend.dispatch_a(xs[0], *routes[0])
+    db = backend.dispatch_a(xs[1], *routes[1])
+    oa = backend.dispatch_b(da)
+    ca = backend.combine_a(run_experts(oa, fn), oa.handle)
+    ob = backend.dispatch_b(db)
+    cb = backend.combine_a(run_experts(ob, fn), ob.handle)
+    overlapped = [backend.combine_b(ca), backend.combine_b(cb)]
+    return all(torch.equal(a, b) for a, b in zip(alone, overlapped)), len(backend.transport.in_flight)
+
+
+@pytest.mark.dist
+def test_two_microbatches_in_flight_over_gloo():
+    assert launch(_two_in_flight, 2) == [(True, 0), (True, 0)]
+
+
+def _skip_collective(rank, world, timeout_s):
+    backend = TorchDistributedBackend(4, timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(timeout_s + 3)  # alive, but busy elsewhere: it never joins the collective
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        backend.dispatch_a(torch.randn(2, HIDDEN), torch.tensor([[0], [3]]), torch.ones(2, 1))
+    except CommTimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error"
+
+
+@pytest.mark.dist
+def test_timeout_instead_of_hang():
+    r0, r1 = launch(_skip_collective, 2, 2.0, timeout_s=60)
+    assert r1 == "skipped"
+    message, elapsed = r0
+    assert "rank 0" in message and "dispatch_a" in message and "timed out after 2s" in message
+    assert elapsed < 20  # the deadline, with a wide margin for a loaded machine; never a hang
+
+
+def _peer_dies(rank, world):
+    import os
+
+    backend = TorchDistributedBackend(4, timeout_s=20)
+    if rank == 1:
+        os._exit(0)  # the process dies without a word
+    t0 = time.monotonic()
+    try:
+        backend.dispatch_a(torch.randn(2, HIDDEN), torch.tensor([[0], [3]]), torch.ones(2, 1))
+    except CommTimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", 0.0
+
+
+@pytest.mark.dist
+def test_peer_death_raises_comm_timeout_error():
+    with pytest.raises(RankError, match="rank 1 exited") as info:
+        launch(_peer_dies, 2, timeout_s=60, failure_grace_s=30)
+    message, elapsed = info.value.results[0]
+    assert "rank 0: dispatch_a" in message and ("peer is gone" in message or "timed out" in message)
+    assert elapsed < 20
