@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from ._optional import try_import
+from ._optional import require, try_import
 
-__all__ = ["deep_gemm_num_sms", "save_restore"]
+__all__ = ["deep_gemm_num_sms", "deep_ep_num_sms", "save_restore"]
 
 log = logging.getLogger(__name__)
 
@@ -40,4 +40,19 @@ def deep_gemm_num_sms(num_sms: int | None) -> Iterator[None]:
         yield
         return
     with save_restore(deep_gemm.get_num_sms, deep_gemm.set_num_sms, num_sms):
+        yield
+
+
+@contextmanager
+def deep_ep_num_sms(num_sms: int | None, buffer_cls: Any = None) -> Iterator[None]:
+    """Give DeepEP's high-throughput kernels ``num_sms`` SMs inside the scope (DeepEP requires an even count).
+
+    ``buffer_cls`` defaults to ``deep_ep.Buffer`` (imported here, so this needs deep_ep unless one is passed).
+    """
+    if num_sms is None:
+        yield
+        return
+    if buffer_cls is None:
+        buffer_cls = require("deep_ep", "deep_ep_num_sms").Buffer
+    with save_restore(lambda: buffer_cls.num_sms, buffer_cls.set_num_sms, num_sms):
         yield

@@ -6,11 +6,13 @@ with that expert's rows, in arrival order, so every backend feeds every expert t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 
 from .._optional import require
+from .fp8 import dequantize_per_token_group
 from .types import DispatchFormat, DispatchOutput
 
 __all__ = ["ExpertFn", "run_experts", "resolve_deep_gemm", "DEEP_GEMM_NAMES"]
@@ -53,8 +55,9 @@ def run_experts(dispatched: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
     NORMAL output is already weighted by ``topk_weights`` (DeepEP normal combine only adds); EXPANDED and MASKED
     outputs are not (their combine applies the weights).
     """
-    if dispatched.scales is not None:
-        raise ValueError("run_experts got FP8 rows with scales; dequantise them or use a DeepGEMM runner")
+    if dispatched.scales is not None:  # FP8 rows: the plain-torch runner computes in float32
+        dispatched = replace(dispatched, hidden=dequantize_per_token_group(dispatched.hidden, dispatched.scales),
+                             scales=None)
     counts = dispatched.tokens_per_expert.tolist()
     if dispatched.format is DispatchFormat.EXPANDED:
         return _run_grouped(dispatched.hidden, counts, fn)

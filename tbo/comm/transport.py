@@ -15,6 +15,9 @@ from .wait import DEFAULT_TIMEOUT_S, wait_work
 
 __all__ = ["Transport", "LocalTransport", "TorchDistributedTransport", "Pending"]
 
+_BYTE_ONLY = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+              if hasattr(torch, n)}
+
 
 @dataclass(eq=False)
 class Pending:
@@ -99,7 +102,10 @@ class TorchDistributedTransport(Transport):
         import torch.distributed as dist
 
         out = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
-        work = dist.all_to_all_single(out, send.contiguous(), output_split_sizes=list(recv_splits),
+        wire_out, wire_send = out, send.contiguous()
+        if send.dtype in _BYTE_ONLY:  # gloo has no float8 types: move the bytes
+            wire_out, wire_send = out.view(torch.uint8), wire_send.view(torch.uint8)
+        work = dist.all_to_all_single(wire_out, wire_send, output_split_sizes=list(recv_splits),
                                       input_split_sizes=list(send_splits), group=self.group, async_op=True)
         pending = Pending(work, out, what)
         self._in_flight[id(pending)] = pending

@@ -16,6 +16,9 @@ __all__ = ["wait_work", "DEFAULT_TIMEOUT_S"]
 #: Default deadline for one distributed wait, in seconds.
 DEFAULT_TIMEOUT_S = 60.0
 
+#: How transports report a peer that went away (gloo, NCCL): such a wait can never complete.
+_PEER_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "remote process exited")
+
 
 def _rank_label() -> str:
     import torch.distributed as dist
@@ -31,8 +34,9 @@ def wait_work(work: Any, timeout_s: float, what: str) -> None:
         text = str(exc)
         if "timed out" in text.lower() or "timeout" in text.lower():
             raise CommTimeoutError(f"{_rank_label()}: {what} timed out after {timeout_s:g}s") from exc
-        # the transport gave up early, e.g. the peer process died and closed its connection
-        first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-        raise CommTimeoutError(f"{_rank_label()}: {what} could not complete, the peer is gone: {first_line}") from exc
+        if any(marker in text.lower() for marker in _PEER_LOST):  # the peer process died: the wait can never finish
+            first_line = text.strip().splitlines()[0]
+            raise CommTimeoutError(f"{_rank_label()}: {what} could not complete, the peer is gone: {first_line}") from exc
+        raise
     if completed is False:  # some backends report a missed deadline by returning False
         raise CommTimeoutError(f"{_rank_label()}: {what} timed out after {timeout_s:g}s")

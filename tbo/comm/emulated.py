@@ -1,0 +1,162 @@
+"""`EmulatedLink`: make dispatch and combine take the time a real interconnect would, without burning CPU.
+
+On a 2-core machine real loopback traffic competes with compute for the CPU, so it cannot show overlap. The link
+wraps any backend and gives each transfer a completion time of ``latency + bytes / bandwidth``: transfers share the
+bandwidth in FIFO order, and their latencies overlap. The ``_a`` call only books the transfer; the ``_b`` call
+sleeps until it completes. Compute done between ``_a`` and ``_b`` therefore really hides the transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .types import DispatchOutput
+
+__all__ = ["EmulatedLink", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer"]
+
+
+class LinkClock(Protocol):
+    def now(self) -> float: ...
+
+    def sleep_until(self, t: float) -> None: ...
+
+
+class WallClock:
+    """Real time; sleeping releases the CPU (and the GIL) to whatever else runs."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep_until(self, t: float) -> None:
+        delay = t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class SimulatedClock:
+    """A clock that only moves when told: exact, noise-free timelines for tests."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+    def sleep_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+@dataclass
+class Transfer:
+    """One emulated transfer: when it was launched, when it completes, and when its ``_b`` waited."""
+
+    kind: str
+    nbytes: int
+    launched: float
+    complete: float
+    wait_start: float | None = None
+    wait_end: float | None = None
+
+    @property
+    def exposed(self) -> float:
+        """Time the ``_b`` op blocked: the part of this transfer compute did not hide."""
+        return 0.0 if self.wait_start is None else self.wait_end - self.wait_start  # type: ignore[operator]
+
+    @property
+    def duration(self) -> float:
+        return self.complete - self.launched
+
+
+@dataclass
+class LinkStats:
+    """What the link carried since the last reset."""
+
+    transfers: list[Transfer] = field(default_factory=list)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(t.duration for t in self.transfers)
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(t.exposed for t in self.transfers)
+
+
+@dataclass
+class _InFlight:
+    inner: Any
+    transfer: Transfer
+
+
+class EmulatedLink:
+    """An `EPBackend` wrapper whose transfers take ``latency_s + nbytes / bandwidth`` of (wall or simulated) time."""
+
+    def __init__(self, inner: Any, latency_s: float, bandwidth_bytes_per_s: float,
+                 clock: LinkClock | None = None) -> None:
+        if latency_s < 0 or bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"latency_s must be >= 0 and bandwidth > 0, got {latency_s}, {bandwidth_bytes_per_s}")
+        self.inner = inner
+        self.latency_s = latency_s
+        self.bandwidth = bandwidth_bytes_per_s
+        self.clock: LinkClock = clock or WallClock()
+        self.stats = LinkStats()
+        self._free_at = float("-inf")  # when the link finishes the bytes already queued (FIFO)
+        self.rank, self.num_ranks = inner.rank, inner.num_ranks
+        self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
+
+    @classmethod
+    def from_spec(cls, inner: Any, spec: str, clock: LinkClock | None = None) -> "EmulatedLink":
+        """``"LATENCY_US,GBPS"``, e.g. ``"20,50"``: 20 us latency, 50 GB/s."""
+        try:
+            latency_us, gbps = (float(v) for v in spec.split(","))
+        except ValueError:
+            raise ValueError(f"link spec must be 'LATENCY_US,GBPS', got {spec!r}") from None
+        return cls(inner, latency_us * 1e-6, gbps * 1e9, clock)
+
+    def transfer_time(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+    def reset_stats(self) -> None:
+        self.stats = LinkStats()
+
+    def _book(self, kind: str, nbytes: int) -> Transfer:
+        now = self.clock.now()
+        start = max(now, self._free_at)
+        self._free_at = start + nbytes / self.bandwidth
+        transfer = Transfer(kind, nbytes, now, self._free_at + self.latency_s)
+        self.stats.transfers.append(transfer)
+        return transfer
+
+    def _wait(self, transfer: Transfer) -> None:
+        transfer.wait_start = self.clock.now()
+        self.clock.sleep_until(transfer.complete)
+        transfer.wait_end = max(self.clock.now(), transfer.wait_start)
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> _InFlight:
+        inner = self.inner.dispatch_a(hidden, topk_idx, topk_weights)
+        nbytes = getattr(inner, "nbytes", 0) or hidden.nbytes * topk_idx.shape[1]
+        return _InFlight(inner, self._book("dispatch", nbytes))
+
+    def dispatch_b(self, state: _InFlight) -> DispatchOutput:
+        self._wait(state.transfer)
+        return self.inner.dispatch_b(state.inner)
+
+    def combine_a(self, expert_out: torch.Tensor, handle: Any) -> _InFlight:
+        inner = self.inner.combine_a(expert_out, handle)
+        nbytes = getattr(inner, "nbytes", 0) or expert_out.nbytes
+        return _InFlight(inner, self._book("combine", nbytes))
+
+    def combine_b(self, state: _InFlight) -> torch.Tensor:
+        self._wait(state.transfer)
+        return self.inner.combine_b(state.inner)
+
+    def __repr__(self) -> str:
+        return (f"EmulatedLink({self.inner!r}, latency={self.latency_s * 1e6:g}us, "
+                f"bandwidth={self.bandwidth / 1e9:g}GB/s)")

@@ -1,0 +1,31 @@
+"""FP8 (e4m3) per-token-group quantisation, the activation format DeepEP and DeepGEMM exchange.
+
+Each token's hidden vector is cut into groups of 128 channels; each group is scaled so its largest magnitude maps to
+448, the largest finite e4m3 value. Plain torch, so it runs (slowly) on CPU for tests and on GPU as a fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8_MAX", "GROUP", "quantize_per_token_group", "dequantize_per_token_group"]
+
+FP8_MAX = 448.0
+GROUP = 128
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[..., H]`` to ``(q[..., H] float8_e4m3fn, scales[..., H // group] float32)``."""
+    if x.shape[-1] % group:
+        raise ValueError(f"hidden size {x.shape[-1]} is not a multiple of the FP8 group size {group}")
+    g = x.float().unflatten(-1, (x.shape[-1] // group, group))
+    scales = g.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    q = (g / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+    return q, scales
+
+
+def dequantize_per_token_group(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+                               ) -> torch.Tensor:
+    group = q.shape[-1] // scales.shape[-1]
+    g = q.float().unflatten(-1, (scales.shape[-1], group)) * scales.float().unsqueeze(-1)
+    return g.flatten(-2).to(dtype)
