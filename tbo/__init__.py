@@ -6,6 +6,7 @@ through it so that one microbatch's communication overlaps another's compute.
 
 from .errors import CommTimeoutError, HangError, OperationError, StrategyError
 from .executors import execute_operations, execute_overlapped_operations
+from .forward import model_forward_maybe_tbo
 from .observer import Observer
 from .operations import Operation, Yield, op_name
 from .schedule import Schedule, interleave
@@ -37,5 +38,6 @@ __all__ = [
     "execute_operations",
     "execute_overlapped_operations",
     "interleave",
+    "model_forward_maybe_tbo",
     "op_name",
 ]

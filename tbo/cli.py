@@ -15,11 +15,16 @@ __all__ = ["main", "load_strategy"]
 
 
 def load_strategy(source: str) -> OperationsStrategy:
-    """A strategy from a JSON file path."""
+    """A strategy from a JSON file path, or a registered strategy's name."""
     path = Path(source)
-    if not path.is_file():
-        raise StrategyError(f"{source!r} is not a strategy JSON file")
-    return OperationsStrategy.model_validate_json(path.read_text())
+    if path.is_file():
+        return OperationsStrategy.model_validate_json(path.read_text())
+    from . import strategies
+
+    if source in strategies.names():
+        return strategies.get(source)
+    raise StrategyError(f"{source!r} is neither a strategy JSON file nor a registered strategy "
+                        f"({', '.join(strategies.names())})")
 
 
 def render_strategy(strategy: OperationsStrategy, delta: int | None, microbatches: int) -> str:
@@ -44,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tbo", description="Two-batch overlap: inspect strategies and schedules.")
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print a strategy's stages and its interleaved schedule")
-    show.add_argument("strategy", help="a strategy JSON file")
+    show.add_argument("strategy", help="a registered strategy name (e.g. deepseek_decode) or a strategy JSON file")
     show.add_argument("--delta", type=int, default=None, help="delta_stages (default: the strategy's own)")
     show.add_argument("--microbatches", type=int, default=2, help="number of microbatches (default 2)")
     show.set_defaults(func=_cmd_show)

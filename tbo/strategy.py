@@ -164,6 +164,10 @@ class OperationsStrategy(BaseModel):
         bound = [getattr(layer, f"op_{it}") if isinstance(it, str) else it for it in self.operations]
         return self._with_operations(bound)
 
+    def _with_name(self, name: str | None) -> "OperationsStrategy":
+        return type(self)(operations=self.operations, delta_stages=self.delta_stages,
+                          deep_gemm_num_sms=self.deep_gemm_num_sms, name=name)
+
     def _with_operations(self, operations: Sequence[Any]) -> "OperationsStrategy":
         # A fresh, validated instance: model_copy would carry over the cached stages of the original.
         return type(self)(

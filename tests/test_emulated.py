@@ -41,6 +41,8 @@ def test_fifo_bandwidth_and_overlapping_latency():
     link.dispatch_b(b)  # waiting for b out of order is fine
     link.dispatch_b(a)
     assert clock.now() == pytest.approx(5.0)
+    assert link.stats.comm_s == pytest.approx(5.0)  # busy [0, 5]: the overlap of a and b counted once
+    assert link.stats.exposed_s == pytest.approx(5.0)
     c = link.dispatch_a(x, idx, w)  # the link is idle again: starts now
     assert c.transfer.complete == pytest.approx(8.0)
 

@@ -1,0 +1,67 @@
+"""`ModelConfig`: the shape of the reference DeepSeek-V3-style (or Qwen3-MoE-style) decoder."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, model_validator
+
+__all__ = ["ModelConfig"]
+
+
+class ModelConfig(BaseModel):
+    """Sizes and switches of the reference model. Every rank building it from the same config gets the same weights.
+
+    ``batch_invariant`` computes every matmul row by row (and attention per query over exactly its visible keys), so
+    a token's result does not depend on which other tokens share its batch: the overlapped run then equals the
+    plain forward bit for bit. Off, it is faster and agrees within float rounding.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_heads: int = 4
+    head_dim: int = 16
+    num_layers: int = 4
+    first_k_dense: int = 1
+    dense_intermediate: int = 128
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 64
+    num_shared_experts: int = 1
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    seed: int = 0
+    dtype: str = "float32"
+    batch_invariant: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if not 0 <= self.first_k_dense <= self.num_layers:
+            raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, num_layers={self.num_layers}]")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
+            raise ValueError(f"dtype={self.dtype!r} is not a torch dtype name")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def deepseek_v3_tiny(cls, **overrides: object) -> "ModelConfig":
+        """DeepSeek-V3-shaped: dense first layer, shared expert, sigmoid scoring with normalised top-k."""
+        return cls(**{"scoring": "sigmoid", "num_shared_experts": 1, "first_k_dense": 1, **overrides})
+
+    @classmethod
+    def qwen3_moe_tiny(cls, **overrides: object) -> "ModelConfig":
+        """Qwen3-MoE-shaped: every layer MoE, no shared expert, softmax scoring with normalised top-k."""
+        return cls(**{"scoring": "softmax", "num_shared_experts": 0, "first_k_dense": 0, **overrides})

@@ -1,0 +1,257 @@
+"""The reference decoder: DeepSeek-V3-style (dense first layers, shared experts) or Qwen3-MoE-style, in plain torch.
+
+Each layer exposes the ``op_*`` methods the built-in strategies name, and a plain `forward` that does not use ops;
+both call the same math helpers, so the op path equals `forward` bit for bit. Ops pass everything through the
+microbatch's State (keys listed in `STATE_FLOW`), so any op order that respects the data flow works; the only
+keyword input is ``hidden_states`` to ``comm_prepare_attn``, which ``comm_postprocess_layer`` returns.
+
+Per-step metadata is pinned in the State by the caller: ``attn`` (`AttentionMetadata`) and ``cache`` (`KVCache`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import strategies
+from ..comm.alltoall import LocalBackend
+from ..comm.experts import run_experts
+from ..forward import model_forward_maybe_tbo
+from ..split.plan import MicrobatchSlice, SplitPlan
+from ..state import State
+from ..strategy import OperationsStrategy
+from .cache import AttentionMetadata, KVCache
+from .config import ModelConfig
+from .functional import attend, linear, pointwise, rms_norm, rope, swiglu
+
+__all__ = ["DecoderLayer", "ReferenceModel", "STATE_FLOW"]
+
+#: Which op writes which State key, and which op consumes it: the data flow any strategy must respect.
+STATE_FLOW = {
+    "residual": ("comm_prepare_attn / comm_prepare_mlp", "comm_prepare_mlp / output"),
+    "attn_in": ("comm_prepare_attn", "attn_prepare"),
+    "qkv": ("attn_prepare", "attn_core"),
+    "attn_out": ("attn_core", "comm_prepare_mlp"),
+    "mlp_in": ("comm_prepare_mlp", "mlp / dispatch_a / shared_experts"),
+    "router_logits": ("gate", "select_experts"),
+    "topk": ("select_experts", "dispatch_a"),
+    "dispatch": ("dispatch_a", "dispatch_b"),
+    "dispatched": ("dispatch_b", "experts"),
+    "expert_out": ("experts", "combine_a"),
+    "combine": ("combine_a", "combine_b"),
+    "routed_out": ("combine_b", "output"),
+    "shared_out": ("shared_experts", "output"),
+    "mlp_out": ("mlp", "output"),
+    "layer_out": ("output", "comm_postprocess_layer"),
+}
+
+
+def _init(g: torch.Generator, *shape: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+class DecoderLayer:
+    """One decoder layer. ``kind`` is ``"dense"`` (SwiGLU MLP) or ``"moe"`` (router, shared and routed experts)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: Any) -> None:
+        c, dt = config, config.torch_dtype
+        self.config, self.layer_idx, self.backend = c, layer_idx, backend
+        self.kind = "dense" if layer_idx < c.first_k_dense else "moe"
+        self.bi = c.batch_invariant
+        g = torch.Generator().manual_seed(c.seed * 1000 + layer_idx + 1)
+        h, qd = c.hidden_size, c.num_heads * c.head_dim
+        self.input_norm = 1 + _init(g, h, scale=0.1, dtype=dt)
+        self.post_attn_norm = 1 + _init(g, h, scale=0.1, dtype=dt)
+        self.wq, self.wk, self.wv = (_init(g, h, qd, scale=h**-0.5, dtype=dt) for _ in range(3))
+        self.wo = _init(g, qd, h, scale=qd**-0.5, dtype=dt)
+        if self.kind == "dense":
+            i = c.dense_intermediate
+            self.mlp_w = (_init(g, h, i, scale=h**-0.5, dtype=dt), _init(g, h, i, scale=h**-0.5, dtype=dt),
+                          _init(g, i, h, scale=i**-0.5, dtype=dt))
+            return
+        e, i = c.num_experts, c.moe_intermediate
+        self.w_router = _init(g, h, e, scale=h**-0.5, dtype=dt)
+        self.experts_w = (_init(g, e, h, i, scale=h**-0.5, dtype=dt), _init(g, e, h, i, scale=h**-0.5, dtype=dt),
+                          _init(g, e, i, h, scale=i**-0.5, dtype=dt))
+        si = i * c.num_shared_experts
+        self.shared_w = (_init(g, h, si, scale=h**-0.5, dtype=dt), _init(g, h, si, scale=h**-0.5, dtype=dt),
+                         _init(g, si, h, scale=si**-0.5, dtype=dt)) if si else None
+        if e % backend.num_ranks:
+            raise ValueError(f"num_experts={e} is not divisible by the backend's {backend.num_ranks} ranks")
+        base = backend.rank * backend.num_local_experts
+        wg, wu, wd = self.experts_w
+        self.local_expert = lambda le, x: swiglu(x, wg[base + le], wu[base + le], wd[base + le], self.bi)
+
+    def __repr__(self) -> str:
+        return f"DecoderLayer({self.layer_idx}, {self.kind})"
+
+    # ---- math shared by forward() and the ops -------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        c, t = self.config, x.shape[0]
+        pos = meta.positions()
+        if pos.shape[0] < t:  # padding rows: any position; their outputs are discarded
+            pos = torch.cat([pos, pos.new_zeros(t - pos.shape[0])])
+        shape = (t, c.num_heads, c.head_dim)
+        q = rope(linear(x, self.wq, self.bi).view(shape), pos, c.rope_theta, self.bi)
+        k = rope(linear(x, self.wk, self.bi).view(shape), pos, c.rope_theta, self.bi)
+        return q, k, linear(x, self.wv, self.bi).view(shape)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                   cache: KVCache) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        start = 0
+        for seq, n, prefix in zip(meta.seq_ids, meta.extend_lens, meta.prefix_lens):
+            if n:
+                ks, vs = cache.append(self.layer_idx, seq, k[start : start + n], v[start : start + n], prefix)
+                out[start : start + n] = attend(q[start : start + n], ks, vs, prefix, self.bi)
+            start += n
+        return linear(out.flatten(1), self.wo, self.bi)
+
+    def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        scores = logits.float().softmax(-1) if c.scoring == "softmax" else pointwise(torch.sigmoid, logits.float(),
+                                                                                      self.bi)
+        weights, idx = torch.topk(scores, c.top_k, dim=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return idx, weights * c.routed_scaling_factor
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, *self.shared_w, self.bi)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """The layer without ops: the reference the op path and every strategy must equal."""
+        c = self.config
+        residual = hidden
+        attn = self._attention(*self._qkv(rms_norm(hidden, self.input_norm, c.rms_eps), meta), meta, cache)
+        residual = residual + attn
+        x = rms_norm(residual, self.post_attn_norm, c.rms_eps)
+        if self.kind == "dense":
+            return residual + swiglu(x, *self.mlp_w, self.bi)
+        idx, weights = self._select(linear(x, self.w_router, self.bi))
+        dispatched = self.backend.dispatch_b(self.backend.dispatch_a(x, idx, weights))
+        out = run_experts(dispatched, self.local_expert)
+        routed = self.backend.combine_b(self.backend.combine_a(out, dispatched.handle))
+        mlp = routed + self._shared(x) if self.shared_w is not None else routed
+        return residual + mlp
+
+    # ---- ops ----------------------------------------------------------------------------------------------------
+    def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor) -> None:
+        state.residual = hidden_states
+        state.attn_in = rms_norm(hidden_states, self.input_norm, self.config.rms_eps)
+
+    def op_attn_prepare(self, state: State) -> None:
+        state.qkv = self._qkv(state.pop("attn_in"), state.attn)
+
+    def op_attn_core(self, state: State) -> None:
+        state.attn_out = self._attention(*state.pop("qkv"), state.attn, state.cache)
+
+    def op_comm_prepare_mlp(self, state: State) -> None:
+        residual = state.pop("residual") + state.pop("attn_out")
+        state.residual = residual
+        state.mlp_in = rms_norm(residual, self.post_attn_norm, self.config.rms_eps)
+
+    def op_mlp(self, state: State) -> None:
+        state.mlp_out = swiglu(state.pop("mlp_in"), *self.mlp_w, self.bi)
+
+    def op_gate(self, state: State) -> None:
+        state.router_logits = linear(state.mlp_in, self.w_router, self.bi)
+
+    def op_select_experts(self, state: State) -> None:
+        state.topk = self._select(state.pop("router_logits"))
+
+    def op_dispatch_a(self, state: State) -> None:
+        x = state.mlp_in if self.shared_w is not None else state.pop("mlp_in")
+        state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"))
+
+    def op_shared_experts(self, state: State) -> None:
+        if self.shared_w is not None:
+            state.shared_out = self._shared(state.pop("mlp_in"))
+
+    def op_dispatch_b(self, state: State) -> None:
+        state.dispatched = self.backend.dispatch_b(state.pop("dispatch"))
+
+    def op_experts(self, state: State) -> None:
+        dispatched = state.pop("dispatched")  # dropped here: DeepEP low-latency holds at most two results
+        state.expert_out = (run_experts(dispatched, self.local_expert), dispatched.handle)
+
+    def op_combine_a(self, state: State) -> None:
+        state.combine = self.backend.combine_a(*state.pop("expert_out"))
+
+    def op_combine_b(self, state: State) -> None:
+        state.routed_out = self.backend.combine_b(state.pop("combine"))
+
+    def op_output(self, state: State) -> None:
+        if self.kind == "dense":
+            mlp = state.pop("mlp_out")
+        else:
+            mlp = state.pop("routed_out")
+            if self.shared_w is not None:
+                mlp = mlp + state.pop("shared_out")
+        state.layer_out = state.pop("residual") + mlp
+
+    def op_comm_postprocess_layer(self, state: State) -> dict[str, torch.Tensor]:
+        out = state.pop("layer_out")
+        state.clear()  # every key a layer wrote was consumed: anything left is a leak
+        return {"hidden_states": out}
+
+
+class ReferenceModel:
+    """Embedding, decoder layers and LM head, with seeded weights; experts run through an `EPBackend`."""
+
+    def __init__(self, config: ModelConfig, backend: Any = None) -> None:
+        self.config = config
+        self.backend = backend if backend is not None else LocalBackend(config.num_experts)
+        g = torch.Generator().manual_seed(config.seed)
+        dt = config.torch_dtype
+        self.embedding = _init(g, config.vocab_size, config.hidden_size, scale=1.0, dtype=dt)
+        self.final_norm = 1 + _init(g, config.hidden_size, scale=0.1, dtype=dt)
+        self.lm_head = _init(g, config.hidden_size, config.vocab_size, scale=config.hidden_size**-0.5, dtype=dt)
+        self.layers = [DecoderLayer(config, i, self.backend) for i in range(config.num_layers)]
+        self._bound: dict[Any, OperationsStrategy] = {}
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding[input_ids]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(hidden, self.final_norm, self.config.rms_eps), self.lm_head,
+                      self.config.batch_invariant)
+
+    def bind(self, strategy: Any) -> OperationsStrategy:
+        """The whole stack's bound strategy (a name, a strategy, or per-kind strategies); cached per strategy."""
+        if isinstance(strategy, str):
+            strategy = strategies.get(strategy)
+        try:
+            return self._bound[strategy]
+        except (KeyError, TypeError):  # TypeError: an unhashable mapping or function, bound every time
+            bound = strategies.bind_layers(self.layers, strategy)
+            try:
+                self._bound[strategy] = bound
+            except TypeError:
+                pass
+            return bound
+
+    def forward_tbo(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, strategy: Any,
+                    plan: SplitPlan | None, **kwargs: Any) -> torch.Tensor:
+        """Logits of every token through the ops: overlapped over ``plan``, or as one batch when it is None."""
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
+        if plan is not None and plan.num_tokens != meta.num_tokens:
+            raise ValueError(f"the plan covers {plan.num_tokens} tokens but the batch has {meta.num_tokens}")
+
+        def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
+            return {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
+
+        out = model_forward_maybe_tbo(self.layers, {"hidden_states": self.embed(input_ids)}, self.bind(strategy),
+                                      plan, pinned=pinned, **kwargs)
+        return self.head(out["hidden_states"])
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """Logits of every token, layer by layer, without ops or overlap."""
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer.forward(hidden, meta, cache)
+        return self.head(hidden)

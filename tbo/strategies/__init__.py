@@ -1,0 +1,32 @@
+"""The strategy catalogue: DeepSeek and Qwen3-MoE decode/prefill, dense layers, and a registry for your own.
+
+    >>> import tbo.strategies as S
+    >>> S.names()
+    ['deepseek_decode', 'deepseek_prefill', 'qwen3_moe_decode', 'qwen3_moe_prefill']
+    >>> S.get("deepseek_decode").delta_stages
+    2
+"""
+
+from .deepseek import deepseek_decode, deepseek_prefill
+from .dense import DENSE_OPS, LayerStrategies, bind_layers, dense_like
+from .qwen3_moe import qwen3_moe_decode, qwen3_moe_prefill
+from .registry import get, names, register, unregister
+
+for _factory in (deepseek_decode, deepseek_prefill, qwen3_moe_decode, qwen3_moe_prefill):
+    register(_factory.__name__, _factory)
+del _factory
+
+__all__ = [
+    "DENSE_OPS",
+    "LayerStrategies",
+    "bind_layers",
+    "deepseek_decode",
+    "deepseek_prefill",
+    "dense_like",
+    "get",
+    "names",
+    "qwen3_moe_decode",
+    "qwen3_moe_prefill",
+    "register",
+    "unregister",
+]

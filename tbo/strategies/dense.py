@@ -1,0 +1,58 @@
+"""Strategies for dense layers and for whole models whose layers differ.
+
+A dense layer has no communication to hide, but it can still run inside the overlapped region: its ops form one
+stage, so the two microbatches simply take turns. (SGLang refuses dense layers in TBO; we do not need to.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence, Union
+
+from ..errors import StrategyError
+from ..strategy import OperationsStrategy
+
+__all__ = ["DENSE_OPS", "dense_like", "bind_layers", "LayerStrategies"]
+
+DENSE_OPS = ("comm_prepare_attn", "attn_prepare", "attn_core", "comm_prepare_mlp", "mlp", "output",
+             "comm_postprocess_layer")
+
+#: One strategy for every layer, one per layer ``kind`` (e.g. ``{"dense": ..., "moe": ...}``), or a function.
+LayerStrategies = Union[OperationsStrategy, Mapping[str, OperationsStrategy], Callable[[Any], OperationsStrategy]]
+
+
+def dense_like(strategy: OperationsStrategy) -> OperationsStrategy:
+    """The dense-layer strategy that can be joined with ``strategy``: same delta and SM budget, one stage."""
+    return OperationsStrategy(operations=DENSE_OPS, delta_stages=0, deep_gemm_num_sms=strategy.deep_gemm_num_sms,
+                              name=f"dense_for_{strategy.name or 'strategy'}")
+
+
+def _for_layer(strategies: LayerStrategies, layer: Any) -> OperationsStrategy:
+    kind = getattr(layer, "kind", "moe")
+    if isinstance(strategies, OperationsStrategy):
+        return dense_like(strategies) if kind == "dense" else strategies
+    if isinstance(strategies, Mapping):
+        if kind in strategies:
+            return strategies[kind]
+        if kind == "dense" and "moe" in strategies:
+            return dense_like(strategies["moe"])
+        raise StrategyError(f"no strategy for layer kind {kind!r} ({layer!r}); have {sorted(strategies)}")
+    return strategies(layer)
+
+
+def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | None = None) -> OperationsStrategy:
+    """Bind each layer's strategy to it and join them into the one list the executor runs.
+
+    The joined strategy takes the largest ``delta_stages`` among the layers (a dense layer's single stage accepts
+    any lead) and requires their SM budgets to agree.
+    """
+    if not layers:
+        raise StrategyError("bind_layers needs at least one layer")
+    per_layer = [_for_layer(strategies, layer) for layer in layers]
+    delta = max(s.delta_stages for s in per_layer)
+    budgets = {s.deep_gemm_num_sms for s in per_layer}
+    if len(budgets) > 1:
+        raise StrategyError(f"layers disagree on deep_gemm_num_sms: {sorted(map(str, budgets))}")
+    bound = [s.bind(layer) for s, layer in zip(per_layer, layers)]
+    joined = [op for s in bound for op in s.operations]
+    return OperationsStrategy(operations=joined, delta_stages=delta, deep_gemm_num_sms=budgets.pop(),
+                              name=name or per_layer[-1].name)

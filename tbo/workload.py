@@ -1,0 +1,214 @@
+"""The reference workload: batches of the reference model, stepped single-batch and overlapped, timed and compared.
+
+The examples, `make demo` and the benchmarks all measure through here, so their figures mean the same thing:
+*single* is the unsplit step through the same ops, *TBO* the split, overlapped step, and *max diff* compares TBO
+against the plain `forward()` (no ops at all). Each rank has its own batch (data-parallel attention); experts are
+sharded across ranks and reached through the backend, optionally behind an `EmulatedLink`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .comm import DispatchFormat, LocalBackend, TorchDistributedBackend
+from .comm.emulated import EmulatedLink
+from .models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+from .schedule import interleave
+from .split import ForwardMode, SplitPolicy, agree_to_split
+from .strategy import OperationsStrategy
+
+__all__ = ["Case", "CaseResult", "run_case", "build_backend", "render_schedule", "example_main", "summarize"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload: which model, which mode, how big a batch, over which link."""
+
+    model: Literal["deepseek", "qwen3_moe"] = "deepseek"
+    mode: Literal["decode", "prefill"] = "decode"
+    num_seqs: int = 16  #: sequences per rank
+    prompt_len: int = 24  #: prefill: mean prompt length; decode: context already cached
+    experts_per_rank: int = 4
+    hidden_size: int = 64
+    num_layers: int = 4
+    link: str | None = None  #: "LATENCY_US,GBPS" for an EmulatedLink, or None
+    repeats: int = 5
+    batch_invariant: bool = True
+    seed: int = 0
+    format: str = "expanded"
+
+    @property
+    def strategy_name(self) -> str:
+        return f"{self.model}_{self.mode}"
+
+
+@dataclass
+class CaseResult:
+    rank: int
+    tokens: int
+    split: bool
+    max_diff: float
+    single_ms: list[float] = field(default_factory=list)
+    tbo_ms: list[float] = field(default_factory=list)
+    comm_ms: float = 0.0
+    exposed_ms: float = 0.0
+
+    @property
+    def single(self) -> float:
+        return statistics.median(self.single_ms)
+
+    @property
+    def tbo(self) -> float:
+        return statistics.median(self.tbo_ms)
+
+
+def model_config(case: Case, world: int) -> ModelConfig:
+    make = ModelConfig.deepseek_v3_tiny if case.model == "deepseek" else ModelConfig.qwen3_moe_tiny
+    heads = max(1, case.hidden_size // 16)
+    return make(hidden_size=case.hidden_size, num_heads=heads, head_dim=case.hidden_size // heads,
+                num_layers=case.num_layers, num_experts=case.experts_per_rank * world,
+                moe_intermediate=case.hidden_size, dense_intermediate=2 * case.hidden_size,
+                batch_invariant=case.batch_invariant, seed=case.seed)
+
+
+def build_backend(num_experts: int, world: int, link: str | None, fmt: str = "expanded") -> Any:
+    """Local for one rank, torch.distributed for several; behind an EmulatedLink when ``link`` is given."""
+    f = DispatchFormat(fmt)
+    backend: Any = LocalBackend(num_experts, f) if world == 1 else TorchDistributedBackend(num_experts, f)
+    return EmulatedLink.from_spec(backend, link) if link else backend
+
+
+def _batch(case: Case, rank: int, vocab: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """Prompt lengths (varied, deterministic per rank) and token ids of one rank's batch."""
+    g = torch.Generator().manual_seed(case.seed * 7919 + rank)
+    lo, hi = max(1, case.prompt_len // 2), max(2, case.prompt_len * 3 // 2)
+    lens = torch.randint(lo, hi + 1, (case.num_seqs,), generator=g).tolist()
+    ids = torch.randint(0, vocab, (sum(lens),), generator=g)
+    return list(range(case.num_seqs)), lens, ids
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _max_over_ranks(world: int, value: float) -> float:
+    if world == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed(world: int, fn: Any) -> tuple[Any, float]:
+    _barrier(world)
+    t0 = time.perf_counter()
+    out = fn()
+    _barrier(world)
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def render_schedule(strategy: OperationsStrategy, layers: int = 1) -> str:
+    """The two-microbatch schedule of ``layers`` layers of ``strategy`` (the per-layer strategy, unbound)."""
+    joined = OperationsStrategy.concat([strategy] * layers)
+    labels = [", ".join(names) for names in joined.stage_names]
+    return interleave([joined.num_stages] * 2, joined.delta_stages).render(labels, width=60)
+
+
+def run_case(rank: int, world: int, case: Case) -> CaseResult:
+    """Run one case on this rank: warm up, then time single-batch and TBO steps; compare TBO with `forward()`."""
+    torch.manual_seed(case.seed)
+    config = model_config(case, world)
+    backend = build_backend(config.num_experts, world, case.link, case.format)
+    model = ReferenceModel(config, backend)
+    seq_ids, lens, prompt = _batch(case, rank, config.vocab_size)
+    cache = KVCache()
+    policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
+    if case.mode == "prefill":
+        meta = AttentionMetadata.build(seq_ids, lens, [0] * len(lens))
+        ids = prompt
+        plan = policy.plan(ForwardMode.EXTEND, meta.num_tokens, list(meta.extend_lens))
+    else:
+        model.forward(prompt, AttentionMetadata.build(seq_ids, lens, [0] * len(lens)), cache)  # fill the cache
+        meta = AttentionMetadata.build(seq_ids, [1] * len(lens), lens)
+        ids = torch.randint(0, config.vocab_size, (len(lens),), generator=torch.Generator().manual_seed(rank))
+        plan = policy.plan(ForwardMode.DECODE, meta.num_tokens)
+    if not agree_to_split(plan):
+        plan = None
+    strategy = case.strategy_name
+    reference = model.forward(ids, meta, cache.clone())
+    tbo_logits = model.forward_tbo(ids, meta, cache.clone(), strategy, plan)
+    diff = float((tbo_logits - reference).abs().max()) if reference.numel() else 0.0
+    result = CaseResult(rank, meta.num_tokens, plan is not None, _max_over_ranks(world, diff))
+    for i in range(case.repeats + 1):  # the first round warms up and is not kept
+        _, single = _timed(world, lambda: model.forward_tbo(ids, meta, cache.clone(), strategy, None))
+        if isinstance(backend, EmulatedLink):
+            backend.reset_stats()
+        _, tbo_ms = _timed(world, lambda: model.forward_tbo(ids, meta, cache.clone(), strategy, plan))
+        if i:
+            result.single_ms.append(single)
+            result.tbo_ms.append(tbo_ms)
+            if isinstance(backend, EmulatedLink):
+                result.comm_ms += backend.stats.comm_s * 1e3 / case.repeats
+                result.exposed_ms += backend.stats.exposed_s * 1e3 / case.repeats
+    return result
+
+
+def summarize(results: list[CaseResult]) -> dict[str, float]:
+    """One row for all ranks: total tokens, max diff, slowest-rank median step times, speedup, link figures."""
+    single = max(r.single for r in results)
+    tbo = max(r.tbo for r in results)
+    comm = max(r.comm_ms for r in results)
+    exposed = max(r.exposed_ms for r in results)
+    return {"tokens": sum(r.tokens for r in results), "max_diff": max(r.max_diff for r in results),
+            "single_ms": single, "tbo_ms": tbo, "speedup": single / tbo, "comm_ms": comm, "exposed_ms": exposed,
+            "split": all(r.split for r in results)}
+
+
+def example_main(model: str, mode: str, argv: list[str] | None = None, *, default_link: str | None = None) -> dict:
+    """The command line shared by the example scripts: build a Case, run it on N ranks, print what it shows."""
+    import argparse
+
+    from . import strategies
+    from .launch import launch, under_torchrun
+
+    parser = argparse.ArgumentParser(description=f"{model} {mode} through tbo: TBO vs single batch vs forward()")
+    parser.add_argument("--ranks", type=int, default=1, help="local gloo processes (ignored under torchrun)")
+    parser.add_argument("--link", default=default_link, help="emulated link 'LATENCY_US,GBPS', e.g. 50,0.005")
+    parser.add_argument("--seqs", type=int, default=32 if mode == "decode" else 6, help="sequences per rank")
+    parser.add_argument("--ctx", type=int, default=512 if mode == "decode" else 16,
+                        help="prompt length (prefill) or cached context (decode)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--experts-per-rank", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fast", action="store_true", help="batch-variant kernels: faster, equal within rounding")
+    args = parser.parse_args(argv)
+    case = Case(model=model, mode=mode, num_seqs=args.seqs, prompt_len=args.ctx, num_layers=args.layers,
+                hidden_size=args.hidden, experts_per_rank=args.experts_per_rank, link=args.link,
+                repeats=args.repeats, batch_invariant=not args.fast)
+    results = launch(run_case, args.ranks, case, timeout_s=600)
+    if under_torchrun() and results[0].rank != 0:
+        return {}
+    world = args.ranks if not under_torchrun() else int(__import__("os").environ["WORLD_SIZE"])
+    row = summarize(results)
+    strategy = strategies.get(case.strategy_name)
+    print(strategy.describe())
+    print(f"\nschedule, one layer, two microbatches:\n{render_schedule(strategy)}\n")
+    print(f"ranks: {world}, tokens on this host: {row['tokens']}, split: {'yes' if row['split'] else 'no'}, "
+          f"link: {case.link or 'none'}")
+    tolerance = "bit-exact expected" if case.batch_invariant else "tolerance 1e-4"
+    print(f"max diff: {row['max_diff']:.3g}  ({tolerance})")
+    print(f"single: {row['single_ms']:.1f} ms   TBO: {row['tbo_ms']:.1f} ms   speedup: {row['speedup']:.2f}x")
+    if case.link:
+        print(f"link: busy {row['comm_ms']:.1f} ms per TBO step, exposed (waited) {row['exposed_ms']:.1f} ms")
+    return row

@@ -1,0 +1,180 @@
+"""The reference model: op path == forward() == TBO for every strategy, decode and prefill, 1 and 2 ranks."""
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tbo.strategies as S
+from tbo import OperationsStrategy, StrategyError, Yield
+from tbo.comm import DispatchFormat, LocalBackend, TorchDistributedBackend
+from tbo.launch import launch
+from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+from tbo.split import ForwardMode, SplitPolicy
+
+POLICY = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
+MODELS = {"deepseek": ModelConfig.deepseek_v3_tiny, "qwen3_moe": ModelConfig.qwen3_moe_tiny}
+
+
+def step_inputs(lens, seed=0, vocab=256):
+    ids = torch.randint(0, vocab, (sum(lens),), generator=torch.Generator().manual_seed(seed))
+    return ids, AttentionMetadata.build(range(len(lens)), lens, [0] * len(lens))
+
+
+def prefill_then_decode(model, strategy_prefix, lens, seed=0, plan_fn=None):
+    """Prefill, then two decode steps; each step via forward(), the unsplit op path, and TBO (own caches)."""
+    caches = {k: KVCache() for k in ("forward", "ops", "tbo")}
+    results = []
+    ids, meta = step_inputs(lens, seed)
+    steps = [("prefill", ids, meta)]
+    ctx = list(lens)
+    for d in range(2):
+        dmeta = AttentionMetadata.build(range(len(lens)), [1] * len(lens), [c + d for c in ctx])
+        steps.append(("decode", torch.arange(len(lens)) + d, dmeta))
+    for mode, ids, meta in steps:
+        fm = ForwardMode.EXTEND if mode == "prefill" else ForwardMode.DECODE
+        plan = POLICY.plan(fm, meta.num_tokens, list(meta.extend_lens) if mode == "prefill" else None)
+        name = f"{strategy_prefix}_{mode}"
+        ref = model.forward(ids, meta, caches["forward"])
+        ops = model.forward_tbo(ids, meta, caches["ops"], name, None)
+        tbo = model.forward_tbo(ids, meta, caches["tbo"], name, plan)
+        results.append((mode, plan, ref, ops, tbo))
+    return results
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("lens", [[5, 9, 3], [17], [1, 1, 1, 1], [4, 0, 6, 2]])
+def test_ops_and_tbo_equal_forward_bit_exact(model_name, lens):
+    model = ReferenceModel(MODELS[model_name]())
+    for mode, plan, ref, ops, tbo in prefill_then_decode(model, model_name, lens):
+        assert torch.equal(ops, ref), f"{mode}: op path differs from forward()"
+        assert torch.equal(tbo, ref), f"{mode}: TBO differs from forward() (plan: {plan})"
+
+
+def test_two_chunk_prefill_splits_and_matches():
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny())
+    results = prefill_then_decode(model, "deepseek", [3, 30])
+    mode, plan, ref, _, tbo = results[0]
+    assert plan.two_chunk and plan.cut_extend_lens == (13, 17)
+    assert torch.equal(tbo, ref)
+
+
+def test_fast_mode_agrees_within_tolerance():
+    """batch_invariant=False: GEMM blocking depends on the batch size, so only float rounding may differ."""
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(batch_invariant=False))
+    for mode, plan, ref, ops, tbo in prefill_then_decode(model, "deepseek", [6, 11, 4]):
+        assert torch.equal(ops, ref)
+        torch.testing.assert_close(tbo, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", list(DispatchFormat))
+def test_formats_all_equal_forward(fmt):
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(), LocalBackend(8, fmt))
+    for mode, plan, ref, ops, tbo in prefill_then_decode(model, "deepseek", [4, 7]):
+        assert torch.equal(tbo, ref)
+
+
+def _two_ranks(rank, world, fmt):
+    config = ModelConfig.deepseek_v3_tiny(num_experts=8)
+    model = ReferenceModel(config, TorchDistributedBackend(8, DispatchFormat(fmt), timeout_s=30))
+    lens = [[5, 9, 3], [2, 7]][rank]
+    out = []
+    for mode, plan, ref, ops, tbo in prefill_then_decode(model, "deepseek", lens, seed=rank):
+        out.append((mode, torch.equal(ops, ref), torch.equal(tbo, ref), float((tbo - ref).abs().max())))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fmt", ["expanded", "normal"])
+def test_two_ranks_expert_parallel(fmt):
+    for rank_result in launch(_two_ranks, 2, fmt, timeout_s=120):
+        for mode, ops_equal, tbo_equal, diff in rank_result:
+            assert ops_equal and tbo_equal, f"{fmt} {mode}: max diff {diff}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(0, 12), min_size=1, max_size=5), seed=st.integers(0, 100),
+       model_name=st.sampled_from(list(MODELS)))
+def test_property_random_batches(lens, seed, model_name):
+    if sum(lens) == 0:
+        return
+    model = ReferenceModel(MODELS[model_name](num_layers=3))
+    for mode, plan, ref, ops, tbo in prefill_then_decode(model, model_name, lens, seed=seed):
+        assert torch.equal(tbo, ref)
+
+
+# ---- strategies ---------------------------------------------------------------------------------------------------
+def test_strategy_stage_structure():
+    def stages(name):
+        return [list(s) for s in S.get(name).stage_names]
+
+    assert stages("deepseek_decode") == [
+        ["comm_prepare_attn", "attn_prepare"],
+        ["attn_core", "comm_prepare_mlp", "gate", "select_experts"],
+        ["dispatch_a", "shared_experts"],
+        ["dispatch_b", "experts", "combine_a"],
+        ["combine_b"],
+        ["output", "comm_postprocess_layer"],
+    ]
+    assert S.get("deepseek_decode").delta_stages == 2
+    assert stages("deepseek_prefill") == [
+        ["comm_prepare_attn", "attn_prepare", "attn_core", "comm_prepare_mlp", "gate", "select_experts",
+         "dispatch_a"],
+        ["dispatch_b", "experts", "combine_a"],
+        ["shared_experts", "combine_b", "output", "comm_postprocess_layer"],
+    ]
+    assert S.get("deepseek_prefill").delta_stages == 0
+    assert S.get("deepseek_prefill").deep_gemm_num_sms is None  # no GPU here
+    for name in ("qwen3_moe_decode", "qwen3_moe_prefill"):
+        assert "shared_experts" not in [op for st_ in stages(name) for op in st_]
+    assert len(stages("qwen3_moe_decode")) == 6 and len(stages("qwen3_moe_prefill")) == 3
+
+
+def test_registry():
+    assert S.names() == ["deepseek_decode", "deepseek_prefill", "qwen3_moe_decode", "qwen3_moe_prefill"]
+    mine = OperationsStrategy(operations=["a", Yield, "b"], delta_stages=1)
+    S.register("mine", mine)
+    try:
+        assert S.get("mine").name == "mine" and "mine" in S.names()
+        with pytest.raises(StrategyError, match="already registered"):
+            S.register("mine", mine)
+        S.register("mine", lambda: mine, overwrite=True)
+        assert S.get("mine").stages == mine.stages
+    finally:
+        S.unregister("mine")
+    with pytest.raises(StrategyError, match="no strategy named 'nope'; registered: deepseek_decode"):
+        S.get("nope")
+
+
+def test_dense_layers_join_the_overlapped_region():
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(first_k_dense=2, num_layers=4))
+    bound = model.bind("deepseek_decode")
+    assert [layer.kind for layer in model.layers] == ["dense", "dense", "moe", "moe"]
+    assert bound.delta_stages == 2 and bound.is_bound
+    assert model.bind("deepseek_decode") is bound  # cached
+    names = [op for s in bound.stage_names for op in s]
+    assert names.count("mlp") == 2 and names.count("dispatch_a") == 2
+
+
+def test_bind_errors_name_the_layer_kind():
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny())
+    with pytest.raises(StrategyError, match="no strategy for layer kind 'dense'"):
+        S.bind_layers(model.layers, {"moe_only": S.get("deepseek_decode")})
+    with pytest.raises(StrategyError, match="missing methods"):
+        S.bind_layers(model.layers, OperationsStrategy(operations=["attn_core", "teleport"]))
+
+
+def test_forward_input_errors():
+    model = ReferenceModel(ModelConfig.qwen3_moe_tiny())
+    ids, meta = step_inputs([3, 4])
+    with pytest.raises(ValueError, match="input_ids has 6 tokens but the metadata describes 7"):
+        model.forward(ids[:6], meta, KVCache())
+    with pytest.raises(ValueError, match="the cache holds 0 tokens but this step expects a prefix of 5"):
+        model.forward(ids[:2], AttentionMetadata.build([0], [2], [5]), KVCache())
+    two_ranks = types.SimpleNamespace(rank=0, num_ranks=2, num_local_experts=4, num_experts=9)
+    with pytest.raises(ValueError, match="num_experts=9 is not divisible by the backend's 2 ranks"):
+        ReferenceModel(ModelConfig.qwen3_moe_tiny(num_experts=9), two_ranks)
+    with pytest.raises(ValueError, match="top_k=9 must be in"):
+        ModelConfig(top_k=9)
