@@ -45,6 +45,28 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate import CostModel, compare, recommend
+    from .trace import save_chrome_json, save_png, summary
+
+    layer = load_strategy(args.strategy)
+    strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
+    costs = CostModel.model_validate_json(Path(args.costs).read_text())
+    c = compare(strategy, costs, args.tokens)
+    single, tbo = summary(c.single.trace), summary(c.tbo.trace)
+    print(f"strategy {layer.name or args.strategy} x {args.layers} layers, {args.tokens} tokens")
+    print(f"single: {c.single.step_s * 1e3:.3f} ms  ({single})")
+    print(f"TBO:    {c.tbo.step_s * 1e3:.3f} ms  ({tbo})")
+    print(f"lower bound max(compute, comm): {c.lower_bound_s * 1e3:.3f} ms")
+    print(f"speedup: {c.speedup:.2f}x")
+    print(recommend(strategy, costs, args.tokens).reason)
+    if args.trace:
+        print(f"wrote {save_chrome_json(c.tbo.trace, args.trace)}")
+    if args.png:
+        print(f"wrote {save_png(c.tbo.trace, args.png)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tbo", description="Two-batch overlap: inspect strategies and schedules.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--delta", type=int, default=None, help="delta_stages (default: the strategy's own)")
     show.add_argument("--microbatches", type=int, default=2, help="number of microbatches (default 2)")
     show.set_defaults(func=_cmd_show)
+    sim = sub.add_parser("simulate", help="predict single-batch vs TBO step time from a cost model")
+    sim.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
+    sim.add_argument("--tokens", type=int, required=True, help="tokens in the step")
+    sim.add_argument("--costs", required=True, help="a CostModel JSON file (see tbo.simulate.CostModel)")
+    sim.add_argument("--layers", type=int, default=1, help="layers of the strategy to chain (default 1)")
+    sim.add_argument("--png", help="write the simulated TBO timeline as a PNG")
+    sim.add_argument("--trace", help="write the simulated TBO trace as Chrome/Perfetto JSON")
+    sim.set_defaults(func=_cmd_simulate)
     return parser
 
 

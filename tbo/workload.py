@@ -8,6 +8,7 @@ sharded across ranks and reached through the backend, optionally behind an `Emul
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,8 +22,10 @@ from .models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from .schedule import interleave
 from .split import ForwardMode, SplitPolicy, agree_to_split
 from .strategy import OperationsStrategy
+from .trace import Trace, Tracer, save_chrome_json, save_png, summary, traced
 
-__all__ = ["Case", "CaseResult", "run_case", "build_backend", "render_schedule", "example_main", "summarize"]
+__all__ = ["Case", "CaseResult", "run_case", "build_backend", "render_schedule", "example_main", "summarize",
+           "Batch", "TracedModel"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Case:
     batch_invariant: bool = True
     seed: int = 0
     format: str = "expanded"
+    trace: bool = False  #: record one traced TBO step after the timed ones
 
     @property
     def strategy_name(self) -> str:
@@ -57,6 +61,7 @@ class CaseResult:
     tbo_ms: list[float] = field(default_factory=list)
     comm_ms: float = 0.0
     exposed_ms: float = 0.0
+    trace: Trace | None = None
 
     @property
     def single(self) -> float:
@@ -129,7 +134,8 @@ def run_case(rank: int, world: int, case: Case) -> CaseResult:
     torch.manual_seed(case.seed)
     config = model_config(case, world)
     backend = build_backend(config.num_experts, world, case.link, case.format)
-    model = ReferenceModel(config, backend)
+    tracer = Tracer(label=f"{case.strategy_name}, rank {rank}") if case.trace else None
+    model = ReferenceModel(config, backend if tracer is None else traced(backend, tracer))
     seq_ids, lens, prompt = _batch(case, rank, config.vocab_size)
     cache = KVCache()
     policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
@@ -160,6 +166,11 @@ def run_case(rank: int, world: int, case: Case) -> CaseResult:
             if isinstance(backend, EmulatedLink):
                 result.comm_ms += backend.stats.comm_s * 1e3 / case.repeats
                 result.exposed_ms += backend.stats.exposed_s * 1e3 / case.repeats
+    if tracer is not None:
+        tracer.trace.spans.clear()
+        tracer.trace.tokens = [mb.tokens_len for mb in plan.microbatches] if plan else [meta.num_tokens]
+        _timed(world, lambda: model.forward_tbo(ids, meta, cache.clone(), strategy, plan, observer=tracer))
+        result.trace = tracer.finish()
     return result
 
 
@@ -192,10 +203,12 @@ def example_main(model: str, mode: str, argv: list[str] | None = None, *, defaul
     parser.add_argument("--experts-per-rank", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fast", action="store_true", help="batch-variant kernels: faster, equal within rounding")
+    parser.add_argument("--trace", metavar="OUT.json", help="trace one TBO step (rank 0) as Chrome/Perfetto JSON")
+    parser.add_argument("--png", metavar="OUT.png", help="plot one traced TBO step (rank 0) as a timeline")
     args = parser.parse_args(argv)
     case = Case(model=model, mode=mode, num_seqs=args.seqs, prompt_len=args.ctx, num_layers=args.layers,
                 hidden_size=args.hidden, experts_per_rank=args.experts_per_rank, link=args.link,
-                repeats=args.repeats, batch_invariant=not args.fast)
+                repeats=args.repeats, batch_invariant=not args.fast, trace=bool(args.trace or args.png))
     results = launch(run_case, args.ranks, case, timeout_s=600)
     if under_torchrun() and results[0].rank != 0:
         return {}
@@ -211,4 +224,76 @@ def example_main(model: str, mode: str, argv: list[str] | None = None, *, defaul
     print(f"single: {row['single_ms']:.1f} ms   TBO: {row['tbo_ms']:.1f} ms   speedup: {row['speedup']:.2f}x")
     if case.link:
         print(f"link: busy {row['comm_ms']:.1f} ms per TBO step, exposed (waited) {row['exposed_ms']:.1f} ms")
+    traced_step = results[0].trace
+    if traced_step is not None:
+        print(f"traced TBO step (rank 0): {summary(traced_step)}")
+        if args.trace:
+            print(f"wrote {save_chrome_json(traced_step, args.trace)} (open in ui.perfetto.dev)")
+        if args.png:
+            print(f"wrote {save_png(traced_step, args.png)}")
     return row
+
+
+@dataclass
+class Batch:
+    """One step's batch: token ids, attention metadata, the KV cache it starts from, and its split plan."""
+
+    ids: torch.Tensor
+    meta: AttentionMetadata
+    cache: KVCache
+    plan: Any
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+
+class TracedModel:
+    """The reference model in one process, experts local behind an `EmulatedLink`, every step traced.
+
+    What the overlap and simulator-accuracy benchmarks measure: with no second process, the only overlap is the one
+    TBO creates between the link and this process's compute.
+    """
+
+    def __init__(self, config: ModelConfig, latency_s: float, bandwidth: float) -> None:
+        self.config = config
+        self.tracer = Tracer()
+        self.link = EmulatedLink(LocalBackend(config.num_experts), latency_s, bandwidth)
+        self.model = ReferenceModel(config, traced(self.link, self.tracer))
+        self.policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
+
+    def batch(self, mode: str, num_seqs: int, ctx: int, seed: int = 0, spread: float = 0.5) -> Batch:
+        """``num_seqs`` sequences of about ``ctx`` tokens: prompts (prefill), or cached context (decode)."""
+        g = torch.Generator().manual_seed(seed)
+        lo, hi = max(1, int(ctx * (1 - spread))), max(1, int(ctx * (1 + spread)))
+        lens = torch.randint(lo, hi + 1, (num_seqs,), generator=g).tolist()
+        prompt = torch.randint(0, self.config.vocab_size, (sum(lens),), generator=g)
+        seqs = range(num_seqs)
+        if mode == "prefill":
+            meta = AttentionMetadata.build(seqs, lens, [0] * num_seqs)
+            return Batch(prompt, meta, KVCache(), self.policy.plan(ForwardMode.EXTEND, meta.num_tokens, lens))
+        cache = KVCache()
+        self.model.forward(prompt, AttentionMetadata.build(seqs, lens, [0] * num_seqs), cache)
+        meta = AttentionMetadata.build(seqs, [1] * num_seqs, lens)
+        ids = torch.arange(num_seqs) % self.config.vocab_size
+        return Batch(ids, meta, cache, self.policy.plan(ForwardMode.DECODE, meta.num_tokens))
+
+    def step(self, batch: Batch, strategy: str, split: bool) -> Trace:
+        """One traced step, single batch or overlapped, from a copy of the batch's cache.
+
+        The garbage collector is run before and paused during the step: a collection inside a step is a
+        millisecond-scale pause that belongs to neither mode.
+        """
+        plan = batch.plan if split else None
+        self.tracer.trace.spans.clear()
+        self.tracer.trace.tokens = [mb.tokens_len for mb in plan.microbatches] if plan else [batch.num_tokens]
+        cache = batch.cache.clone()
+        gc.collect()
+        gc.disable()
+        try:
+            self.model.forward_tbo(batch.ids, batch.meta, cache, strategy, plan, observer=self.tracer)
+        finally:
+            gc.enable()
+        trace = self.tracer.finish()
+        self.tracer.trace = Trace()
+        return trace

@@ -46,3 +46,27 @@ def test_console_script_module_entry(strategy_file):
     out = subprocess.run([sys.executable, "-m", "tbo", "show", str(strategy_file)], capture_output=True,
                          text=True, check=True).stdout
     assert "schedule:" in out
+
+
+def test_show_by_registered_name(capsys):
+    assert main(["show", "deepseek_decode"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy deepseek_decode: 6 stages, delta_stages=2" in out
+    assert main(["show", "no_such_strategy"]) == 2
+    assert "neither a strategy JSON file nor a registered strategy" in capsys.readouterr().err
+
+
+def test_simulate_command(tmp_path, capsys):
+    from tbo.simulate import Cost, CostModel, TransferCost
+
+    costs = CostModel(ops={"attn_core": Cost(per_token=1e-4), "experts": Cost(per_token=1e-4)},
+                      transfers={"dispatch": TransferCost(bytes_per_token=1e3), "combine": TransferCost(
+                          bytes_per_token=1e3)}, latency_s=1e-5, bandwidth=1e7)
+    path = tmp_path / "costs.json"
+    path.write_text(costs.model_dump_json())
+    png, trace = tmp_path / "sim.png", tmp_path / "sim.json"
+    assert main(["simulate", "deepseek_decode", "--tokens", "64", "--costs", str(path), "--layers", "3",
+                 "--png", str(png), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "single:" in out and "TBO:" in out and "speedup:" in out and "lower bound" in out
+    assert png.exists() and json.loads(trace.read_text())["traceEvents"]

@@ -1,0 +1,96 @@
+"""Does the simulator predict real runs? Fit costs from traced single-batch runs, predict a grid, compare.
+
+1. Trace single-batch and TBO steps of the reference model over an `EmulatedLink` (one process) at several batch
+   sizes per mode, and fit per-op cost tables from the single-batch traces (`fit_costs(kind="table")`: medians,
+   interpolated), and from the TBO traces how interleaving changes each op's cost (``overlap_scale``: the second
+   microbatch finds the weights the first just used warm).
+2. Predict, for a grid of batch sizes, the single-batch and TBO step times (`simulate`, with the split plan's real
+   microbatch sizes), and whether to split (`recommend`).
+3. Measure the same steps (medians of repeats) and compare.
+
+Every sequence has the same length (prompt or cached context), so the token count is the only variable: the cost
+model is a function of tokens, and attention cost also depends on context lengths, which this grid holds fixed.
+Measurements go round-robin over all sizes, alternating single and TBO steps, so that a slow spell of this shared
+machine spreads over every size instead of distorting one.
+
+Prints a row per grid point and, last, ``max ratio error: <fraction>`` (the worst |predicted TBO/single ÷ measured
+TBO/single − 1|) and ``decision accuracy: <fraction>``. Targets: <= 0.10 and >= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+
+from tbo.models import ModelConfig
+from tbo.simulate import fit_costs, recommend, simulate
+from tbo.trace import summary
+from tbo.workload import TracedModel
+
+#: (sequences, length) of the single-batch runs the costs are fitted from: they cover the microbatch sizes TBO makes
+#: of the grid (half of each), down to the 16-token chunks a one-sequence prefill is cut into.
+FIT = {"decode": [(n, 64) for n in (1, 2, 4, 8, 16, 32, 64, 128)],
+       "prefill": [(1, 8), (1, 16), (1, 24)] + [(n, 32) for n in (1, 2, 3, 4, 6, 8, 12)]}
+GRID = {"decode": [2, 4, 8, 16, 24, 32, 48, 64, 96, 128], "prefill": [1, 2, 3, 4, 6, 8, 10, 12]}
+CTX = {"decode": 64, "prefill": 32}
+
+
+def rounds(bench: TracedModel, batches: dict, strategy: str, repeats: int) -> dict:
+    """Round-robin over the batches, a single and a TBO step each per round; the traces, per batch and mode."""
+    out: dict = defaultdict(lambda: {False: [], True: []})
+    for n, batch in batches.items():  # warm up: the first steps of a new size pay for allocations
+        for split in (False, True, False, True):
+            bench.step(batch, strategy, split)
+    for _ in range(repeats):
+        for n, batch in batches.items():
+            for split in (False, True):
+                out[n][split].append(bench.step(batch, strategy, split))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--latency-us", type=float, default=20.0)
+    parser.add_argument("--gbps", type=float, default=0.05)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = ModelConfig.deepseek_v3_tiny(hidden_size=128, num_heads=4, head_dim=32, num_layers=4,
+                                          moe_intermediate=128, dense_intermediate=256, batch_invariant=False)
+    bench = TracedModel(config, args.latency_us * 1e-6, args.gbps * 1e9)
+    errors, right, rows = [], 0, []
+    for mode in ("decode", "prefill"):
+        strategy = f"deepseek_{mode}"
+        bound = bench.model.bind(strategy)
+        fit_batches = {(n, ctx): bench.batch(mode, n, ctx, seed=100 + n, spread=0.0) for n, ctx in FIT[mode]}
+        fit_traces = rounds(bench, fit_batches, strategy, args.repeats)
+        costs = fit_costs([t for n in fit_traces for split in (False, True) for t in fit_traces[n][split]],
+                          bench.link.latency_s, bench.link.bandwidth, kind="table")
+        grid_batches = {n: bench.batch(mode, n, CTX[mode], seed=n, spread=0.0) for n in GRID[mode]}
+        measured = rounds(bench, grid_batches, strategy, args.repeats)
+        for n, batch in grid_batches.items():
+            single, tbo = (statistics.median(summary(t).step_s for t in measured[n][split]) for split in (False, True))
+            p_single = simulate(bound, costs, [batch.num_tokens], 0).step_s
+            p_tbo = simulate(bound, costs, [mb.tokens_len for mb in batch.plan.microbatches]).step_s
+            error = abs((p_tbo / p_single) / (tbo / single) - 1)
+            decision = recommend(bound, costs, batch.num_tokens, mode).split
+            correct = decision == (tbo < single)
+            errors.append(error)
+            right += correct
+            rows.append(f"{mode:<8}{n:>5}{batch.num_tokens:>7}{single * 1e3:>10.2f}{tbo * 1e3:>9.2f}"
+                        f"{p_single * 1e3:>11.2f}{p_tbo * 1e3:>10.2f}{error:>9.3f}   {'split' if decision else 'no':<6}"
+                        f"{'ok' if correct else 'WRONG'}")
+    print(f"{'mode':<8}{'seqs':>5}{'tokens':>7}{'single ms':>10}{'TBO ms':>9}{'pred single':>11}{'pred TBO':>10}"
+          f"{'error':>9}   decision")
+    print("\n".join(rows))
+    print(f"link {args.latency_us:g} us + {args.gbps:g} GB/s; costs fitted from traces of "
+          f"(sequences, length) {FIT['decode']} (decode) and {FIT['prefill']} (prefill)")
+    print(f"max ratio error: {max(errors):.3f}")
+    print(f"decision accuracy: {right / len(errors):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Predict the overlap: replay a compiled schedule on a compute stream and a communication link, with modelled costs.
+
+Two streams gain from hiding communication and lose from fragmenting compute (two half-size GEMMs cost more than one
+full one: weights are read twice, small GEMMs run less efficiently). The simulator weighs both before anything runs:
+
+* ``X_a`` books transfer ``X`` on the link after earlier transfers (FIFO on bandwidth, latencies overlapping, as in
+  `EmulatedLink`) and never blocks compute;
+* ``X_b`` blocks compute until transfer ``X`` of its microbatch has arrived.
+
+It returns the same `Trace` type as real runs, so `summary`, the Perfetto and PNG exporters, `fit_costs` and the
+examples' printouts all apply. `recommend`, `find_threshold` and `tune` build on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .operations import Yield
+from .schedule import interleave
+from .strategy import OperationsStrategy
+from .trace import Span, Trace, summary
+
+__all__ = ["Cost", "TransferCost", "CostModel", "SimResult", "Comparison", "Recommendation", "simulate",
+           "compare", "recommend", "find_threshold", "tune", "fit_costs"]
+
+
+class Cost(BaseModel):
+    """Compute time of one op for a microbatch of ``t`` tokens, in seconds.
+
+    ``constant``: ``seconds``; ``linear``: ``seconds + per_token * t``; ``roofline``:
+    ``seconds + max(flops_per_token * t / peak_flops, (weight_bytes + bytes_per_token * t) / mem_bw)``, where the
+    weight bytes, read once per call, are what splitting a batch pays twice; ``table``: measured ``points``,
+    interpolated linearly between them and extrapolated along the nearest segment (small batches are not linear).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["constant", "linear", "roofline", "table"] = "linear"
+    seconds: float = 0.0
+    points: list[tuple[float, float]] = Field(default_factory=list)  #: table: (tokens, seconds), sorted by tokens
+    per_token: float = 0.0
+    flops_per_token: float = 0.0
+    weight_bytes: float = 0.0
+    bytes_per_token: float = 0.0
+    peak_flops: float = 1e12
+    mem_bw: float = 1e11
+
+    def __call__(self, tokens: int) -> float:
+        if self.kind == "constant":
+            return self.seconds
+        if self.kind == "linear":
+            return self.seconds + self.per_token * tokens
+        if self.kind == "table":
+            return max(_interpolate(self.points, tokens), 0.0)
+        return self.seconds + max(self.flops_per_token * tokens / self.peak_flops,
+                                  (self.weight_bytes + self.bytes_per_token * tokens) / self.mem_bw)
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    if not points:
+        return 0.0
+    if len(points) == 1:
+        return points[0][1]
+    i = 1
+    while i < len(points) - 1 and points[i][0] < x:
+        i += 1
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
+
+
+class TransferCost(BaseModel):
+    """Bytes one transfer of a microbatch of ``t`` tokens puts on the link: ``bytes_fixed + bytes_per_token * t``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bytes_per_token: float = 0.0
+    bytes_fixed: float = 0.0
+
+    def nbytes(self, tokens: int) -> float:
+        return self.bytes_fixed + self.bytes_per_token * tokens
+
+
+class CostModel(BaseModel):
+    """Per-op compute costs, per-transfer sizes, and the link. Serialises to the ``costs.json`` the CLI reads.
+
+    Ops named ``X_a`` launch transfer ``X`` and ``X_b`` wait for it; ``launches``/``waits`` add other names
+    (``{"afd_send": "afd"}``, ``{"afd_recv": "afd"}``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    ops: dict[str, Cost] = Field(default_factory=dict)
+    default: Cost = Field(default_factory=lambda: Cost(kind="constant"))
+    transfers: dict[str, TransferCost] = Field(default_factory=dict)
+    latency_s: float = 0.0
+    bandwidth: float = 1e12  #: bytes per second
+    launches: dict[str, str] = Field(default_factory=dict)
+    waits: dict[str, str] = Field(default_factory=dict)
+    #: cost multipliers of an op when microbatches overlap: (first microbatch, later ones). Interleaving changes
+    #: what is warm in caches: a later microbatch runs an op right after another ran it on the same weights.
+    overlap_scale: dict[str, tuple[float, float]] = Field(default_factory=dict)
+
+    def op(self, name: str, tokens: int, mb: int = 0, overlapped: bool = False) -> float:
+        cost = self.ops.get(name, self.default)(tokens)
+        if overlapped and name in self.overlap_scale:
+            cost *= self.overlap_scale[name][1 if mb else 0]
+        return cost
+
+    def role(self, name: str) -> tuple[str, str] | None:
+        """("launch" | "wait", transfer kind) for a communication op, None for compute."""
+        if name in self.launches:
+            return "launch", self.launches[name]
+        if name in self.waits:
+            return "wait", self.waits[name]
+        if name.endswith("_a"):
+            return "launch", name[:-2]
+        if name.endswith("_b"):
+            return "wait", name[:-2]
+        return None
+
+    def transfer(self, kind: str, tokens: int) -> tuple[float, float]:
+        """(bytes, link occupancy in seconds) of one transfer."""
+        nbytes = self.transfers[kind].nbytes(tokens) if kind in self.transfers else 0.0
+        return nbytes, nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class SimResult:
+    trace: Trace
+    step_s: float
+
+
+def simulate(strategy: OperationsStrategy, costs: CostModel, tokens: Sequence[int],
+             delta_stages: int | Sequence[int] | None = None) -> SimResult:
+    """Replay ``strategy`` for microbatches of ``tokens`` (one entry per microbatch) under ``costs``."""
+    names = strategy.stage_names
+    schedule = interleave([len(names)] * len(tokens), strategy.delta_stages if delta_stages is None else delta_stages)
+    trace = Trace(tokens=list(tokens), label=f"simulated {strategy.name or 'strategy'}")
+    t, link_free = 0.0, float("-inf")
+    in_flight: dict[tuple[int, str], deque[Span]] = defaultdict(deque)
+    for mb, stage in schedule.steps:
+        n = tokens[mb]
+        for name in names[stage]:
+            start = t
+            role = costs.role(name)
+            if role is not None and role[0] == "wait":
+                queue = in_flight[(mb, role[1])]
+                if not queue:
+                    raise ValueError(f"microbatch {mb}, stage {stage}: {name} waits for a {role[1]!r} transfer that "
+                                     "was never launched")
+                arrival = queue.popleft().end
+                if arrival > t:
+                    trace.spans.append(Span("wait", mb, stage, f"{role[1]}_wait", t, arrival))
+                    t = arrival
+            t += costs.op(name, n, mb, len(tokens) > 1)
+            trace.spans.append(Span("compute", mb, stage, name, start, t))
+            if role is not None and role[0] == "launch":
+                nbytes, occupancy = costs.transfer(role[1], n)
+                link_start = max(t, link_free)
+                link_free = link_start + occupancy
+                span = Span("comm", mb, stage, role[1], t, link_free + costs.latency_s, int(nbytes))
+                in_flight[(mb, role[1])].append(span)
+                trace.spans.append(span)
+    return SimResult(trace, summary(trace).step_s)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    single: SimResult
+    tbo: SimResult
+    lower_bound_s: float  #: max(total compute, total link time) of the overlapped run
+
+    @property
+    def speedup(self) -> float:
+        return self.single.step_s / self.tbo.step_s if self.tbo.step_s > 0 else 1.0
+
+
+def split_tokens(num_tokens: int, parts: int = 2) -> list[int]:
+    return [num_tokens * (i + 1) // parts - num_tokens * i // parts for i in range(parts)]
+
+
+def compare(strategy: OperationsStrategy, costs: CostModel, num_tokens: int, microbatches: int = 2) -> Comparison:
+    """Single batch vs ``microbatches`` overlapped microbatches of ``num_tokens`` in total."""
+    single = simulate(strategy, costs, [num_tokens], 0)
+    tbo = simulate(strategy, costs, split_tokens(num_tokens, microbatches))
+    transfers = tbo.trace.lane("comm")
+    occupancy = sum(costs.transfer(sp.name, tbo.trace.tokens[sp.mb])[1] for sp in transfers)
+    link = occupancy + costs.latency_s if transfers else 0.0
+    return Comparison(single, tbo, max(summary(tbo.trace).compute_s, link))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    split: bool
+    predicted_speedup: float
+    single_s: float
+    tbo_s: float
+    reason: str
+
+
+def recommend(strategy: OperationsStrategy, costs: CostModel, num_tokens: int, mode: str = "decode",
+              min_gain: float = 1.0) -> Recommendation:
+    """Split or not, the predicted speedup, and why (hidden communication vs fragmented compute)."""
+    if num_tokens < 2:
+        return Recommendation(False, 1.0, 0.0, 0.0, f"{num_tokens} token(s): nothing to split")
+    c = compare(strategy, costs, num_tokens)
+    single, tbo = summary(c.single.trace), summary(c.tbo.trace)
+    hidden = tbo.comm_s - tbo.exposed_s
+    extra_compute = tbo.compute_s - single.compute_s
+    split = c.speedup > min_gain
+    reason = (f"{mode}, {num_tokens} tokens: TBO hides {hidden * 1e3:.3f} ms of {tbo.comm_s * 1e3:.3f} ms "
+              f"communication and adds {extra_compute * 1e3:.3f} ms of compute (fragmentation); "
+              f"predicted {c.speedup:.2f}x -> {'split' if split else 'run unsplit'}")
+    return Recommendation(split, c.speedup, c.single.step_s, c.tbo.step_s, reason)
+
+
+def find_threshold(strategy: OperationsStrategy, costs: CostModel, mode: str = "decode", max_tokens: int = 1 << 16,
+                   min_gain: float = 1.0) -> int | None:
+    """The smallest token count from which TBO is predicted faster (assumed to stay so); None if never up to max."""
+    def pays(n: int) -> bool:
+        return recommend(strategy, costs, n, mode, min_gain).split
+
+    hi = 2
+    while hi <= max_tokens and not pays(hi):
+        hi *= 2
+    if hi > max_tokens:
+        return max_tokens if pays(max_tokens) else None
+    lo = hi // 2 + 1 if hi > 2 else 2
+    while lo < hi:  # first n in [lo, hi] that pays
+        mid = (lo + hi) // 2
+        if pays(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def _candidates(layer_ops: Sequence[str], costs: CostModel, max_yields: int) -> list[list[object]]:
+    n = len(layer_ops)
+    out = []
+    for k in range(0, min(max_yields, n - 1) + 1):
+        for cuts in itertools.combinations(range(1, n), k):
+            ops: list[object] = []
+            stage_of: dict[str, int] = {}
+            stage = 0
+            for i, name in enumerate(layer_ops):
+                if i in cuts:
+                    ops.append(Yield)
+                    stage += 1
+                ops.append(name)
+                stage_of[name] = stage
+            # a launch and its wait in one stage leave nothing to overlap: skip such placements
+            ok = all(not (r and r[0] == "wait" and stage_of.get(f"{r[1]}_a", -1) == stage_of[nm])
+                     for nm in layer_ops for r in [costs.role(nm)])
+            if ok:
+                out.append(ops)
+    return out
+
+
+def tune(layer_ops: Sequence[str], costs: CostModel, num_tokens: int, num_layers: int = 2,
+         max_yields: int | None = None, name: str = "tuned") -> OperationsStrategy:
+    """The Yield placement (same op order) and ``delta_stages`` with the lowest simulated TBO step time."""
+    best: tuple[float, OperationsStrategy] | None = None
+    tokens = split_tokens(num_tokens)
+    for ops in _candidates(layer_ops, costs, len(layer_ops) - 1 if max_yields is None else max_yields):
+        layer = OperationsStrategy(operations=ops)
+        joined = OperationsStrategy.concat([layer] * num_layers)
+        for delta in range(joined.num_stages):
+            step = simulate(joined, costs, tokens, delta).step_s
+            if best is None or step < best[0] - 1e-15:
+                best = (step, OperationsStrategy(operations=ops, delta_stages=min(delta, layer.num_stages - 1),
+                                                 name=name))
+    assert best is not None
+    return best[1]
+
+
+def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Intercept and slope of y = a + b x, both clipped at zero (costs are not negative).
+
+    Token counts too close together (less than 20% apart) cannot tell a slope from noise: the fit is then the mean,
+    which is right at those sizes and makes no claim about others.
+    """
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    if max(xs) - min(xs) <= 0.2 * max(max(xs), 1e-30):
+        return max(my, 0.0), 0.0
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth: float | None = None,
+              kind: Literal["linear", "table"] = "linear") -> CostModel:
+    """Per-op costs and per-transfer sizes fitted from real traces: ``linear`` (seconds + per_token * t) or
+    ``table`` (the measured medians, interpolated: better where small batches are not linear).
+
+    Single-batch traces give the costs. Overlapped traces, if any, give ``overlap_scale``: how much cheaper (or
+    dearer) an op runs in the first and in later microbatches when they interleave.
+
+    Traces at several token counts are needed for the slopes; an op's compute time excludes its ``_b`` wait. Each
+    op's repeated samples at one token count are reduced to their median before the fit, so a slow outlier (an
+    allocation, a noisy neighbour) cannot tilt the line. The link's latency and bandwidth are fitted from transfer
+    durations unless given.
+    """
+    samples: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    overlapped: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+    sizes: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    durations: list[tuple[float, float]] = []
+    for trace in traces:
+        wait_spans = trace.lane("wait")
+        for s in trace.lane("compute"):
+            waited = sum(w.duration for w in wait_spans if w.mb == s.mb and w.start >= s.start and w.end <= s.end)
+            sample = (trace.tokens[s.mb], s.duration - waited)
+            if len(trace.tokens) == 1:
+                samples[s.name].append(sample)
+            else:
+                overlapped[(s.name, min(s.mb, 1))].append(sample)
+        for s in trace.lane("comm"):
+            sizes[s.name].append((trace.tokens[s.mb], float(s.nbytes)))
+            durations.append((float(s.nbytes), s.duration))
+    ops = {}
+    for name, pts in samples.items():
+        by_tokens: dict[int, list[float]] = defaultdict(list)
+        for tokens, seconds in pts:
+            by_tokens[tokens].append(seconds)
+        xs = sorted(by_tokens)
+        ys = [statistics.median(by_tokens[x]) for x in xs]
+        if kind == "table":
+            ops[name] = Cost(kind="table", points=list(zip(map(float, xs), ys)))
+            continue
+        a, b = _least_squares(xs, ys)
+        ops[name] = Cost(kind="linear", seconds=a, per_token=b)
+    transfers = {}
+    for kind, pts in sizes.items():
+        a, b = _least_squares([p[0] for p in pts], [p[1] for p in pts])
+        transfers[kind] = TransferCost(bytes_fixed=a, bytes_per_token=b)
+    if (latency_s is None or bandwidth is None) and durations:
+        lat, per_byte = _least_squares([d[0] for d in durations], [d[1] for d in durations])
+        latency_s = lat if latency_s is None else latency_s
+        bandwidth = (1.0 / per_byte if per_byte > 0 else 1e12) if bandwidth is None else bandwidth
+    scale: dict[str, tuple[float, float]] = {}
+    for name in {name for name, _ in overlapped}:
+        base = ops.get(name)
+        if base is None:
+            continue
+        factors = []
+        for role in (0, 1):
+            ratios = [sec / base(tok) for tok, sec in overlapped.get((name, role), []) if base(tok) > 0]
+            factors.append(statistics.median(ratios) if ratios else 1.0)
+        scale[name] = (factors[0], factors[1])
+    return CostModel(ops=ops, transfers=transfers, latency_s=latency_s or 0.0, bandwidth=bandwidth or 1e12,
+                     overlap_scale=scale)

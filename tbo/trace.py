@@ -1,0 +1,273 @@
+"""See the overlap: a tracer for real runs, one trace type for real and simulated runs, metrics and exporters.
+
+A `Tracer` is an executor observer: it records every op's start and end with its microbatch and stage. Wrapping a
+backend with `traced` makes it report each transfer's launch (``_a``), its completion when known (an
+`EmulatedLink` knows it exactly), and the ``_b`` wait. The simulator produces the same `Trace`, so the same
+exporters (Perfetto JSON, PNG) and the same `summary` serve both.
+
+Times are seconds from ``perf_counter``; on a GPU, ``Tracer(cuda=True)`` times ops with CUDA events instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from .observer import Observer
+
+__all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_png"]
+
+
+@dataclass
+class Span:
+    """One interval on a lane. ``lane`` is "compute" (ops), "wait" (a ``_b`` op blocked) or "comm" (a transfer)."""
+
+    lane: str
+    mb: int
+    stage: int
+    name: str
+    start: float
+    end: float
+    nbytes: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Trace:
+    """A step's spans, and the token count of each microbatch (what cost models are fitted against)."""
+
+    spans: list[Span] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    label: str = ""
+
+    def lane(self, lane: str) -> list[Span]:
+        return [s for s in self.spans if s.lane == lane]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "tokens": self.tokens, "spans": [asdict(s) for s in self.spans]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Trace":
+        return cls([Span(**s) for s in data["spans"]], list(data.get("tokens", [])), data.get("label", ""))
+
+
+def _union(spans: Iterable[Span]) -> float:
+    total, end = 0.0, float("-inf")
+    for s in sorted(spans, key=lambda s: s.start):
+        start = max(s.start, end)
+        if s.end > start:
+            total += s.end - start
+        end = max(end, s.end)
+    return total
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """Step time, compute busy time, communication time, exposed communication, and the hidden fraction."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_s: float
+
+    @property
+    def hidden_fraction(self) -> float:
+        """1 - exposed / communication: how much of the transfers' time compute covered (1.0 with no transfers)."""
+        return 1.0 - self.exposed_s / self.comm_s if self.comm_s > 0 else 1.0
+
+    def __str__(self) -> str:
+        return (f"step {self.step_s * 1e3:.2f} ms, compute {self.compute_s * 1e3:.2f} ms, comm {self.comm_s * 1e3:.2f}"
+                f" ms, exposed {self.exposed_s * 1e3:.2f} ms, hidden {self.hidden_fraction:.0%}")
+
+
+def summary(trace: Trace) -> TraceSummary:
+    """The step's metrics. Compute busy time is op time minus the time ``_b`` ops spent waiting."""
+    spans = [s for s in trace.spans if s.lane in ("compute", "wait")]
+    if not spans and not trace.spans:
+        return TraceSummary(0.0, 0.0, 0.0, 0.0)
+    everything = trace.spans
+    step = max(s.end for s in everything) - min(s.start for s in everything)
+    waits = sum(s.duration for s in trace.lane("wait"))
+    compute = _union(trace.lane("compute")) - waits
+    return TraceSummary(step, compute, _union(trace.lane("comm")), waits)
+
+
+class Tracer(Observer):
+    """Records ops (from the executor) and transfers (from `traced` backends) into a `Trace`."""
+
+    def __init__(self, cuda: bool = False, label: str = "") -> None:
+        self.trace = Trace(label=label)
+        self.cuda = cuda
+        self._clock = time.perf_counter
+        self._open: dict[int, tuple[int, str, Any]] = {}
+        self._events: list[tuple[Span, Any, Any]] = []
+        self._current = (0, 0)
+        self._pending_comm: dict[int, Span] = {}
+
+    # ---- executor callbacks -------------------------------------------------------------------------------------
+    def on_op_start(self, mb: int, stage: int, name: str) -> None:
+        self._current = (mb, stage)
+        self._open[mb] = (stage, name, self._now_or_event())
+
+    def on_op_end(self, mb: int, stage: int, name: str) -> None:
+        stage, name, start = self._open.pop(mb)
+        span = Span("compute", mb, stage, name, 0.0, 0.0)
+        if self.cuda:
+            end = self._now_or_event()
+            self._events.append((span, start, end))
+        else:
+            span.start, span.end = start, self._clock()
+        self.trace.spans.append(span)
+
+    def _now_or_event(self) -> Any:
+        if not self.cuda:
+            return self._clock()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finish(self) -> Trace:
+        """Resolve CUDA event timings (a no-op on CPU) and return the trace."""
+        if self._events:
+            import torch
+
+            torch.cuda.synchronize()
+            first = self._events[0][1]
+            for span, start, end in self._events:
+                span.start = first.elapsed_time(start) / 1e3
+                span.end = first.elapsed_time(end) / 1e3
+            self._events.clear()
+        return self.trace
+
+    # ---- backend callbacks --------------------------------------------------------------------------------------
+    def on_comm_launch(self, key: int, kind: str, nbytes: int, complete: float | None) -> None:
+        mb, stage = self._current
+        t = self._clock()
+        span = Span("comm", mb, stage, kind, t, complete if complete is not None else t, nbytes)
+        self._pending_comm[key] = span
+        self.trace.spans.append(span)
+
+    def on_comm_wait(self, key: int, kind: str, start: float, end: float) -> None:
+        mb, stage = self._current
+        span = self._pending_comm.pop(key, None)
+        if span is not None and span.end <= span.start:  # completion unknown: it was done by the time the wait ended
+            span.end = max(span.start, end)
+        if end > start:
+            self.trace.spans.append(Span("wait", mb, stage, f"{kind}_wait", start, end))
+
+
+class _Traced:
+    """An `EPBackend` wrapper reporting launches and waits to a tracer."""
+
+    def __init__(self, inner: Any, tracer: Tracer) -> None:
+        self.inner, self.tracer = inner, tracer
+        self.rank, self.num_ranks = inner.rank, inner.num_ranks
+        self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
+
+    def _launch(self, kind: str, state: Any) -> Any:
+        transfer = getattr(state, "transfer", None)  # an EmulatedLink knows when its transfer completes
+        self.tracer.on_comm_launch(id(state), kind, getattr(transfer, "nbytes", getattr(state, "nbytes", 0)),
+                                   getattr(transfer, "complete", None))
+        return state
+
+    def _wait(self, kind: str, state: Any, fn: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(state)
+        transfer = getattr(state, "transfer", None)
+        if transfer is not None and transfer.wait_start is not None:  # the link knows exactly how long it blocked
+            self.tracer.on_comm_wait(id(state), kind, transfer.wait_start, transfer.wait_end)
+        else:
+            self.tracer.on_comm_wait(id(state), kind, start, time.perf_counter())
+        return out
+
+    def dispatch_a(self, hidden: Any, topk_idx: Any, topk_weights: Any) -> Any:
+        return self._launch("dispatch", self.inner.dispatch_a(hidden, topk_idx, topk_weights))
+
+    def dispatch_b(self, state: Any) -> Any:
+        return self._wait("dispatch", state, self.inner.dispatch_b)
+
+    def combine_a(self, expert_out: Any, handle: Any) -> Any:
+        return self._launch("combine", self.inner.combine_a(expert_out, handle))
+
+    def combine_b(self, state: Any) -> Any:
+        return self._wait("combine", state, self.inner.combine_b)
+
+
+def traced(backend: Any, tracer: Tracer) -> _Traced:
+    """Wrap an EP backend so that its transfers appear on the tracer's communication lane."""
+    return _Traced(backend, tracer)
+
+
+# ---- exporters ----------------------------------------------------------------------------------------------------
+_LANES = {"compute": 0, "wait": 0, "comm": 1}
+
+
+def to_chrome_json(trace: Trace) -> dict[str, Any]:
+    """Chrome / Perfetto trace events: per microbatch a compute track and a communication track."""
+    events: list[dict[str, Any]] = []
+    t0 = min((s.start for s in trace.spans), default=0.0)
+    mbs = sorted({s.mb for s in trace.spans})
+    for mb in mbs:
+        for lane, tid_off in (("compute", 0), ("comm", 1)):
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 2 * mb + tid_off,
+                           "args": {"name": f"microbatch {chr(65 + mb)} {lane}"}})
+    events.append({"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": trace.label or "tbo"}})
+    for s in trace.spans:
+        events.append({
+            "name": s.name, "cat": s.lane, "ph": "X", "pid": 0, "tid": 2 * s.mb + _LANES[s.lane],
+            "ts": (s.start - t0) * 1e6, "dur": max(s.duration, 0.0) * 1e6,
+            "args": {"microbatch": s.mb, "stage": s.stage, **({"bytes": s.nbytes} if s.nbytes else {})},
+        })
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tokens": trace.tokens}}
+
+
+def save_chrome_json(trace: Trace, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(to_chrome_json(trace)))
+    return path
+
+
+def save_png(trace: Trace, path: str | Path, title: str | None = None) -> Path:
+    """A timeline: both microbatches' ops on a compute lane above their transfers on a communication lane."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - the plot extra is missing
+        raise ImportError("save_png needs matplotlib: pip install 'tbo[plot]'") from exc
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
+    t0 = min((s.start for s in trace.spans), default=0.0)
+    fig, ax = plt.subplots(figsize=(14, 3.2))
+    rows = {"compute": 1.0, "comm": 0.0}
+    for s in trace.spans:
+        if s.lane == "wait":
+            ax.broken_barh([((s.start - t0) * 1e3, s.duration * 1e3)], (rows["compute"] - 0.4, 0.8),
+                           facecolors="none", edgecolors="red", hatch="///", linewidth=0.5)
+            continue
+        color = colors[s.mb % len(colors)]
+        y = rows[s.lane]
+        ax.broken_barh([((s.start - t0) * 1e3, max(s.duration, 1e-9) * 1e3)], (y - 0.4 + 0.05 * (s.lane == "comm")
+                       * s.mb, 0.8 - 0.1 * (s.lane == "comm")), facecolors=color, edgecolors="white",
+                       linewidth=0.3, alpha=0.9 if s.lane == "compute" else 0.6)
+    ax.set_yticks([0, 1], ["comm", "compute"])
+    ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[mb % len(colors)]) for mb in sorted({s.mb for s in
+                                                                                            trace.spans})]
+    ax.legend(handles + [plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="red", hatch="///")],
+              [f"microbatch {chr(65 + i)}" for i in range(len(handles))] + ["exposed wait"],
+              loc="upper right", fontsize=8, ncol=len(handles) + 1)
+    ax.set_title(title or trace.label or "tbo timeline")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

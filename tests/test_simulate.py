@@ -1,0 +1,143 @@
+"""The simulator on hand-computed timelines, the metrics, the exporters, fitting, recommending and tuning."""
+
+import json
+
+import pytest
+import torch
+
+from tbo import OperationsStrategy, Yield, execute_overlapped_operations
+from tbo.comm import LocalBackend
+from tbo.comm.emulated import EmulatedLink
+from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+from tbo.simulate import (Cost, CostModel, TransferCost, compare, find_threshold, fit_costs, recommend, simulate,
+                          tune)
+from tbo.trace import Span, Trace, Tracer, save_chrome_json, save_png, summary, to_chrome_json, traced
+
+LAYER = OperationsStrategy(operations=["attn", "dispatch_a", Yield, "dispatch_b", "mlp"])
+
+
+def per_token(c):
+    return Cost(kind="linear", per_token=c)
+
+
+def costs(attn, mlp, bytes_per_token, latency=0.0, attn_fixed=0.0, mlp_fixed=0.0):
+    return CostModel(ops={"attn": Cost(seconds=attn_fixed, per_token=attn), "mlp": Cost(seconds=mlp_fixed,
+                     per_token=mlp)}, transfers={"dispatch": TransferCost(bytes_per_token=bytes_per_token)},
+                     latency_s=latency, bandwidth=1.0)
+
+
+def test_hand_computed_tbo_wins():
+    c = costs(1.0, 1.0, 1.0)
+    single = simulate(LAYER, c, [4], 0)
+    # attn 0-4; dispatch on the link 4-8; dispatch_b waits 4-8; mlp 8-12
+    assert single.step_s == pytest.approx(12.0)
+    tbo = simulate(LAYER, c, [2, 2])
+    # A attn 0-2, A link 2-4; B attn 2-4, B link 4-6; A mlp 4-6 (arrived at 4); B mlp 6-8 (arrived at 6)
+    assert tbo.step_s == pytest.approx(8.0)
+    s = summary(tbo.trace)
+    assert (s.compute_s, s.comm_s, s.exposed_s) == pytest.approx((8.0, 4.0, 0.0))
+    comparison = compare(LAYER, c, 4)
+    assert comparison.speedup == pytest.approx(1.5) and comparison.lower_bound_s == pytest.approx(8.0)
+
+
+def test_hand_computed_latency_and_fifo():
+    c = costs(1.0, 1.0, 1.0, latency=3.0)
+    tbo = simulate(LAYER, c, [2, 2])
+    # A link 2-4 (+3 latency: arrives 7); B link 4-6 (arrives 9); A waits 4-7, mlp 7-9; B mlp 9-11
+    assert tbo.step_s == pytest.approx(11.0)
+    waits = [(w.mb, w.start, w.end) for w in tbo.trace.lane("wait")]
+    assert waits == [(0, 4.0, 7.0)]
+
+
+def test_hand_computed_tbo_loses_to_fragmentation():
+    c = costs(0.1, 0.1, 0.1, attn_fixed=5.0, mlp_fixed=5.0)
+    single = simulate(LAYER, c, [4], 0)
+    assert single.step_s == pytest.approx(5.4 + 0.4 + 5.4)  # attn, exposed dispatch, mlp
+    tbo = simulate(LAYER, c, [2, 2])
+    assert tbo.step_s == pytest.approx(4 * 5.2)  # every fixed cost paid twice; the 0.2 transfers fully hidden
+    rec = recommend(LAYER, c, 4)
+    assert rec.split is False and rec.predicted_speedup == pytest.approx(11.2 / 20.8)
+    assert "fragmentation" in rec.reason and "run unsplit" in rec.reason
+
+
+def test_wait_without_launch_is_reported():
+    bad = OperationsStrategy(operations=["attn", Yield, "dispatch_b"])
+    with pytest.raises(ValueError, match="dispatch_b waits for a 'dispatch' transfer that was never launched"):
+        simulate(bad, costs(1, 1, 1), [2, 2])
+
+
+def test_roofline_cost():
+    c = Cost(kind="roofline", flops_per_token=2e6, peak_flops=1e12, weight_bytes=1e6, mem_bw=1e9)
+    assert c(10) == pytest.approx(1e-3)  # memory bound: weights dominate
+    assert c(10_000) == pytest.approx(0.02)  # compute bound
+    assert 2 * c(5) > c(10)  # fragmentation: two half batches read the weights twice
+
+
+def test_find_threshold():
+    # fixed cost 2 per call (paid twice when split) vs a transfer of 1 per token that TBO can hide
+    c = costs(0.5, 0.5, 1.0, attn_fixed=2.0, mlp_fixed=2.0)
+    n = find_threshold(LAYER, c, max_tokens=1024)
+    assert n is not None and recommend(LAYER, c, n).split and not recommend(LAYER, c, n - 1).split
+
+
+def test_tune_finds_known_optimum():
+    c = costs(1.0, 1.0, 1.0)
+    best = tune(["attn", "dispatch_a", "dispatch_b", "mlp"], c, 4, num_layers=2)
+    assert [str(o) if o is Yield else o for o in best.operations] == ["attn", "dispatch_a", "Yield", "dispatch_b",
+                                                                     "mlp"]
+    assert best.delta_stages == 0
+    joined = OperationsStrategy.concat([best, best])
+    assert simulate(joined, c, [2, 2]).step_s == pytest.approx(16.0)  # = total compute: every transfer hidden
+
+
+def test_metrics_on_synthetic_trace_exact():
+    t = Trace(spans=[
+        Span("compute", 0, 0, "attn", 0.0, 2.0), Span("comm", 0, 0, "dispatch", 2.0, 5.0, 100),
+        Span("compute", 1, 0, "attn", 2.0, 4.0), Span("compute", 0, 1, "dispatch_b", 4.0, 5.5),
+        Span("wait", 0, 1, "dispatch_wait", 4.0, 5.0), Span("comm", 1, 0, "dispatch", 4.0, 6.0, 100),
+        Span("compute", 1, 1, "dispatch_b", 5.5, 6.5), Span("wait", 1, 1, "dispatch_wait", 5.5, 6.0),
+    ], tokens=[3, 3])
+    s = summary(t)
+    assert s.step_s == 6.5 and s.comm_s == 4.0 and s.exposed_s == 1.5
+    assert s.compute_s == pytest.approx(6.5 - 1.5)
+    assert s.hidden_fraction == pytest.approx(1 - 1.5 / 4.0)
+
+
+def test_chrome_json_schema_and_png(tmp_path):
+    t = simulate(LAYER, costs(1, 1, 1, latency=0.5), [2, 2]).trace
+    doc = to_chrome_json(t)
+    events = doc["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == len(t.spans)
+    for e in complete:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0
+    assert {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"} == {
+        "microbatch A compute", "microbatch A comm", "microbatch B compute", "microbatch B comm"}
+    path = save_chrome_json(t, tmp_path / "trace.json")
+    assert json.loads(path.read_text())["traceEvents"]
+    png = save_png(t, tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_tracer_on_real_run_and_fit():
+    """Trace the reference model over an emulated link at several sizes, fit costs, predict the measured trace."""
+    tracer_traces = []
+    config = ModelConfig.qwen3_moe_tiny(batch_invariant=False, num_layers=2)
+    for n in (4, 8, 16):
+        tracer = Tracer(label=f"{n} tokens")
+        link = EmulatedLink(LocalBackend(config.num_experts), 1e-4, 2e8)
+        model = ReferenceModel(config, traced(link, tracer))
+        meta = AttentionMetadata.build(range(n), [1] * n, [0] * n)
+        ids = torch.arange(n) % config.vocab_size
+        tracer.trace.tokens = [n]
+        model.forward_tbo(ids, meta, KVCache(), "qwen3_moe_decode", None, observer=tracer)
+        tracer_traces.append(tracer.finish())
+    last = tracer_traces[-1]
+    assert {s.name for s in last.lane("comm")} == {"dispatch", "combine"}
+    assert len(last.lane("comm")) == 4 and all(s.nbytes > 0 for s in last.lane("comm"))
+    s = summary(last)
+    assert 0 <= s.exposed_s <= s.comm_s + 1e-3 and s.compute_s > 0
+    fitted = fit_costs(tracer_traces, latency_s=1e-4, bandwidth=2e8)
+    assert fitted.transfers["dispatch"].bytes_per_token > 0 and "attn_core" in fitted.ops
+    # CostModel round-trips through JSON (what `tbo simulate --costs` reads)
+    assert CostModel.model_validate_json(fitted.model_dump_json()) == fitted
