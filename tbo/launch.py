@@ -57,6 +57,8 @@ def _child(rank: int, world_size: int, port: int, backend: str, timeout_s: float
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         results.put((rank, False, traceback.format_exc()))
     finally:
+        results.close()
+        results.join_thread()  # the report is out before teardown, which a broken group may not survive
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -116,7 +118,7 @@ def launch(
                 (out if ok else failures)[rank] = value
             except queue.Empty:
                 for r, p in enumerate(procs):  # a rank that exited without a result (killed, os._exit, crash)
-                    if r not in out and p.exitcode is not None:
+                    if r not in out and r not in failures and p.exitcode is not None:
                         if now - gone_since.setdefault(r, now) > 3.0:
                             failures[r] = f"rank {r} exited with code {p.exitcode} without a result"
     finally:

@@ -25,7 +25,7 @@ from .strategy import OperationsStrategy
 from .trace import Trace, Tracer, save_chrome_json, save_png, summary, traced
 
 __all__ = ["Case", "CaseResult", "run_case", "build_backend", "render_schedule", "example_main", "summarize",
-           "Batch", "TracedModel"]
+           "Batch", "TracedModel", "make_batch"]
 
 
 @dataclass(frozen=True)
@@ -248,6 +248,26 @@ class Batch:
         return self.meta.num_tokens
 
 
+def make_batch(model: ReferenceModel, mode: str, num_seqs: int, ctx: int, seed: int = 0, spread: float = 0.5,
+               policy: SplitPolicy | None = None) -> Batch:
+    """``num_seqs`` sequences of about ``ctx`` tokens: prompts (prefill), or cached context (decode, the cache filled
+    by ``model.forward``). The plan is ``policy``'s for the step, or None without a policy."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = max(1, int(ctx * (1 - spread))), max(1, int(ctx * (1 + spread)))
+    lens = torch.randint(lo, hi + 1, (num_seqs,), generator=g).tolist()
+    prompt = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=g)
+    seqs = range(num_seqs)
+    if mode == "prefill":
+        meta = AttentionMetadata.build(seqs, lens, [0] * num_seqs)
+        plan = policy.plan(ForwardMode.EXTEND, meta.num_tokens, lens) if policy else None
+        return Batch(prompt, meta, KVCache(), plan)
+    cache = KVCache()
+    model.forward(prompt, AttentionMetadata.build(seqs, lens, [0] * num_seqs), cache)
+    meta = AttentionMetadata.build(seqs, [1] * num_seqs, lens)
+    ids = torch.arange(num_seqs) % model.config.vocab_size
+    return Batch(ids, meta, cache, policy.plan(ForwardMode.DECODE, meta.num_tokens) if policy else None)
+
+
 class TracedModel:
     """The reference model in one process, experts local behind an `EmulatedLink`, every step traced.
 
@@ -263,20 +283,7 @@ class TracedModel:
         self.policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
 
     def batch(self, mode: str, num_seqs: int, ctx: int, seed: int = 0, spread: float = 0.5) -> Batch:
-        """``num_seqs`` sequences of about ``ctx`` tokens: prompts (prefill), or cached context (decode)."""
-        g = torch.Generator().manual_seed(seed)
-        lo, hi = max(1, int(ctx * (1 - spread))), max(1, int(ctx * (1 + spread)))
-        lens = torch.randint(lo, hi + 1, (num_seqs,), generator=g).tolist()
-        prompt = torch.randint(0, self.config.vocab_size, (sum(lens),), generator=g)
-        seqs = range(num_seqs)
-        if mode == "prefill":
-            meta = AttentionMetadata.build(seqs, lens, [0] * num_seqs)
-            return Batch(prompt, meta, KVCache(), self.policy.plan(ForwardMode.EXTEND, meta.num_tokens, lens))
-        cache = KVCache()
-        self.model.forward(prompt, AttentionMetadata.build(seqs, lens, [0] * num_seqs), cache)
-        meta = AttentionMetadata.build(seqs, [1] * num_seqs, lens)
-        ids = torch.arange(num_seqs) % self.config.vocab_size
-        return Batch(ids, meta, cache, self.policy.plan(ForwardMode.DECODE, meta.num_tokens))
+        return make_batch(self.model, mode, num_seqs, ctx, seed, spread, self.policy)
 
     def step(self, batch: Batch, strategy: str, split: bool) -> Trace:
         """One traced step, single batch or overlapped, from a copy of the batch's cache.

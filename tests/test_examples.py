@@ -47,3 +47,11 @@ def test_deepseek_prefill_multi_rank_with_link(ranks):
     out = run("deepseek_prefill.py", "--ranks", str(ranks), "--link", "50,0.05", *SMALL)
     assert max_diff(out) == 0.0
     assert f"ranks: {ranks}" in out and "link: busy" in out
+
+
+@pytest.mark.dist
+def test_afd_example():
+    out = run("afd_dbo.py", "--repeats", "1")
+    diffs = [float(v) for v in re.findall(r"^max diff: (\S+)", out, re.M)]
+    assert diffs == [0.0, 0.0]
+    assert out.count("speedup:") == 2 and "split into 2 stages: yes" in out

@@ -54,3 +54,16 @@ def _vanish(rank, world):
 def test_launch_reports_rank_that_vanished():
     with pytest.raises(RankError, match="rank 1 exited with code 0 without a result"):
         launch(_vanish, 2, timeout_s=60)
+
+
+def _fail_then_exit(rank, world):
+    if rank == 0:
+        raise RuntimeError("rank zero's own error")
+    time.sleep(5)  # outlives the grace checks, so rank 0's exit is noticed while its report is in hand
+    return rank
+
+
+@pytest.mark.dist
+def test_launch_keeps_the_failing_ranks_traceback():
+    with pytest.raises(RankError, match="rank zero's own error"):
+        launch(_fail_then_exit, 2, failure_grace_s=8)

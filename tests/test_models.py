@@ -133,7 +133,8 @@ def test_strategy_stage_structure():
 
 
 def test_registry():
-    assert S.names() == ["deepseek_decode", "deepseek_prefill", "qwen3_moe_decode", "qwen3_moe_prefill"]
+    assert S.names() == ["afd_attention_dbo", "deepseek_decode", "deepseek_prefill", "qwen3_moe_decode",
+                         "qwen3_moe_prefill"]
     mine = OperationsStrategy(operations=["a", Yield, "b"], delta_stages=1)
     S.register("mine", mine)
     try:
@@ -144,7 +145,7 @@ def test_registry():
         assert S.get("mine").stages == mine.stages
     finally:
         S.unregister("mine")
-    with pytest.raises(StrategyError, match="no strategy named 'nope'; registered: deepseek_decode"):
+    with pytest.raises(StrategyError, match="no strategy named 'nope'; registered: afd_attention_dbo, deepseek"):
         S.get("nope")
 
 

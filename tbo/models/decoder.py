@@ -120,21 +120,26 @@ class DecoderLayer:
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *self.shared_w, self.bi)
 
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's FFN on its normed input: the dense MLP, or router + routed experts (+ shared experts).
+
+        What an attention-FFN disaggregated deployment runs on the FFN side.
+        """
+        if self.kind == "dense":
+            return swiglu(x, *self.mlp_w, self.bi)
+        idx, weights = self._select(linear(x, self.w_router, self.bi))
+        dispatched = self.backend.dispatch_b(self.backend.dispatch_a(x, idx, weights))
+        out = run_experts(dispatched, self.local_expert)
+        routed = self.backend.combine_b(self.backend.combine_a(out, dispatched.handle))
+        return routed + self._shared(x) if self.shared_w is not None else routed
+
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """The layer without ops: the reference the op path and every strategy must equal."""
         c = self.config
         residual = hidden
         attn = self._attention(*self._qkv(rms_norm(hidden, self.input_norm, c.rms_eps), meta), meta, cache)
         residual = residual + attn
-        x = rms_norm(residual, self.post_attn_norm, c.rms_eps)
-        if self.kind == "dense":
-            return residual + swiglu(x, *self.mlp_w, self.bi)
-        idx, weights = self._select(linear(x, self.w_router, self.bi))
-        dispatched = self.backend.dispatch_b(self.backend.dispatch_a(x, idx, weights))
-        out = run_experts(dispatched, self.local_expert)
-        routed = self.backend.combine_b(self.backend.combine_a(out, dispatched.handle))
-        mlp = routed + self._shared(x) if self.shared_w is not None else routed
-        return residual + mlp
+        return residual + self.ffn(rms_norm(residual, self.post_attn_norm, c.rms_eps))
 
     # ---- ops ----------------------------------------------------------------------------------------------------
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor) -> None:

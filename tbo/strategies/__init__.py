@@ -1,23 +1,25 @@
-"""The strategy catalogue: DeepSeek and Qwen3-MoE decode/prefill, dense layers, and a registry for your own.
+"""The strategy catalogue: DeepSeek and Qwen3-MoE decode/prefill, AFD, dense layers, and a registry for your own.
 
     >>> import tbo.strategies as S
     >>> S.names()
-    ['deepseek_decode', 'deepseek_prefill', 'qwen3_moe_decode', 'qwen3_moe_prefill']
+    ['afd_attention_dbo', 'deepseek_decode', 'deepseek_prefill', 'qwen3_moe_decode', 'qwen3_moe_prefill']
     >>> S.get("deepseek_decode").delta_stages
     2
 """
 
+from .afd import afd_attention_dbo
 from .deepseek import deepseek_decode, deepseek_prefill
 from .dense import DENSE_OPS, LayerStrategies, bind_layers, dense_like
 from .qwen3_moe import qwen3_moe_decode, qwen3_moe_prefill
 from .registry import get, names, register, unregister
 
-for _factory in (deepseek_decode, deepseek_prefill, qwen3_moe_decode, qwen3_moe_prefill):
+for _factory in (deepseek_decode, deepseek_prefill, qwen3_moe_decode, qwen3_moe_prefill, afd_attention_dbo):
     register(_factory.__name__, _factory)
 del _factory
 
 __all__ = [
     "DENSE_OPS",
+    "afd_attention_dbo",
     "LayerStrategies",
     "bind_layers",
     "deepseek_decode",

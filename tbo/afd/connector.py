@@ -1,0 +1,176 @@
+"""The attention-FFN connector: hidden states out, FFN results back, each behind a fixed-size metadata header.
+
+Ranks ``[0, M)`` are attention ranks, ``[M, M + N)`` FFN ranks; attention rank ``a`` talks to FFN rank
+``M + a // (M / N)``. Each message is a header (`AFDMeta` as int64) followed by the payload, so the FFN side knows,
+before it allocates anything, which layer and stage a tensor belongs to and how big it is. Sends are asynchronous;
+every receive has a deadline and raises `CommTimeoutError` naming the rank, the layer and the stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from ..comm.wait import DEFAULT_TIMEOUT_S, wait_work
+
+__all__ = ["AFDMeta", "AFDConnector", "AFDTopology", "TorchDistributedAFDConnector"]
+
+_MAGIC = 0x7B0AFD
+_KEEP_SENDS = 16
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+@dataclass(frozen=True)
+class AFDMeta:
+    """What travels ahead of every payload."""
+
+    layer_idx: int
+    stage_idx: int
+    num_stages: int
+    num_tokens: int
+    hidden: int
+    dtype: torch.dtype = torch.float32
+    shutdown: bool = False
+    src: int = -1  #: filled in by the receiver: the rank it came from
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([_MAGIC, int(self.shutdown), self.layer_idx, self.stage_idx, self.num_stages,
+                             self.num_tokens, self.hidden, _DTYPES.index(self.dtype)], dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor, src: int) -> "AFDMeta":
+        magic, shutdown, layer, stage, stages, tokens, hidden, dtype = header.tolist()
+        if magic != _MAGIC:
+            raise RuntimeError(f"AFD header from rank {src} is corrupt (magic {magic:#x}); the peers are out of step")
+        return cls(layer, stage, stages, tokens, hidden, _DTYPES[dtype], bool(shutdown), src)
+
+    def describe(self) -> str:
+        return f"layer {self.layer_idx}, stage {self.stage_idx}/{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class AFDTopology:
+    num_attention_ranks: int
+    num_ffn_ranks: int
+
+    def ffn_peer(self, attention_rank: int) -> int:
+        return self.num_attention_ranks + attention_rank // (self.num_attention_ranks // self.num_ffn_ranks)
+
+    def attention_peers(self, ffn_rank: int) -> list[int]:
+        per = self.num_attention_ranks // self.num_ffn_ranks
+        first = (ffn_rank - self.num_attention_ranks) * per
+        return list(range(first, first + per))
+
+    def is_attention(self, rank: int) -> bool:
+        return rank < self.num_attention_ranks
+
+
+class AFDConnector(Protocol):
+    def send_attn_output(self, hidden: torch.Tensor, meta: AFDMeta) -> Any: ...
+
+    def recv_ffn_output(self, meta: AFDMeta) -> torch.Tensor: ...
+
+    def recv_attn_output(self) -> tuple[torch.Tensor, AFDMeta]: ...
+
+    def send_ffn_output(self, out: torch.Tensor, meta: AFDMeta) -> Any: ...
+
+
+@dataclass
+class _Sent:
+    works: tuple[Any, ...]
+    buffers: tuple[torch.Tensor, ...]  # kept alive until the sends complete
+
+
+class TorchDistributedAFDConnector:
+    """`AFDConnector` over torch.distributed point-to-point (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, topology: AFDTopology, timeout_s: float = DEFAULT_TIMEOUT_S, group: Any = None,
+                 idle_timeout_s: float = 600.0) -> None:
+        """``timeout_s`` bounds every wait inside a step; ``idle_timeout_s`` bounds how long an FFN rank waits for
+        the next request, which includes the attention side's time between steps."""
+        import torch.distributed as dist
+
+        self.topology, self.timeout_s, self.group = topology, timeout_s, group
+        self.idle_timeout_s = idle_timeout_s
+        self.rank = dist.get_rank()
+        if dist.get_world_size() != topology.num_attention_ranks + topology.num_ffn_ranks:
+            raise ValueError(f"world size {dist.get_world_size()} != {topology.num_attention_ranks} attention + "
+                             f"{topology.num_ffn_ranks} FFN ranks")
+        self._sent: list[_Sent] = []
+
+    # ---- shared -------------------------------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor | None, meta: AFDMeta, dst: int) -> _Sent:
+        """Header, then payload (none for a shutdown message)."""
+        import torch.distributed as dist
+
+        header = meta.encode()
+        works, buffers = [dist.isend(header, dst, group=self.group)], [header]
+        if tensor is not None:
+            payload = tensor.contiguous()
+            works.append(dist.isend(payload, dst, group=self.group))
+            buffers.append(payload)
+        sent = _Sent(tuple(works), tuple(buffers))
+        self._sent.append(sent)
+        while len(self._sent) > _KEEP_SENDS:  # long answered by now: waiting costs nothing and frees the buffers
+            for work in self._sent.pop(0).works:
+                wait_work(work, self.timeout_s, "afd send")
+        return sent
+
+    def _recv_payload(self, meta: AFDMeta, src: int, what: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = torch.empty(meta.num_tokens, meta.hidden, dtype=meta.dtype)
+        wait_work(dist.irecv(out, src, group=self.group), self.timeout_s, what)
+        return out
+
+    def _recv_header(self, src: int | None, what: str, timeout_s: float) -> AFDMeta:
+        import torch.distributed as dist
+
+        header = torch.empty(8, dtype=torch.int64)
+        work = dist.irecv(header, src, group=self.group)
+        wait_work(work, timeout_s, what)
+        return AFDMeta.decode(header, src if src is not None else work._source_rank())
+
+    def flush(self) -> None:
+        """Wait for every send still in flight (before shutting down)."""
+        for sent in self._sent:
+            for work in sent.works:
+                wait_work(work, self.timeout_s, "afd send")
+        self._sent.clear()
+
+    # ---- attention side -----------------------------------------------------------------------------------------
+    def send_attn_output(self, hidden: torch.Tensor, meta: AFDMeta) -> _Sent:
+        return self._send(hidden, meta, self.topology.ffn_peer(self.rank))
+
+    def recv_ffn_output(self, meta: AFDMeta) -> torch.Tensor:
+        peer = self.topology.ffn_peer(self.rank)
+        what = f"afd_recv ({meta.describe()}) from FFN rank {peer}"
+        got = self._recv_header(peer, what, self.timeout_s)
+        if (got.layer_idx, got.stage_idx, got.num_tokens) != (meta.layer_idx, meta.stage_idx, meta.num_tokens):
+            raise RuntimeError(f"rank {self.rank}: FFN rank {peer} answered {got.describe()} ({got.num_tokens} "
+                               f"tokens) while {meta.describe()} ({meta.num_tokens} tokens) was expected")
+        return self._recv_payload(got, peer, what)
+
+    def shutdown(self) -> None:
+        """Tell this rank's FFN peer that it will send nothing more."""
+        self._send(None, AFDMeta(-1, 0, 0, 0, 1, shutdown=True), self.topology.ffn_peer(self.rank))
+        self.flush()
+
+    # ---- FFN side -----------------------------------------------------------------------------------------------
+    def recv_attn_output(self) -> tuple[torch.Tensor, AFDMeta]:
+        """The next request from any of this FFN rank's attention ranks, in arrival order."""
+        meta = self._recv_header(None, "afd: waiting for the next request from the attention ranks",
+                                 self.idle_timeout_s)
+        if meta.src not in self.topology.attention_peers(self.rank):
+            raise RuntimeError(f"FFN rank {self.rank} got a request from rank {meta.src}, which is not one of its "
+                               f"attention ranks {self.topology.attention_peers(self.rank)}")
+        if meta.shutdown:
+            return torch.zeros(0, 1), meta
+        return self._recv_payload(meta, meta.src, f"afd payload ({meta.describe()}) from rank {meta.src}"), meta
+
+    def send_ffn_output(self, out: torch.Tensor, meta: AFDMeta) -> _Sent:
+        return self._send(out, replace(meta, num_tokens=out.shape[0], hidden=out.shape[1], dtype=out.dtype),
+                          meta.src)
+

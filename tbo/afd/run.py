@@ -1,0 +1,126 @@
+"""The AFD workload: attention ranks step the reference model with remote FFNs, FFN ranks serve them.
+
+Behind `examples/afd_dbo.py`, `benchmarks/afd.py` and the AFD tests. Each attention rank has its own batch; every
+step is run without DBO (one stage) and with DBO (two stages, when the policy splits it), timed, and compared with
+the colocated model's plain `forward()`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..models import ModelConfig, ReferenceModel
+from ..split import ForwardMode
+from ..trace import Tracer
+from ..workload import make_batch
+from .attention import AFDAttentionModel
+from .config import AFDConfig
+from .connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from .server import AFDFFNServer
+
+__all__ = ["AFDCase", "AFDResult", "run_afd"]
+
+
+@dataclass(frozen=True)
+class AFDCase:
+    mode: Literal["decode", "prefill"] = "decode"
+    num_seqs: int = 8
+    ctx: int = 16
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_multiple: int = 1  #: expert width as a multiple of the hidden size (balances the FFN side's work)
+    repeats: int = 3
+    batch_invariant: bool = True
+    timeout_s: float = 30.0
+    ffn_dies_after: int | None = None  #: an FFN rank exits (os._exit) after serving this many requests
+
+
+@dataclass
+class AFDResult:
+    rank: int
+    role: str
+    tokens: int = 0
+    split: bool = False
+    max_diff: float = 0.0
+    no_dbo_ms: list[float] = field(default_factory=list)
+    dbo_ms: list[float] = field(default_factory=list)
+    received: list[AFDMeta] = field(default_factory=list)
+    attention_ms: float = 0.0  #: attention-side compute of a step without DBO
+    ffn_ms: float = 0.0  #: time that step waited for FFN results (FFN compute plus transfers)
+
+    @property
+    def speedup(self) -> float:
+        return statistics.median(self.no_dbo_ms) / statistics.median(self.dbo_ms)
+
+
+def model_config(case: AFDCase) -> ModelConfig:
+    heads = max(1, case.hidden_size // 16)
+    return ModelConfig.deepseek_v3_tiny(hidden_size=case.hidden_size, num_heads=heads,
+                                        head_dim=case.hidden_size // heads, num_layers=case.num_layers,
+                                        moe_intermediate=case.ffn_multiple * case.hidden_size,
+                                        dense_intermediate=2 * case.ffn_multiple * case.hidden_size,
+                                        batch_invariant=case.batch_invariant)
+
+
+def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
+    topology = AFDTopology(case.num_attention_ranks, case.num_ffn_ranks)
+    config = AFDConfig(role="attention" if topology.is_attention(rank) else "ffn",
+                       num_attention_ranks=case.num_attention_ranks, num_ffn_ranks=case.num_ffn_ranks)
+    connector = TorchDistributedAFDConnector(topology, case.timeout_s)
+    model = ReferenceModel(model_config(case))
+    if config.role == "ffn":
+        server = AFDFFNServer(model, connector)
+        if case.ffn_dies_after is not None:
+            _die_after(server, case.ffn_dies_after)
+        server.serve()
+        return AFDResult(rank, "ffn", received=server.received)
+    return _attention(rank, case, config, model, connector)
+
+
+def _die_after(server: AFDFFNServer, n: int) -> None:
+    send = server.connector.send_ffn_output
+
+    def send_then_maybe_die(out, meta):  # type: ignore[no-untyped-def]
+        if len(server.received) > n:
+            os._exit(1)  # the FFN process dies mid-step, without a word
+        return send(out, meta)
+
+    server.connector.send_ffn_output = send_then_maybe_die  # type: ignore[method-assign]
+
+
+def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceModel,
+               connector: TorchDistributedAFDConnector) -> AFDResult:
+    afd = AFDAttentionModel(model, connector)
+    batch = make_batch(model, case.mode, case.num_seqs, case.ctx, seed=rank)
+    mode = ForwardMode.EXTEND if case.mode == "prefill" else ForwardMode.DECODE
+    plan = config.split_policy().plan(mode, batch.num_tokens, list(batch.meta.extend_lens)
+                                      if case.mode == "prefill" else None)
+    reference = model.forward(batch.ids, batch.meta, batch.cache.clone())
+    result = AFDResult(rank, "attention", batch.num_tokens, plan is not None)
+    try:
+        dbo = afd.forward(batch.ids, batch.meta, batch.cache.clone(), plan)
+        single = afd.forward(batch.ids, batch.meta, batch.cache.clone(), None)
+        result.max_diff = max(float((dbo - reference).abs().max()), float((single - reference).abs().max()))
+        for _ in range(case.repeats):
+            for use_dbo, times in ((False, result.no_dbo_ms), (True, result.dbo_ms)):
+                t0 = time.perf_counter()
+                afd.forward(batch.ids, batch.meta, batch.cache.clone(), plan if use_dbo else None)
+                times.append((time.perf_counter() - t0) * 1e3)
+        tracer = Tracer()  # one more step without DBO: how its time divides between the two sides
+        afd.forward(batch.ids, batch.meta, batch.cache.clone(), None, observer=tracer)
+        spans = tracer.finish().lane("compute")
+        result.ffn_ms = sum(s.duration for s in spans if s.name == "afd_recv") * 1e3
+        result.attention_ms = sum(s.duration for s in spans) * 1e3 - result.ffn_ms
+    finally:
+        if case.ffn_dies_after is None:
+            connector.shutdown()
+    return result
+

@@ -1,0 +1,37 @@
+"""`AFDFFNServer`: the FFN side's loop. Receive a stage's hidden states, run that layer's FFN, send the result back.
+
+Requests are served in arrival order from all of this FFN rank's attention ranks; the header says which layer and
+stage each belongs to. The loop ends when every attention rank has sent its shutdown message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .connector import AFDMeta, TorchDistributedAFDConnector
+
+__all__ = ["AFDFFNServer"]
+
+
+class AFDFFNServer:
+    def __init__(self, model: Any, connector: TorchDistributedAFDConnector) -> None:
+        self.model, self.connector = model, connector
+        self.received: list[AFDMeta] = []  #: every request's metadata, in arrival order
+
+    def serve(self) -> int:
+        """Serve until all attention peers shut down; return how many requests were served."""
+        remaining = set(self.connector.topology.attention_peers(self.connector.rank))
+        served = 0
+        while remaining:
+            hidden, meta = self.connector.recv_attn_output()
+            if meta.shutdown:
+                remaining.discard(meta.src)
+                continue
+            if not 0 <= meta.layer_idx < len(self.model.layers):
+                raise ValueError(f"rank {meta.src} asked for layer {meta.layer_idx}; the model has "
+                                 f"{len(self.model.layers)}")
+            self.received.append(meta)
+            self.connector.send_ffn_output(self.model.layers[meta.layer_idx].ffn(hidden), meta)
+            served += 1
+        self.connector.flush()
+        return served

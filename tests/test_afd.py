@@ -1,0 +1,79 @@
+"""Attention-FFN disaggregation over real gloo processes."""
+
+import time
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tbo import CommTimeoutError
+from tbo.afd import AFDConfig, AFDMeta, AFDTopology
+from tbo.afd.run import AFDCase, run_afd
+from tbo.launch import RankError, launch
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_one_to_one_equals_colocated_forward(mode):
+    attention, ffn = launch(run_afd, 2, AFDCase(mode=mode, num_seqs=6, ctx=12, num_layers=3, repeats=1))
+    assert attention.split and attention.max_diff == 0.0
+    # stage metadata arrives intact: every layer, both stages, in the order the strategy sends them
+    first_step = [(m.layer_idx, m.stage_idx, m.num_stages) for m in ffn.received[:6]]
+    assert first_step == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
+    assert all(m.hidden == 64 and m.dtype == torch.float32 and m.src == 0 for m in ffn.received)
+    assert sum(m.num_tokens for m in ffn.received[:2]) == attention.tokens
+
+
+@pytest.mark.dist
+def test_two_to_one_topology():
+    results = launch(run_afd, 3, AFDCase(mode="prefill", num_seqs=4, ctx=10, num_layers=2, repeats=1,
+                                         num_attention_ranks=2, num_ffn_ranks=1))
+    assert [r.role for r in results] == ["attention", "attention", "ffn"]
+    assert all(r.max_diff == 0.0 for r in results[:2])
+    assert {m.src for m in results[2].received} == {0, 1}
+
+
+@pytest.mark.dist
+def test_step_below_threshold_runs_unsplit():
+    attention, ffn = launch(run_afd, 2, AFDCase(mode="decode", num_seqs=1, ctx=8, num_layers=2, repeats=1))
+    assert not attention.split and attention.max_diff == 0.0
+    assert {(m.stage_idx, m.num_stages) for m in ffn.received} == {(0, 1)}
+
+
+@pytest.mark.dist
+def test_ffn_death_raises_comm_timeout_with_context():
+    case = AFDCase(mode="decode", num_seqs=4, ctx=8, num_layers=3, repeats=1, timeout_s=5, ffn_dies_after=3)
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(run_afd, 2, case, timeout_s=120, failure_grace_s=30)
+    elapsed = time.monotonic() - t0
+    message = str(info.value)
+    assert "CommTimeoutError" in message and "rank 0: afd_recv (layer" in message and "stage" in message
+    assert elapsed < 60  # the deadline, with a wide margin: never a hang
+
+
+def test_config_rejects_three_stages_and_bad_topologies():
+    with pytest.raises(ValidationError, match="exactly 2 stages, got num_stages=3"):
+        AFDConfig(role="attention", num_stages=3)
+    AFDConfig(role="attention", num_stages=3, dbo=False)  # without DBO the stage count does not matter
+    with pytest.raises(ValidationError, match="multiple of num_ffn_ranks"):
+        AFDConfig(role="ffn", num_attention_ranks=3, num_ffn_ranks=2)
+    with pytest.raises(ValidationError, match="decode_token_threshold=1 is lower than num_microbatches=2"):
+        AFDConfig(role="attention", decode_token_threshold=1)
+    cfg = AFDConfig(role="attention")
+    assert (cfg.decode_token_threshold, cfg.prefill_token_threshold) == (2, 12)
+    assert cfg.split_policy().plan(__import__("tbo").ForwardMode.DECODE, 1) is None
+
+
+def test_meta_header_round_trip_and_topology():
+    meta = AFDMeta(3, 1, 2, 17, 64, torch.bfloat16)
+    back = AFDMeta.decode(meta.encode(), src=5)
+    assert (back.layer_idx, back.stage_idx, back.num_stages, back.num_tokens, back.hidden, back.dtype, back.src) == (
+        3, 1, 2, 17, 64, torch.bfloat16, 5)
+    bad = meta.encode()
+    bad[0] = 1
+    with pytest.raises(RuntimeError, match="corrupt"):
+        AFDMeta.decode(bad, src=2)
+    topo = AFDTopology(4, 2)
+    assert [topo.ffn_peer(a) for a in range(4)] == [4, 4, 5, 5]
+    assert topo.attention_peers(5) == [2, 3]
