@@ -7,6 +7,7 @@ through it so that one microbatch's communication overlaps another's compute.
 from .errors import CommTimeoutError, HangError, OperationError, StrategyError
 from .executors import execute_operations, execute_overlapped_operations
 from .forward import model_forward_maybe_tbo
+from .lint import Finding, lint
 from .observer import Observer
 from .operations import Operation, Yield, op_name
 from .schedule import Schedule, interleave
@@ -19,6 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommTimeoutError",
+    "Finding",
+    "lint",
     "ForwardMode",
     "SplitPlan",
     "SplitPolicy",

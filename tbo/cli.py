@@ -67,6 +67,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lint(args: argparse.Namespace) -> int:
+    from .lint import lint
+
+    layer = load_strategy(args.strategy)
+    strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
+    findings = lint(strategy, args.microbatches, args.low_latency)
+    for f in findings:
+        print(f)
+    errors = sum(f.level == "error" for f in findings)
+    print(f"{layer.name or args.strategy}: {errors} error(s), {len(findings) - errors} warning(s) "
+          f"({args.layers} layers, {args.microbatches} microbatches{', low-latency' if args.low_latency else ''})")
+    return 1 if errors else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tbo", description="Two-batch overlap: inspect strategies and schedules.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--png", help="write the simulated TBO timeline as a PNG")
     sim.add_argument("--trace", help="write the simulated TBO trace as Chrome/Perfetto JSON")
     sim.set_defaults(func=_cmd_simulate)
+    lint = sub.add_parser("lint", help="check a strategy for overlap bugs; exits 1 on errors")
+    lint.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
+    lint.add_argument("--microbatches", type=int, default=2)
+    lint.add_argument("--layers", type=int, default=2, help="layers of the strategy to chain (default 2)")
+    lint.add_argument("--low-latency", action="store_true", help="check DeepEP's two-transfers-in-flight limit")
+    lint.set_defaults(func=_cmd_lint)
     return parser
 
 

@@ -35,12 +35,14 @@ def model_forward_maybe_tbo(
     output_key: str = "hidden_states",
     observer: Observer | None = None,
     profile: bool = False,
+    **guard: Any,
 ) -> dict[str, Any]:
     """Run ``layers`` on ``inputs``; overlapped over ``plan``'s microbatches, or unsplit when ``plan`` is None.
 
     ``strategy`` is a bound strategy for the whole stack (build it once with `bind_layers`: the fast path), or what
     `bind_layers` takes: one strategy for every layer, one per layer kind, or a function of the layer.
     ``pinned(slice)`` returns step-scoped values to pin in each microbatch's State (``slice`` is None unsplit).
+    ``guard`` passes ``drain``, ``watchdog_s``, ``watchdog_label`` and ``dump_stacks`` to the executor.
     Returns ``{output_key: tensor}``, merged back to the whole batch.
     """
     bound = strategy if isinstance(strategy, OperationsStrategy) and strategy.is_bound else bind_layers(
@@ -50,12 +52,13 @@ def model_forward_maybe_tbo(
             state = State()
             if pinned is not None:
                 state.pin(**pinned(None))
-            out = execute_operations(inputs, bound, state=state, observer=observer, profile=profile)
+            out = execute_operations(inputs, bound, state=state, observer=observer, profile=profile, **guard)
             return {output_key: out[output_key]}
         parts = split_inputs(inputs, plan, request_keys=request_keys, shared_keys=shared_keys)
         states = plan.make_states()
         if pinned is not None:
             for state, mb in zip(states, plan.microbatches):
                 state.pin(**pinned(mb))
-        outs = execute_overlapped_operations(parts, bound, states=states, observer=observer, profile=profile)
+        outs = execute_overlapped_operations(parts, bound, states=states, observer=observer, profile=profile,
+                                             **guard)
         return {output_key: merge_outputs([o[output_key] for o in outs], plan)}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Protocol, Union
 
-__all__ = ["Yield", "YieldType", "Operation", "OpCallable", "op_name", "is_yield", "YIELD_NAME"]
+__all__ = ["Yield", "YieldType", "Operation", "OpCallable", "op_name", "is_yield", "YIELD_NAME", "comm_role",
+           "KNOWN_LAUNCHES", "KNOWN_WAITS"]
 
 #: The string that stands for ``Yield`` in JSON and in string lists. No layer may name an op ``op_Yield``.
 YIELD_NAME = "Yield"
@@ -65,3 +66,25 @@ def op_name(op: Operation) -> str:
         target = target.func
     name = getattr(target, "__name__", None) or type(target).__name__
     return name[3:] if name.startswith("op_") and len(name) > 3 else name
+
+
+#: Communication ops whose names do not follow the ``X_a`` / ``X_b`` rule.
+KNOWN_LAUNCHES = {"afd_send": "afd"}
+KNOWN_WAITS = {"afd_recv": "afd"}
+
+
+def comm_role(name: str, launches: dict[str, str] | None = None, waits: dict[str, str] | None = None
+              ) -> tuple[str, str] | None:
+    """("launch" | "wait", transfer kind) for a communication op, None for compute.
+
+    ``X_a`` launches transfer ``X`` and ``X_b`` waits for it; ``afd_send``/``afd_recv`` launch and wait ``afd``;
+    ``launches``/``waits`` add names of your own.
+    """
+    for table, role in ((launches, "launch"), (KNOWN_LAUNCHES, "launch"), (waits, "wait"), (KNOWN_WAITS, "wait")):
+        if table and name in table:
+            return role, table[name]
+    if name.endswith("_a") and len(name) > 2:
+        return "launch", name[:-2]
+    if name.endswith("_b") and len(name) > 2:
+        return "wait", name[:-2]
+    return None

@@ -21,7 +21,7 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .operations import Yield
+from .operations import Yield, comm_role
 from .schedule import interleave
 from .strategy import OperationsStrategy
 from .trace import Span, Trace, summary
@@ -89,8 +89,8 @@ class TransferCost(BaseModel):
 class CostModel(BaseModel):
     """Per-op compute costs, per-transfer sizes, and the link. Serialises to the ``costs.json`` the CLI reads.
 
-    Ops named ``X_a`` launch transfer ``X`` and ``X_b`` wait for it; ``launches``/``waits`` add other names
-    (``{"afd_send": "afd"}``, ``{"afd_recv": "afd"}``).
+    Ops named ``X_a`` launch transfer ``X`` and ``X_b`` wait for it (`comm_role`); ``launches``/``waits`` add other
+    names.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -114,15 +114,7 @@ class CostModel(BaseModel):
 
     def role(self, name: str) -> tuple[str, str] | None:
         """("launch" | "wait", transfer kind) for a communication op, None for compute."""
-        if name in self.launches:
-            return "launch", self.launches[name]
-        if name in self.waits:
-            return "wait", self.waits[name]
-        if name.endswith("_a"):
-            return "launch", name[:-2]
-        if name.endswith("_b"):
-            return "wait", name[:-2]
-        return None
+        return comm_role(name, self.launches, self.waits)
 
     def transfer(self, kind: str, tokens: int) -> tuple[float, float]:
         """(bytes, link occupancy in seconds) of one transfer."""

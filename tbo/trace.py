@@ -172,6 +172,13 @@ class _Traced:
         self.rank, self.num_ranks = inner.rank, inner.num_ranks
         self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
 
+    @property
+    def in_flight(self) -> list[Any]:
+        return list(getattr(self.inner, "in_flight", []))
+
+    def drain(self) -> int:
+        return self.inner.drain() if hasattr(self.inner, "drain") else 0
+
     def _launch(self, kind: str, state: Any) -> Any:
         transfer = getattr(state, "transfer", None)  # an EmulatedLink knows when its transfer completes
         self.tracer.on_comm_launch(id(state), kind, getattr(transfer, "nbytes", getattr(state, "nbytes", 0)),

@@ -53,6 +53,15 @@ class AllToAllBackend:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // transport.num_ranks
 
+    @property
+    def in_flight(self) -> list[Any]:
+        """Transfers launched and not yet waited (for the watchdog's report)."""
+        return self.transport.in_flight
+
+    def drain(self) -> int:
+        """Wait out every transfer still in flight, e.g. after an op failed mid-step."""
+        return self.transport.drain()
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, num_ranks={self.num_ranks}, "
                 f"num_experts={self.num_experts}, format={self.format.name})")

@@ -17,6 +17,7 @@ passed in directly. Keyword arguments the installed version does not accept are 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
@@ -115,6 +116,14 @@ class DeepEPNormalBackend:
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> _NormalCombineState:
         return _NormalCombineState(expert_out, handle, self.buffer.capture(), expert_out.nbytes)
 
+    @property
+    def in_flight(self) -> list[Any]:
+        """Normal mode launches and waits inside ``_b``: nothing is ever in flight between ops."""
+        return []
+
+    def drain(self) -> int:
+        return 0
+
     def combine_b(self, state: _NormalCombineState) -> torch.Tensor:
         buf = self.buffer
         combined, _, event = buf.combine(
@@ -133,7 +142,7 @@ class _LLHandle:
     topk_weights: torch.Tensor
 
 
-@dataclass
+@dataclass(eq=False)
 class _LLDispatchState:
     recv_x: Any
     recv_count: torch.Tensor | None
@@ -142,7 +151,7 @@ class _LLDispatchState:
     nbytes: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _LLCombineState:
     combined: torch.Tensor | None
     hook: Callable[[], None] | None
@@ -163,6 +172,7 @@ class DeepEPLowLatencyBackend:
         self.num_experts, self.num_local_experts = num_experts, num_experts // self.num_ranks
         self.max_tokens = num_max_dispatch_tokens_per_rank
         self.use_fp8 = use_fp8
+        self._unreceived: weakref.WeakSet = weakref.WeakSet()  # states whose hook has not run: drain() runs it
 
     @classmethod
     def create(cls, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -187,10 +197,13 @@ class DeepEPLowLatencyBackend:
             hidden, idx, self.max_tokens, self.num_experts,
             **supported_kwargs(buf.low_latency_dispatch, use_fp8=self.use_fp8, async_finish=False,
                                return_recv_hook=True))
-        return _LLDispatchState(recv_x, recv_count, _LLHandle(handle, idx, topk_weights.float()), hook,
-                                hidden.nbytes * idx.shape[1])
+        state = _LLDispatchState(recv_x, recv_count, _LLHandle(handle, idx, topk_weights.float()), hook,
+                                 hidden.nbytes * idx.shape[1])
+        self._unreceived.add(state)
+        return state
 
     def dispatch_b(self, state: _LLDispatchState) -> DispatchOutput:
+        self._unreceived.discard(state)
         state.hook()  # the data arrives here
         hidden, scales = _split_fp8(state.recv_x)
         out = DispatchOutput(DispatchFormat.MASKED, hidden, state.recv_count, state.handle, scales=scales)
@@ -202,9 +215,27 @@ class DeepEPLowLatencyBackend:
         combined, _event, hook = buf.low_latency_combine(
             expert_out, handle.topk_idx, handle.topk_weights, handle.handle,
             **supported_kwargs(buf.low_latency_combine, async_finish=False, return_recv_hook=True))
-        return _LLCombineState(combined, hook, expert_out.nbytes)
+        state = _LLCombineState(combined, hook, expert_out.nbytes)
+        self._unreceived.add(state)
+        return state
 
     def combine_b(self, state: _LLCombineState) -> torch.Tensor:
+        self._unreceived.discard(state)
         state.hook()
         combined, state.combined, state.hook = state.combined, None, None
         return combined
+
+    @property
+    def in_flight(self) -> list[Any]:
+        return [f"low-latency {'dispatch' if isinstance(s, _LLDispatchState) else 'combine'} (hook not called)"
+                for s in list(self._unreceived)]
+
+    def drain(self) -> int:
+        """Receive every low-latency transfer whose hook was not called, so DeepEP's buffers are free again."""
+        pending = list(self._unreceived)
+        for state in pending:
+            self._unreceived.discard(state)
+            if state.hook is not None:
+                state.hook()
+                state.hook = None
+        return len(pending)

@@ -127,6 +127,13 @@ class EmulatedLink:
             raise ValueError(f"link spec must be 'LATENCY_US,GBPS', got {spec!r}") from None
         return cls(inner, latency_us * 1e-6, gbps * 1e9, clock)
 
+    @property
+    def in_flight(self) -> list[Any]:
+        return list(getattr(self.inner, "in_flight", []))
+
+    def drain(self) -> int:
+        return self.inner.drain() if hasattr(self.inner, "drain") else 0
+
     def transfer_time(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth
 

@@ -28,6 +28,9 @@ class Pending:
     what: str
     done: bool = False
 
+    def __str__(self) -> str:
+        return self.what
+
 
 class Transport:
     """Interface: ``exchange`` (small, blocking) and ``start``/``finish`` (payload, asynchronous)."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..errors import OperationError, StrategyError
+from ..errors import HangError, OperationError, StrategyError
+from .guard import Drainable, PositionObserver, drain_all, watchdog
 from ..observer import FanoutObserver, Observer, RecordFunctionObserver
 from ..operations import YieldType, op_name
 from ..schedule import Schedule, interleave
@@ -47,6 +48,8 @@ class _StageExecutor:
         try:
             for op in self.stages[self.stage]:
                 out = op(state, **(out or _EMPTY))
+        except HangError:
+            raise  # the watchdog speaks for the whole step, not for this op
         except Exception as exc:
             raise self._error(op, out, exc) from exc
         self.output = out
@@ -82,6 +85,8 @@ class _ObservedStageExecutor(_StageExecutor):
                 obs.on_op_start(mb, stage, name)
                 out = op(state, **(out or _EMPTY))
                 obs.on_op_end(mb, stage, name)
+        except HangError:
+            raise
         except Exception as exc:
             raise self._error(op, out, exc) from exc
         obs.on_stage_end(mb, stage)
@@ -141,6 +146,10 @@ def execute_overlapped_operations(
     states: Sequence[State] | None = None,
     observer: Observer | None = None,
     profile: bool = False,
+    drain: Sequence[Drainable] = (),
+    watchdog_s: float | None = None,
+    watchdog_label: str = "",
+    dump_stacks: bool = False,
 ) -> list[Any]:
     """Run two or more microbatches interleaved; return each one's last op output, in microbatch order.
 
@@ -149,6 +158,10 @@ def execute_overlapped_operations(
     ``delta_stages`` is the lead of each microbatch over the next, or a per-microbatch offset list (``[0, 2]`` is the
     same as ``2``); None takes the strategy's own. ``states`` pre-filled per microbatch (split metadata, say) are
     used as given; otherwise each microbatch gets a fresh `State`.
+
+    ``drain``: backends whose transfers in flight are waited out when an op fails, before `OperationError` is raised.
+    ``watchdog_s``: a step running longer raises `HangError` with each microbatch's position, the pending transfers
+    of ``drain`` and ``watchdog_label``; ``dump_stacks`` adds every thread's stack.
     """
     count = len(inputs_arr)
     if count < 1:
@@ -168,6 +181,9 @@ def execute_overlapped_operations(
         raise ValueError(f"got {len(states)} states for {count} microbatches; they must match")
     schedule = interleave([s.num_stages for s in strategies], delta_stages)
     obs = _make_observer(observer, profile)
+    positions = None
+    if watchdog_s is not None:
+        obs = positions = PositionObserver(count, obs)
     if obs is None:
         executors = [_StageExecutor(mb, s, i, st) for mb, (s, i, st) in enumerate(zip(strategies, inputs_arr, states))]
     else:
@@ -175,12 +191,21 @@ def execute_overlapped_operations(
             _ObservedStageExecutor(mb, s, i, st, obs)
             for mb, (s, i, st) in enumerate(zip(strategies, inputs_arr, states))
         ]
-    if obs is None:
+    if obs is None and not drain:
         return run_schedule(schedule, executors)
     try:
+        if positions is not None:
+            with watchdog(watchdog_s, watchdog_label, positions, drain, dump_stacks):  # type: ignore[arg-type]
+                return run_schedule(schedule, executors)
         return run_schedule(schedule, executors)
+    except OperationError as exc:
+        problems = drain_all(drain)  # nothing may still write into buffers the caller is about to free or reuse
+        for problem in problems:
+            exc.add_note(f"while draining after the failure: {problem}")
+        raise
     finally:
-        obs.close()
+        if obs is not None:
+            obs.close()
 
 
 def execute_operations(
@@ -190,8 +215,13 @@ def execute_operations(
     state: State | None = None,
     observer: Observer | None = None,
     profile: bool = False,
+    **guard: Any,
 ) -> Any:
-    """Run one microbatch through every stage in order: the single-batch reference the overlapped run must equal."""
+    """Run one microbatch through every stage in order: the single-batch reference the overlapped run must equal.
+
+    ``guard`` takes the `execute_overlapped_operations` keywords ``drain``, ``watchdog_s``, ``watchdog_label`` and
+    ``dump_stacks``."""
     return execute_overlapped_operations(
-        [inputs], operations, 0, states=None if state is None else [state], observer=observer, profile=profile
+        [inputs], operations, 0, states=None if state is None else [state], observer=observer, profile=profile,
+        **guard,
     )[0]

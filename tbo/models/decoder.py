@@ -248,6 +248,8 @@ class ReferenceModel:
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             return {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
 
+        if hasattr(self.backend, "drain"):
+            kwargs.setdefault("drain", (self.backend,))  # a failed step drains its transfers before raising
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": self.embed(input_ids)}, self.bind(strategy),
                                       plan, pinned=pinned, **kwargs)
         return self.head(out["hidden_states"])

@@ -1,0 +1,175 @@
+"""The linter, fault handling (drain after a failure, over real gloo), and the hang watchdog."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tbo.strategies as S
+from tbo import HangError, OperationError, OperationsStrategy, Yield, lint
+from tbo.cli import main
+from tbo.comm import LocalBackend, TorchDistributedBackend
+from tbo.launch import launch
+from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+from tbo.split import ForwardMode, SplitPolicy
+
+
+# ---- linter -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", S.names())
+@pytest.mark.parametrize("low_latency", [False, True])
+def test_builtin_strategies_have_no_errors(name, low_latency):
+    joined = OperationsStrategy.concat([S.get(name)] * 3)
+    assert [f for f in lint(joined, 2, low_latency) if f.level == "error"] == []
+
+
+def codes(ops, delta=0, low_latency=False, microbatches=2):
+    return [(f.level, f.code) for f in lint(OperationsStrategy(operations=ops, delta_stages=delta), microbatches,
+                                            low_latency)]
+
+
+def test_lint_errors():
+    assert ("error", "wait-without-launch") in codes(["attn", Yield, "dispatch_b"])
+    assert ("error", "never-waited") in codes(["attn", "dispatch_a", Yield, "mlp"])
+    findings = lint(OperationsStrategy(operations=["attn", "dispatch_a", Yield, "mlp", Yield, "dispatch_b"]), 2,
+                    low_latency=False)
+    assert not [f for f in findings if f.level == "error"]
+    # three microbatches each launch before any waits: three low-latency transfers in flight
+    ll = codes(["attn", "dispatch_a", Yield, "mlp", Yield, "dispatch_b"], low_latency=True, microbatches=3)
+    assert ("error", "too-many-in-flight") in ll
+    err = next(f for f in lint(OperationsStrategy(operations=["attn", Yield, "dispatch_b"])) if f.level == "error")
+    assert (err.microbatch, err.stage, err.op) == (0, 1, "dispatch_b") and "never launched" in err.message
+
+
+def test_lint_warnings():
+    assert ("warning", "same-stage") in codes(["attn", "dispatch_a", "dispatch_b", "mlp"])
+    # launch, Yield, wait with nothing in between in either microbatch (delta 0: B's stage is also empty of compute)
+    assert ("warning", "no-overlap") in codes(["attn", "dispatch_a", Yield, "dispatch_b", "mlp"], delta=0,
+                                              microbatches=1)
+    assert codes(["attn", "dispatch_a", Yield, "mlp", "dispatch_b"]) == []
+
+
+def test_lint_cli_exit_codes(tmp_path, capsys):
+    assert main(["lint", "deepseek_decode", "--low-latency"]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(OperationsStrategy(operations=["attn", Yield, "combine_b"]).model_dump_json())
+    assert main(["lint", str(bad)]) == 1
+    assert "wait-without-launch" in capsys.readouterr().out
+
+
+# ---- fault handling over gloo ----------------------------------------------------------------------------------------
+def _fail_while_a_dispatch_in_flight(rank, world):
+    config = ModelConfig.deepseek_v3_tiny(num_layers=3)
+    backend = TorchDistributedBackend(config.num_experts, timeout_s=20)
+    model = ReferenceModel(config, backend)
+    armed = {"on": True}
+    layer = model.layers[2]  # a MoE layer: when B prepares its attention, A's dispatch of layer 1 is in flight
+    original = layer.op_attn_prepare
+
+    def failing_attn_prepare(state):
+        if armed["on"] and state.stage_idx == 1:
+            raise RuntimeError("injected failure in microbatch B")
+        return original(state)
+
+    layer.op_attn_prepare = failing_attn_prepare
+    lens = [3, 5, 2, 4]
+    ids = torch.arange(sum(lens)) % config.vocab_size + rank
+    meta = AttentionMetadata.build(range(4), lens, [0] * 4)
+    plan = SplitPolicy(prefill_token_threshold=2).plan(ForwardMode.EXTEND, sum(lens), lens)
+    in_flight_seen = []
+    real_attn_prepare = failing_attn_prepare
+
+    def spy(state):
+        in_flight_seen.append(len(backend.in_flight))
+        return real_attn_prepare(state)
+
+    layer.op_attn_prepare = spy
+    try:
+        model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", plan)
+        error = None
+    except OperationError as exc:
+        error = (exc.microbatch, exc.op_name, str(exc.__cause__))
+    left = len(backend.in_flight)
+    armed["on"] = False
+    again = model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", plan)
+    reference = model.forward(ids, meta, KVCache())
+    return error, max(in_flight_seen), left, torch.equal(again, reference)
+
+
+@pytest.mark.dist
+def test_failure_drains_and_next_step_runs():
+    for error, in_flight_at_failure, left, next_step_ok in launch(_fail_while_a_dispatch_in_flight, 2):
+        assert error == (1, "spy", "injected failure in microbatch B")
+        assert in_flight_at_failure >= 1  # A's dispatch was really in flight when B failed
+        assert left == 0  # drained before the error surfaced
+        assert next_step_ok  # same process group and backend, next step bit-exact
+
+
+# ---- watchdog ---------------------------------------------------------------------------------------------------------
+class NeverCompletes(LocalBackend):
+    """A transport that launches and never delivers: dispatch_b waits forever (blocked in C, or polling)."""
+
+    def __init__(self, num_experts, polling=False):
+        super().__init__(num_experts)
+        self.stuck, self.polling = threading.Event(), polling
+
+    @property
+    def in_flight(self):
+        return ["dispatch (never completes)"]
+
+    def dispatch_b(self, state):
+        if self.polling:
+            while not self.stuck.wait(0.05):  # the way a transport waits in slices, checking a deadline
+                pass
+        self.stuck.wait()  # forever, unless something interrupts it
+        return super().dispatch_b(state)
+
+
+def _hang_step(watchdog_s, dump_stacks=False, polling=False):
+    config = ModelConfig.qwen3_moe_tiny(num_layers=2)
+    model = ReferenceModel(config, NeverCompletes(config.num_experts, polling))
+    meta = AttentionMetadata.build(range(4), [1] * 4, [0] * 4)
+    plan = SplitPolicy().plan(ForwardMode.DECODE, 4)
+    return model.forward_tbo(torch.arange(4), meta, KVCache(), "qwen3_moe_decode", plan, watchdog_s=watchdog_s,
+                             watchdog_label="rank 0", dump_stacks=dump_stacks)
+
+
+def test_watchdog_raises_hang_error_with_positions():
+    t0 = time.monotonic()
+    with pytest.raises(HangError) as info:
+        _hang_step(1.0)
+    assert time.monotonic() - t0 < 15
+    text = str(info.value)
+    assert text.startswith("rank 0: the step ran past its 1s watchdog")
+    assert "microbatch 0: stage 3, in op 'dispatch_b'" in text
+    assert "microbatch 1: stage 0 done" in text  # B is two stages behind (delta 2): next comes its stage 1
+    assert "transfers pending: dispatch (never completes)" in text
+
+
+def test_watchdog_dumps_stacks_and_works_off_the_main_thread():
+    result = {}
+
+    def run():
+        try:
+            _hang_step(1.0, dump_stacks=True, polling=True)
+        except HangError as exc:
+            result["text"] = str(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)  # off the main thread the error lands when the thread next runs Python: the polling wait does
+    assert not thread.is_alive()
+    assert "the step ran past its 1s watchdog" in result["text"]
+    assert "thread stacks" in result["text"] and "File" in result["text"]
+
+
+def test_watchdog_off_costs_nothing_and_passes_through():
+    config = ModelConfig.qwen3_moe_tiny(num_layers=2)
+    model = ReferenceModel(config)
+    meta = AttentionMetadata.build(range(4), [1] * 4, [0] * 4)
+    plan = SplitPolicy().plan(ForwardMode.DECODE, 4)
+    a = model.forward_tbo(torch.arange(4), meta, KVCache(), "qwen3_moe_decode", plan, watchdog_s=30)
+    b = model.forward(torch.arange(4), meta, KVCache())
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="watchdog_s must be positive"):
+        model.forward_tbo(torch.arange(4), meta, KVCache(), "qwen3_moe_decode", plan, watchdog_s=0)
