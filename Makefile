@@ -15,7 +15,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,plot]"
+	$(PY) -m pip install -q -e ".[test,plot,hf]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -55,3 +55,11 @@ def test_afd_example():
     diffs = [float(v) for v in re.findall(r"^max diff: (\S+)", out, re.M)]
     assert diffs == [0.0, 0.0]
     assert out.count("speedup:") == 2 and "split into 2 stages: yes" in out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model,ranks", [("deepseek_v3", "1"), ("qwen3_moe", "2")])
+def test_hf_generate_example(model, ranks):
+    pytest.importorskip("transformers", reason="the hf extra (transformers 5.x) is not installed")
+    out = run("hf_generate.py", "--model", model, "--ranks", ranks, "--new-tokens", "8")
+    assert max_diff(out) < 1e-5 and "tokens equal: True" in out

@@ -1,0 +1,283 @@
+"""Hugging Face MoE models through tbo: DeepseekV3 and Qwen3-MoE decoder layers as op lists, TBO forward, generate.
+
+`TboDecoderLayer` wraps an HF decoder layer and exposes the ``op_*`` methods the built-in strategies name, using the
+layer's own modules: the norms, ``self_attn``, ``mlp.gate``, ``mlp.shared_experts`` and the ``mlp.experts``
+weights. The one thing done differently is expert dispatch, which goes through an `EPBackend` (so experts can live on
+other ranks); the per-expert compute reproduces HF's experts module.
+
+`forward` drives a whole ``...ForCausalLM`` the way HF's model forward does (its mask, positions and rotary
+embeddings), splitting the batch by rows into two microbatches when the `SplitPolicy` says so: each microbatch gets
+its rows of the attention mask, positions and KV cache, and the cache rows are joined back after the step.
+`generate` is greedy decoding on top. ``transformers`` is imported only here (the ``hf`` extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import strategies
+from .._optional import require
+from ..comm.alltoall import LocalBackend
+from ..comm.experts import run_experts
+from ..executors import execute_operations, execute_overlapped_operations
+from ..split import ForwardMode, SplitPolicy, agree_to_split
+from ..state import State
+
+__all__ = ["TboDecoderLayer", "forward", "generate", "SUPPORTED_LAYERS", "SUPPORTED_ATTENTION"]
+
+#: decoder layer class -> strategy family
+SUPPORTED_LAYERS = {"DeepseekV3DecoderLayer": "deepseek", "Qwen3MoeDecoderLayer": "qwen3_moe"}
+#: attention implementations whose mask is a per-row tensor (or None) that can be cut by rows
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+
+
+def _transformers() -> Any:
+    return require("transformers", "tbo.integrations.transformers (pip install 'tbo[hf]')")
+
+
+@dataclass
+class _Step:
+    """What one microbatch's attention needs for this step: its rows of mask, positions, rotary, cache."""
+
+    attention_mask: Any
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    cache: Any
+
+
+class TboDecoderLayer:
+    """An HF ``DeepseekV3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` as ops; experts dispatched through ``backend``."""
+
+    def __init__(self, hf_layer: Any, backend: Any, layer_idx: int) -> None:
+        cls = type(hf_layer).__name__
+        if cls not in SUPPORTED_LAYERS:
+            raise TypeError(f"unsupported decoder layer class {cls}; supported: {', '.join(SUPPORTED_LAYERS)}")
+        impl = getattr(hf_layer.self_attn.config, "_attn_implementation", None)
+        if impl not in SUPPORTED_ATTENTION:
+            raise ValueError(f"unsupported attention implementation {impl!r} in {cls}; supported: "
+                             f"{', '.join(SUPPORTED_ATTENTION)} (load the model with attn_implementation='sdpa')")
+        self.hf, self.backend, self.layer_idx = hf_layer, backend, layer_idx
+        self.family = SUPPORTED_LAYERS[cls]
+        mlp = hf_layer.mlp
+        self.kind = "moe" if hasattr(mlp, "experts") else "dense"
+        self.shared = getattr(mlp, "shared_experts", None) if self.kind == "moe" else None
+        if self.kind == "moe":
+            experts = mlp.experts
+            if experts.num_experts != backend.num_experts:
+                raise ValueError(f"layer {layer_idx} has {experts.num_experts} experts but the backend routes "
+                                 f"{backend.num_experts}")
+            base = backend.rank * backend.num_local_experts
+
+            def local_expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # HF's experts module, one expert
+                gate, up = F.linear(rows, experts.gate_up_proj[base + e]).chunk(2, dim=-1)
+                return F.linear(experts.act_fn(gate) * up, experts.down_proj[base + e])
+
+            self.local_expert = local_expert
+
+    def __repr__(self) -> str:
+        return f"TboDecoderLayer({self.layer_idx}, {type(self.hf).__name__}, {self.kind})"
+
+    def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor) -> None:
+        state.residual = hidden_states
+        state.attn_in = self.hf.input_layernorm(hidden_states)
+
+    def op_attn_prepare(self, state: State) -> None:
+        step: _Step = state.hf_step
+        state.attn_kwargs = {"attention_mask": step.attention_mask, "position_ids": step.position_ids,
+                             "cache": step.cache, "use_cache": True, "position_embeddings": step.position_embeddings}
+
+    def op_attn_core(self, state: State) -> None:
+        out, _ = self.hf.self_attn(hidden_states=state.pop("attn_in"), **state.pop("attn_kwargs"))
+        state.attn_out = out
+
+    def op_comm_prepare_mlp(self, state: State) -> None:
+        residual = state.pop("residual") + state.pop("attn_out")
+        state.residual = residual
+        state.mlp_in = self.hf.post_attention_layernorm(residual)
+
+    def op_mlp(self, state: State) -> None:
+        state.mlp_out = self.hf.mlp(state.pop("mlp_in"))
+
+    def op_gate(self, state: State) -> None:
+        x = state.mlp_in
+        _, weights, idx = self.hf.mlp.gate(x.reshape(-1, x.shape[-1]))
+        state.topk = (idx, weights)
+
+    def op_select_experts(self, state: State) -> None:
+        """HF routers pick the experts inside the gate; nothing is left to do here."""
+
+    def op_dispatch_a(self, state: State) -> None:
+        x = state.mlp_in if self.shared is not None else state.pop("mlp_in")
+        state.moe_shape = x.shape
+        state.dispatch = self.backend.dispatch_a(x.reshape(-1, x.shape[-1]), *state.pop("topk"))
+
+    def op_shared_experts(self, state: State) -> None:
+        if self.shared is not None:
+            state.shared_out = self.shared(state.pop("mlp_in"))
+
+    def op_dispatch_b(self, state: State) -> None:
+        state.dispatched = self.backend.dispatch_b(state.pop("dispatch"))
+
+    def op_experts(self, state: State) -> None:
+        dispatched = state.pop("dispatched")
+        state.expert_out = (run_experts(dispatched, self.local_expert), dispatched.handle)
+
+    def op_combine_a(self, state: State) -> None:
+        state.combine = self.backend.combine_a(*state.pop("expert_out"))
+
+    def op_combine_b(self, state: State) -> None:
+        state.routed_out = self.backend.combine_b(state.pop("combine"))
+
+    def op_output(self, state: State) -> None:
+        if self.kind == "dense":
+            mlp = state.pop("mlp_out")
+        else:
+            mlp = state.pop("routed_out").view(state.pop("moe_shape"))
+            if self.shared is not None:
+                mlp = mlp + state.pop("shared_out")
+        state.layer_out = state.pop("residual") + mlp
+
+    def op_comm_postprocess_layer(self, state: State) -> dict[str, torch.Tensor]:
+        out = state.pop("layer_out")
+        state.clear()
+        return {"hidden_states": out}
+
+
+class _Wrapped:
+    """The tbo view of one HF causal LM: wrapped layers and their bound strategies (built once, cached)."""
+
+    def __init__(self, model: Any, backend: Any) -> None:
+        self.backend = backend
+        self.layers = [TboDecoderLayer(layer, backend, i) for i, layer in enumerate(model.model.layers)]
+        family = self.layers[0].family
+        self.strategies = {mode: strategies.bind_layers(self.layers, strategies.get(f"{family}_{mode}"))
+                           for mode in ("decode", "prefill")}
+
+
+def _wrapped(model: Any, backend: Any) -> _Wrapped:
+    cached = getattr(model, "_tbo_wrapped", None)
+    if cached is None or cached.backend is not backend:
+        cached = _Wrapped(model, backend)
+        model._tbo_wrapped = cached
+    return cached
+
+
+def _cache_rows(cache: Any, config: Any, lo: int, hi: int) -> Any:
+    """A cache holding rows ``lo:hi`` of ``cache`` (the tensors are views: nothing is copied)."""
+    part = _transformers().DynamicCache(config=config)
+    for src, dst in zip(cache.layers, part.layers):
+        if src.is_initialized:
+            dst.lazy_initialization(src.keys, src.values)
+            dst.keys, dst.values = src.keys[lo:hi], src.values[lo:hi]
+    return part
+
+
+def _join_cache_rows(cache: Any, parts: list[Any]) -> None:
+    for i, layer in enumerate(cache.layers):
+        pieces = [p.layers[i] for p in parts]
+        if not layer.is_initialized:
+            layer.lazy_initialization(pieces[0].keys, pieces[0].values)
+        layer.keys = torch.cat([p.keys for p in pieces])
+        layer.values = torch.cat([p.values for p in pieces])
+
+
+def _rows_plan(policy: SplitPolicy, batch: int, seq: int, past: int) -> tuple[int, ...] | None:
+    """Row boundaries of the microbatches, or None: HF batches can only be cut between rows."""
+    if seq == 1 and past > 0:
+        plan = policy.plan(ForwardMode.DECODE, batch)
+    else:
+        plan = policy.plan(ForwardMode.EXTEND, batch * seq, [seq] * batch)
+    if not agree_to_split(plan) or plan is None or plan.two_chunk:
+        return None
+    return tuple(mb.requests_start for mb in plan.microbatches) + (batch,)
+
+
+def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            past_key_values: Any = None, policy: SplitPolicy | None = None, backend: Any = None,
+            **run: Any) -> tuple[torch.Tensor, Any]:
+    """Logits ``[batch, seq, vocab]`` and the updated cache, like ``model(input_ids, attention_mask, ...)``.
+
+    ``attention_mask`` covers past and current tokens (as in HF generation); ``policy`` decides the split (None:
+    never); ``backend`` routes the experts (default: all local). ``run`` goes to the executor (``watchdog_s``, ...).
+    """
+    hf = _transformers()
+    backend = backend if backend is not None else LocalBackend(model.config.num_local_experts
+                                                                if hasattr(model.config, "num_local_experts")
+                                                                else model.config.num_experts)
+    wrapped = _wrapped(model, backend)
+    inner, config = model.model, model.config
+    cache = past_key_values if past_key_values is not None else hf.DynamicCache(config=config)
+    batch, seq = input_ids.shape
+    past = cache.get_seq_length()
+    with torch.no_grad():
+        embeds = inner.embed_tokens(input_ids)
+        if attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, -seq:]
+        else:
+            position_ids = (torch.arange(seq) + past).unsqueeze(0).expand(batch, -1)
+        make_mask = hf.masking_utils.create_causal_mask if getattr(config, "sliding_window", None) is None else (
+            hf.masking_utils.create_sliding_window_causal_mask)
+        mask = make_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache,
+                         position_ids=position_ids)
+        cos, sin = inner.rotary_emb(embeds, position_ids=position_ids)
+        strategy = wrapped.strategies["decode" if seq == 1 and past > 0 else "prefill"]
+        rows = _rows_plan(policy, batch, seq, past) if policy is not None else None
+        drain = {"drain": (backend,)} if hasattr(backend, "drain") else {}
+
+        def step(lo: int, hi: int, part_cache: Any) -> _Step:
+            m = mask[lo:hi] if isinstance(mask, torch.Tensor) else mask
+            return _Step(m, position_ids[lo:hi], (cos[lo:hi], sin[lo:hi]), part_cache)
+
+        if rows is None:
+            state = State()
+            state.pin(hf_step=step(0, batch, cache))
+            hidden = execute_operations({"hidden_states": embeds}, strategy, state=state, **drain, **run)
+            hidden = hidden["hidden_states"]
+        else:
+            bounds = list(zip(rows[:-1], rows[1:]))
+            parts = [_cache_rows(cache, config, lo, hi) for lo, hi in bounds]
+            states = []
+            for (lo, hi), part in zip(bounds, parts):
+                state = State()
+                state.pin(hf_step=step(lo, hi, part))
+                states.append(state)
+            outs = execute_overlapped_operations([{"hidden_states": embeds[lo:hi]} for lo, hi in bounds], strategy,
+                                                 states=states, **drain, **run)
+            hidden = torch.cat([o["hidden_states"] for o in outs])
+            _join_cache_rows(cache, parts)
+        logits = model.lm_head(inner.norm(hidden))
+    return logits, cache
+
+
+def generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             max_new_tokens: int = 16, policy: SplitPolicy | None = None, backend: Any = None) -> torch.Tensor:
+    """Greedy decoding: the prompt with the prefill strategy, then one token per step with the decode strategy.
+
+    Returns prompt and new tokens, like ``model.generate(do_sample=False)``; a row that emits the model's EOS is
+    padded with its pad token from then on, as HF does.
+    """
+    hf = _transformers()
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    pad = getattr(gen, "pad_token_id", None)
+    pad = pad if pad is not None else (min(eos_ids) if eos_ids else 0)
+    cache = hf.DynamicCache(config=model.config)
+    tokens, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    step_ids = input_ids
+    for _ in range(max_new_tokens):
+        logits, cache = forward(model, step_ids, mask, cache, policy, backend)
+        nxt = logits[:, -1].argmax(-1)
+        nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
+        finished |= torch.isin(nxt, torch.tensor(sorted(eos_ids), dtype=nxt.dtype)) if eos_ids else finished
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        if bool(finished.all()):
+            break
+        step_ids = nxt[:, None]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return tokens
