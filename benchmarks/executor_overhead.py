@@ -16,17 +16,10 @@ import contextlib
 import statistics
 import time
 
-from tbo import OperationsStrategy, State, Yield, execute_overlapped_operations
+from tbo import OperationsStrategy, State, Yield, execute_overlapped_operations, strategies
 from tbo.schedule import interleave
 
-DECODE_LAYER = [
-    "comm_prepare_attn", "attn_prepare", Yield,
-    "attn_core", "comm_prepare_mlp", "gate", "select_experts", Yield,
-    "dispatch_a", "shared_experts", Yield,
-    "dispatch_b", "experts", "combine_a", Yield,
-    "combine_b", Yield,
-    "output", "comm_postprocess_layer",
-]
+DECODE_LAYER = strategies.get("deepseek_decode")  # 14 ops, 5 Yields, delta 2
 
 
 class TrivialLayer:
@@ -84,9 +77,8 @@ class TrivialLayer:
 
 
 def build(num_layers: int) -> OperationsStrategy:
-    layer_strategy = OperationsStrategy(operations=DECODE_LAYER, delta_stages=2, name="decode-shaped")
     layers = [TrivialLayer() for _ in range(num_layers)]
-    return OperationsStrategy.concat([layer_strategy.bind(layer) for layer in layers])
+    return OperationsStrategy.concat([DECODE_LAYER.bind(layer) for layer in layers])
 
 
 def run_executor(strategy: OperationsStrategy) -> list:

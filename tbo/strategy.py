@@ -177,6 +177,23 @@ class OperationsStrategy(BaseModel):
             name=self.name,
         )
 
+    def without(self, names: Iterable[str], name: str | None = None) -> "OperationsStrategy":
+        """This strategy with the named ops removed (and any stage they leave empty), e.g. a model that has no
+        shared experts. Stage boundaries between the remaining ops stay where they were."""
+        drop = set(names)
+        kept: list[Any] = []
+        for item in self.operations:
+            if item is Yield:
+                if kept and kept[-1] is not Yield:
+                    kept.append(Yield)
+            elif not (isinstance(item, str) and item in drop) and op_name(item) not in drop:
+                kept.append(item)
+        while kept and kept[-1] is Yield:
+            kept.pop()
+        stages = kept.count(Yield) + 1
+        return type(self)(operations=kept, delta_stages=min(self.delta_stages, stages - 1),
+                          deep_gemm_num_sms=self.deep_gemm_num_sms, name=name if name is not None else self.name)
+
     @classmethod
     def concat(cls, strategies: Iterable["OperationsStrategy"], name: str | None = None) -> "OperationsStrategy":
         """Join per-layer strategies into one list, the way a model runs its layers back to back.

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tbo import CommTimeoutError
+
 from tbo.afd import AFDConfig, AFDMeta, AFDTopology
 from tbo.afd.run import AFDCase, run_afd
 from tbo.launch import RankError, launch

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tbo import OperationsStrategy, Yield, execute_overlapped_operations
+from tbo import OperationsStrategy, Yield
 from tbo.comm import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel

@@ -129,3 +129,12 @@ def test_describe_lists_stages():
     text = s.describe()
     assert "strategy n: 2 stages, delta_stages=0, deep_gemm_num_sms=3" in text
     assert "stage 0: attn, gate" in text and "stage 1: dispatch_a" in text
+
+
+def test_without_drops_ops_and_empty_stages():
+    s = OperationsStrategy(operations=["a", Yield, "b", Yield, "c", "d"], delta_stages=2, name="x")
+    t = s.without(["b"])
+    assert t.stage_names == (("a",), ("c", "d")) and t.delta_stages == 1 and t.name == "x"
+    assert s.without(["d"], name="y").stage_names == (("a",), ("b",), ("c",))
+    with pytest.raises(StrategyError, match="empty"):
+        s.without(["a", "b", "c", "d"])

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 
 from ..models import ModelConfig, ReferenceModel
 from ..split import ForwardMode

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from .. import strategies
 from .._optional import require
 from ..comm.alltoall import LocalBackend
-from ..comm.experts import run_experts
 from ..executors import execute_operations, execute_overlapped_operations
+from ..models.moe_ops import ExpertParallelOps
 from ..split import ForwardMode, SplitPolicy, agree_to_split
 from ..state import State
 
@@ -49,7 +49,7 @@ class _Step:
     cache: Any
 
 
-class TboDecoderLayer:
+class TboDecoderLayer(ExpertParallelOps):
     """An HF ``DeepseekV3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` as ops; experts dispatched through ``backend``."""
 
     def __init__(self, hf_layer: Any, backend: Any, layer_idx: int) -> None:
@@ -70,16 +70,16 @@ class TboDecoderLayer:
             if experts.num_experts != backend.num_experts:
                 raise ValueError(f"layer {layer_idx} has {experts.num_experts} experts but the backend routes "
                                  f"{backend.num_experts}")
-            base = backend.rank * backend.num_local_experts
-
-            def local_expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # HF's experts module, one expert
-                gate, up = F.linear(rows, experts.gate_up_proj[base + e]).chunk(2, dim=-1)
-                return F.linear(experts.act_fn(gate) * up, experts.down_proj[base + e])
-
-            self.local_expert = local_expert
+            self._experts, self._expert_base = experts, backend.rank * backend.num_local_experts
 
     def __repr__(self) -> str:
         return f"TboDecoderLayer({self.layer_idx}, {type(self.hf).__name__}, {self.kind})"
+
+    def local_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """HF's experts module for one local expert: gate/up projection, activation, down projection."""
+        g = self._expert_base + e
+        gate, up = F.linear(rows, self._experts.gate_up_proj[g]).chunk(2, dim=-1)
+        return F.linear(self._experts.act_fn(gate) * up, self._experts.down_proj[g])
 
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor) -> None:
         state.residual = hidden_states
@@ -118,19 +118,6 @@ class TboDecoderLayer:
     def op_shared_experts(self, state: State) -> None:
         if self.shared is not None:
             state.shared_out = self.shared(state.pop("mlp_in"))
-
-    def op_dispatch_b(self, state: State) -> None:
-        state.dispatched = self.backend.dispatch_b(state.pop("dispatch"))
-
-    def op_experts(self, state: State) -> None:
-        dispatched = state.pop("dispatched")
-        state.expert_out = (run_experts(dispatched, self.local_expert), dispatched.handle)
-
-    def op_combine_a(self, state: State) -> None:
-        state.combine = self.backend.combine_a(*state.pop("expert_out"))
-
-    def op_combine_b(self, state: State) -> None:
-        state.routed_out = self.backend.combine_b(state.pop("combine"))
 
     def op_output(self, state: State) -> None:
         if self.kind == "dense":

@@ -24,6 +24,7 @@ from ..strategy import OperationsStrategy
 from .cache import AttentionMetadata, KVCache
 from .config import ModelConfig
 from .functional import attend, linear, pointwise, rms_norm, rope, swiglu
+from .moe_ops import ExpertParallelOps
 
 __all__ = ["DecoderLayer", "ReferenceModel", "STATE_FLOW"]
 
@@ -51,7 +52,7 @@ def _init(g: torch.Generator, *shape: int, scale: float, dtype: torch.dtype) -> 
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-class DecoderLayer:
+class DecoderLayer(ExpertParallelOps):
     """One decoder layer. ``kind`` is ``"dense"`` (SwiGLU MLP) or ``"moe"`` (router, shared and routed experts)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, backend: Any) -> None:
@@ -79,9 +80,13 @@ class DecoderLayer:
                          _init(g, si, h, scale=si**-0.5, dtype=dt)) if si else None
         if e % backend.num_ranks:
             raise ValueError(f"num_experts={e} is not divisible by the backend's {backend.num_ranks} ranks")
-        base = backend.rank * backend.num_local_experts
+        self._expert_base = backend.rank * backend.num_local_experts
+
+    def local_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` (global ``rank * num_local_experts + e``) on its rows."""
         wg, wu, wd = self.experts_w
-        self.local_expert = lambda le, x: swiglu(x, wg[base + le], wu[base + le], wd[base + le], self.bi)
+        g = self._expert_base + e
+        return swiglu(rows, wg[g], wu[g], wd[g], self.bi)
 
     def __repr__(self) -> str:
         return f"DecoderLayer({self.layer_idx}, {self.kind})"
@@ -173,19 +178,6 @@ class DecoderLayer:
     def op_shared_experts(self, state: State) -> None:
         if self.shared_w is not None:
             state.shared_out = self._shared(state.pop("mlp_in"))
-
-    def op_dispatch_b(self, state: State) -> None:
-        state.dispatched = self.backend.dispatch_b(state.pop("dispatch"))
-
-    def op_experts(self, state: State) -> None:
-        dispatched = state.pop("dispatched")  # dropped here: DeepEP low-latency holds at most two results
-        state.expert_out = (run_experts(dispatched, self.local_expert), dispatched.handle)
-
-    def op_combine_a(self, state: State) -> None:
-        state.combine = self.backend.combine_a(*state.pop("expert_out"))
-
-    def op_combine_b(self, state: State) -> None:
-        state.routed_out = self.backend.combine_b(state.pop("combine"))
 
     def op_output(self, state: State) -> None:
         if self.kind == "dense":
