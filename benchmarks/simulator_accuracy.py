@@ -53,7 +53,7 @@ def rounds(bench: TracedModel, batches: dict, strategy: str, repeats: int) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--latency-us", type=float, default=20.0)
     parser.add_argument("--gbps", type=float, default=0.05)
     args = parser.parse_args()

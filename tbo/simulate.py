@@ -293,8 +293,9 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
     """Per-op costs and per-transfer sizes fitted from real traces: ``linear`` (seconds + per_token * t) or
     ``table`` (the measured medians, interpolated: better where small batches are not linear).
 
-    Single-batch traces give the costs. Overlapped traces, if any, give ``overlap_scale``: how much cheaper (or
-    dearer) an op runs in the first and in later microbatches when they interleave.
+    Single-batch traces give the costs; overlapped traces, if any, give ``overlap_scale``: how much cheaper (or
+    dearer) an op runs in the first and in later microbatches when they interleave. An op seen only in overlapped
+    traces takes its cost from them, with no scale.
 
     Traces at several token counts are needed for the slopes; an op's compute time excludes its ``_b`` wait. Each
     op's repeated samples at one token count are reduced to their median before the fit, so a slow outlier (an
@@ -317,6 +318,10 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
         for s in trace.lane("comm"):
             sizes[s.name].append((trace.tokens[s.mb], float(s.nbytes)))
             durations.append((float(s.nbytes), s.duration))
+    only_overlapped = {name for name, _ in overlapped if not samples.get(name)}
+    for (name, _), pts in overlapped.items():
+        if name in only_overlapped:
+            samples[name].extend(pts)
     ops = {}
     for name, pts in samples.items():
         by_tokens: dict[int, list[float]] = defaultdict(list)
@@ -338,7 +343,7 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
         latency_s = lat if latency_s is None else latency_s
         bandwidth = (1.0 / per_byte if per_byte > 0 else 1e12) if bandwidth is None else bandwidth
     scale: dict[str, tuple[float, float]] = {}
-    for name in {name for name, _ in overlapped}:
+    for name in {name for name, _ in overlapped} - only_overlapped:
         base = ops.get(name)
         if base is None:
             continue

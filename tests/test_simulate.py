@@ -141,3 +141,12 @@ def test_tracer_on_real_run_and_fit():
     assert fitted.transfers["dispatch"].bytes_per_token > 0 and "attn_core" in fitted.ops
     # CostModel round-trips through JSON (what `tbo simulate --costs` reads)
     assert CostModel.model_validate_json(fitted.model_dump_json()) == fitted
+
+
+def test_fit_from_overlapped_traces_only():
+    """With only overlapped traces, their samples are the costs (and no overlap scale is claimed)."""
+    t = simulate(LAYER, costs(1.0, 2.0, 1.0), [3, 5]).trace
+    fitted = fit_costs([t], latency_s=0.0, bandwidth=1.0, kind="table")
+    assert fitted.overlap_scale == {}
+    assert fitted.op("attn", 3) == pytest.approx(3.0) and fitted.op("mlp", 5) == pytest.approx(10.0)
+    assert simulate(LAYER, fitted, [3, 5]).step_s == pytest.approx(simulate(LAYER, costs(1.0, 2.0, 1.0), [3, 5]).step_s)
