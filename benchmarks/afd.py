@@ -15,13 +15,13 @@ from tbo.launch import launch
 
 CASES = {
     "prefill": AFDCase(mode="prefill", num_seqs=8, ctx=128, hidden_size=512, num_layers=4, batch_invariant=False),
-    "decode": AFDCase(mode="decode", num_seqs=128, ctx=16, hidden_size=1024, num_layers=4, batch_invariant=False),
+    "decode": AFDCase(mode="decode", num_seqs=256, ctx=96, hidden_size=1536, num_layers=4, batch_invariant=False),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     for name, case in CASES.items():
         case = AFDCase(**{**case.__dict__, "repeats": args.repeats})

@@ -6,12 +6,12 @@
    microbatch finds the weights the first just used warm).
 2. Predict, for a grid of batch sizes, the single-batch and TBO step times (`simulate`, with the split plan's real
    microbatch sizes), and whether to split (`recommend`).
-3. Measure the same steps (medians of repeats) and compare.
+3. Measure the same steps (medians; each size until it has enough samples and enough measured time) and compare.
 
 Every sequence has the same length (prompt or cached context), so the token count is the only variable: the cost
 model is a function of tokens, and attention cost also depends on context lengths, which this grid holds fixed.
-Measurements go round-robin over all sizes, alternating single and TBO steps, so that a slow spell of this shared
-machine spreads over every size instead of distorting one.
+Measurements go round-robin over all sizes, the calibration runs included, alternating single and TBO steps, so that
+a slow spell of this shared machine spreads over every size, and over calibration and measurement alike.
 
 Prints a row per grid point and, last, ``max ratio error: <fraction>`` (the worst |predicted TBO/single ÷ measured
 TBO/single − 1|) and ``decision accuracy: <fraction>``. Targets: <= 0.10 and >= 0.95.
@@ -38,22 +38,33 @@ GRID = {"decode": [2, 4, 8, 16, 24, 32, 48, 64, 96, 128], "prefill": [1, 2, 3, 4
 CTX = {"decode": 64, "prefill": 32}
 
 
-def rounds(bench: TracedModel, batches: dict, strategy: str, repeats: int) -> dict:
-    """Round-robin over the batches, a single and a TBO step each per round; the traces, per batch and mode."""
+def rounds(bench: TracedModel, batches: dict, strategy: str, repeats: int, min_seconds: float) -> dict:
+    """Round-robin over the batches, a single and a TBO step each per round; the traces, per batch and mode.
+
+    A batch keeps being measured, round after round, until it has ``repeats`` samples and ``min_seconds`` of steps:
+    a 5 ms step needs many more samples than a 60 ms one for a median as steady.
+    """
     out: dict = defaultdict(lambda: {False: [], True: []})
+    spent: dict = defaultdict(float)
     for n, batch in batches.items():  # warm up: the first steps of a new size pay for allocations
         for split in (False, True, False, True):
             bench.step(batch, strategy, split)
-    for _ in range(repeats):
-        for n, batch in batches.items():
+    todo = dict(batches)
+    while todo:
+        for n, batch in list(todo.items()):
             for split in (False, True):
-                out[n][split].append(bench.step(batch, strategy, split))
+                trace = bench.step(batch, strategy, split)
+                out[n][split].append(trace)
+                spent[n] += summary(trace).step_s
+            if len(out[n][False]) >= repeats and spent[n] >= min_seconds or len(out[n][False]) >= 8 * repeats:
+                del todo[n]
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=10, help="at least this many samples per size and mode")
+    parser.add_argument("--min-seconds", type=float, default=0.6, help="and at least this much measured time")
     parser.add_argument("--latency-us", type=float, default=20.0)
     parser.add_argument("--gbps", type=float, default=0.05)
     args = parser.parse_args()
@@ -65,12 +76,12 @@ def main() -> None:
     for mode in ("decode", "prefill"):
         strategy = f"deepseek_{mode}"
         bound = bench.model.bind(strategy)
-        fit_batches = {(n, ctx): bench.batch(mode, n, ctx, seed=100 + n, spread=0.0) for n, ctx in FIT[mode]}
-        fit_traces = rounds(bench, fit_batches, strategy, args.repeats)
-        costs = fit_costs([t for n in fit_traces for split in (False, True) for t in fit_traces[n][split]],
-                          bench.link.latency_s, bench.link.bandwidth, kind="table")
+        fit_batches = {("fit", n, ctx): bench.batch(mode, n, ctx, seed=100 + n, spread=0.0) for n, ctx in FIT[mode]}
         grid_batches = {n: bench.batch(mode, n, CTX[mode], seed=n, spread=0.0) for n in GRID[mode]}
-        measured = rounds(bench, grid_batches, strategy, args.repeats)
+        # calibration and measurement share the rounds, so a slow spell of the machine hits both alike
+        measured = rounds(bench, {**fit_batches, **grid_batches}, strategy, args.repeats, args.min_seconds)
+        costs = fit_costs([t for key in fit_batches for split in (False, True) for t in measured[key][split]],
+                          bench.link.latency_s, bench.link.bandwidth, kind="table")
         for n, batch in grid_batches.items():
             single, tbo = (statistics.median(summary(t).step_s for t in measured[n][split]) for split in (False, True))
             p_single = simulate(bound, costs, [batch.num_tokens], 0).step_s
