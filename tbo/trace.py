@@ -18,7 +18,8 @@ from typing import Any, Iterable
 
 from .observer import Observer
 
-__all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_png"]
+__all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_png",
+           "interval_union"]
 
 
 @dataclass
@@ -57,14 +58,19 @@ class Trace:
         return cls([Span(**s) for s in data["spans"]], list(data.get("tokens", [])), data.get("label", ""))
 
 
-def _union(spans: Iterable[Span]) -> float:
-    total, end = 0.0, float("-inf")
-    for s in sorted(spans, key=lambda s: s.start):
-        start = max(s.start, end)
-        if s.end > start:
-            total += s.end - start
-        end = max(end, s.end)
+def interval_union(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
+    total, covered_to = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        start = max(start, covered_to)
+        if end > start:
+            total += end - start
+        covered_to = max(covered_to, end)
     return total
+
+
+def _union(spans: Iterable[Span]) -> float:
+    return interval_union((s.start, s.end) for s in spans)
 
 
 @dataclass(frozen=True)

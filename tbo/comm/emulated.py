@@ -83,13 +83,9 @@ class LinkStats:
     @property
     def comm_s(self) -> float:
         """Time the link was busy: the union of the transfers' in-flight intervals (overlaps counted once)."""
-        busy, end = 0.0, float("-inf")
-        for t in sorted(self.transfers, key=lambda t: t.launched):
-            start = max(t.launched, end)
-            if t.complete > start:
-                busy += t.complete - start
-            end = max(end, t.complete)
-        return busy
+        from ..trace import interval_union
+
+        return interval_union((t.launched, t.complete) for t in self.transfers)
 
     @property
     def exposed_s(self) -> float:
