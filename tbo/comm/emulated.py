@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..trace import interval_union
 from .types import DispatchOutput
 
 __all__ = ["EmulatedLink", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer"]
@@ -83,8 +84,6 @@ class LinkStats:
     @property
     def comm_s(self) -> float:
         """Time the link was busy: the union of the transfers' in-flight intervals (overlaps counted once)."""
-        from ..trace import interval_union
-
         return interval_union((t.launched, t.complete) for t in self.transfers)
 
     @property
