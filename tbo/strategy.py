@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
@@ -162,20 +162,13 @@ class OperationsStrategy(BaseModel):
                 f"missing methods {', '.join(missing)}"
             )
         bound = [getattr(layer, f"op_{it}") if isinstance(it, str) else it for it in self.operations]
-        return self._with_operations(bound)
+        return self._replace(operations=bound)
 
-    def _with_name(self, name: str | None) -> "OperationsStrategy":
-        return type(self)(operations=self.operations, delta_stages=self.delta_stages,
-                          deep_gemm_num_sms=self.deep_gemm_num_sms, name=name)
-
-    def _with_operations(self, operations: Sequence[Any]) -> "OperationsStrategy":
-        # A fresh, validated instance: model_copy would carry over the cached stages of the original.
-        return type(self)(
-            operations=operations,
-            delta_stages=self.delta_stages,
-            deep_gemm_num_sms=self.deep_gemm_num_sms,
-            name=self.name,
-        )
+    def _replace(self, **changes: Any) -> "OperationsStrategy":
+        """A fresh, validated instance with some fields changed (model_copy would carry over the cached stages)."""
+        fields = {"operations": self.operations, "delta_stages": self.delta_stages,
+                  "deep_gemm_num_sms": self.deep_gemm_num_sms, "name": self.name}
+        return type(self)(**{**fields, **changes})
 
     def without(self, names: Iterable[str], name: str | None = None) -> "OperationsStrategy":
         """This strategy with the named ops removed (and any stage they leave empty), e.g. a model that has no
@@ -186,13 +179,13 @@ class OperationsStrategy(BaseModel):
             if item is Yield:
                 if kept and kept[-1] is not Yield:
                     kept.append(Yield)
-            elif not (isinstance(item, str) and item in drop) and op_name(item) not in drop:
+            elif op_name(item) not in drop:  # an op name is its own debug name
                 kept.append(item)
         while kept and kept[-1] is Yield:
             kept.pop()
         stages = kept.count(Yield) + 1
-        return type(self)(operations=kept, delta_stages=min(self.delta_stages, stages - 1),
-                          deep_gemm_num_sms=self.deep_gemm_num_sms, name=name if name is not None else self.name)
+        return self._replace(operations=kept, delta_stages=min(self.delta_stages, stages - 1),
+                             name=name if name is not None else self.name)
 
     @classmethod
     def concat(cls, strategies: Iterable["OperationsStrategy"], name: str | None = None) -> "OperationsStrategy":

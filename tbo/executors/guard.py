@@ -97,11 +97,9 @@ class _Watchdog:
                  dump_stacks: bool) -> None:
         self.seconds, self.label, self.positions = seconds, label, positions
         self.drainables, self.dump_stacks = drainables, dump_stacks
-        self.message = ""
 
     def fire(self) -> str:
-        self.message = _report(self.seconds, self.label, self.positions, self.drainables, self.dump_stacks)
-        return self.message
+        return _report(self.seconds, self.label, self.positions, self.drainables, self.dump_stacks)
 
     def __enter__(self) -> "_Watchdog":
         if threading.current_thread() is threading.main_thread():

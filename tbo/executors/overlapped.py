@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..errors import HangError, OperationError, StrategyError
-from .guard import Drainable, PositionObserver, drain_all, watchdog
 from ..observer import FanoutObserver, Observer, RecordFunctionObserver
 from ..operations import YieldType, op_name
 from ..schedule import Schedule, interleave
 from ..state import State
 from ..strategy import OperationsStrategy
+from .guard import Drainable, PositionObserver, drain_all, watchdog
 
 __all__ = ["execute_operations", "execute_overlapped_operations", "run_schedule"]
 

@@ -40,7 +40,7 @@ def get(name: str) -> OperationsStrategy:
     strategy = entry if isinstance(entry, OperationsStrategy) else entry()
     if not isinstance(strategy, OperationsStrategy):
         raise StrategyError(f"the factory registered as {name!r} returned {type(strategy).__name__}")
-    return strategy if strategy.name == name else strategy._with_name(name)
+    return strategy if strategy.name == name else strategy._replace(name=name)
 
 
 def names() -> list[str]:
