@@ -239,17 +239,18 @@ def _candidates(layer_ops: Sequence[str], costs: CostModel, max_yields: int) -> 
     for k in range(0, min(max_yields, n - 1) + 1):
         for cuts in itertools.combinations(range(1, n), k):
             ops: list[object] = []
-            stage_of: dict[str, int] = {}
-            stage = 0
+            launched_in: dict[str, int] = {}  # transfer kind -> stage of its launch
+            ok, stage = True, 0
             for i, name in enumerate(layer_ops):
                 if i in cuts:
                     ops.append(Yield)
                     stage += 1
                 ops.append(name)
-                stage_of[name] = stage
-            # a launch and its wait in one stage leave nothing to overlap: skip such placements
-            ok = all(not (r and r[0] == "wait" and stage_of.get(f"{r[1]}_a", -1) == stage_of[nm])
-                     for nm in layer_ops for r in [costs.role(nm)])
+                role = costs.role(name)
+                if role and role[0] == "launch":
+                    launched_in[role[1]] = stage
+                elif role and launched_in.get(role[1]) == stage:
+                    ok = False  # a launch and its wait in one stage leave nothing to overlap
             if ok:
                 out.append(ops)
     return out
@@ -335,9 +336,9 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
         a, b = _least_squares(xs, ys)
         ops[name] = Cost(kind="linear", seconds=a, per_token=b)
     transfers = {}
-    for kind, pts in sizes.items():
+    for transfer_kind, pts in sizes.items():
         a, b = _least_squares([p[0] for p in pts], [p[1] for p in pts])
-        transfers[kind] = TransferCost(bytes_fixed=a, bytes_per_token=b)
+        transfers[transfer_kind] = TransferCost(bytes_fixed=a, bytes_per_token=b)
     if (latency_s is None or bandwidth is None) and durations:
         lat, per_byte = _least_squares([d[0] for d in durations], [d[1] for d in durations])
         latency_s = lat if latency_s is None else latency_s

@@ -94,11 +94,9 @@ class TraceSummary:
 
 def summary(trace: Trace) -> TraceSummary:
     """The step's metrics. Compute busy time is op time minus the time ``_b`` ops spent waiting."""
-    spans = [s for s in trace.spans if s.lane in ("compute", "wait")]
-    if not spans and not trace.spans:
+    if not trace.spans:
         return TraceSummary(0.0, 0.0, 0.0, 0.0)
-    everything = trace.spans
-    step = max(s.end for s in everything) - min(s.start for s in everything)
+    step = max(s.end for s in trace.spans) - min(s.start for s in trace.spans)
     waits = sum(s.duration for s in trace.lane("wait"))
     compute = _union(trace.lane("compute")) - waits
     return TraceSummary(step, compute, _union(trace.lane("comm")), waits)

@@ -9,8 +9,8 @@ from tbo import OperationsStrategy, Yield
 from tbo.comm import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
-from tbo.simulate import (Cost, CostModel, TransferCost, compare, find_threshold, fit_costs, recommend, simulate,
-                          tune)
+from tbo.simulate import (Cost, CostModel, TransferCost, _candidates, compare, find_threshold, fit_costs, recommend,
+                          simulate, tune)
 from tbo.trace import Span, Trace, Tracer, save_chrome_json, save_png, summary, to_chrome_json, traced
 
 LAYER = OperationsStrategy(operations=["attn", "dispatch_a", Yield, "dispatch_b", "mlp"])
@@ -150,3 +150,17 @@ def test_fit_from_overlapped_traces_only():
     assert fitted.overlap_scale == {}
     assert fitted.op("attn", 3) == pytest.approx(3.0) and fitted.op("mlp", 5) == pytest.approx(10.0)
     assert simulate(LAYER, fitted, [3, 5]).step_s == pytest.approx(simulate(LAYER, costs(1.0, 2.0, 1.0), [3, 5]).step_s)
+
+
+def test_tune_keeps_launch_and_wait_apart_for_any_naming():
+    """afd_send/afd_recv are a launch and its wait by the shared naming rule, not by the X_a/X_b suffix."""
+    c = CostModel(ops={"attn": per_token(1.0), "output": per_token(1.0)},
+                  transfers={"afd": TransferCost(bytes_per_token=1.0)}, bandwidth=1.0)
+    ops = ["attn", "afd_send", "afd_recv", "output"]
+    for candidate in _candidates(ops, c, max_yields=3):
+        stages = OperationsStrategy(operations=candidate).stage_names
+        assert not any("afd_send" in s and "afd_recv" in s for s in stages), stages
+    best = tune(ops, c, 4, num_layers=2)
+    stages = [list(s) for s in best.stage_names]
+    assert not any("afd_send" in s and "afd_recv" in s for s in stages)
+    assert ["attn", "afd_send"] in stages and ["afd_recv", "output"] in stages
