@@ -37,9 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    config = ModelConfig.deepseek_v3_tiny(hidden_size=args.hidden, num_heads=args.hidden // 32, head_dim=32,
-                                          num_layers=args.layers, moe_intermediate=args.hidden,
-                                          dense_intermediate=2 * args.hidden, batch_invariant=False)
+    config = ModelConfig.scaled("deepseek", args.hidden, args.layers, head_dim=32, batch_invariant=False)
     bench = TracedModel(config, args.latency_us * 1e-6, args.gbps * 1e9)
     batch = bench.batch(args.mode, args.seqs, args.ctx)
     strategy = f"deepseek_{args.mode}"

@@ -69,8 +69,7 @@ def main() -> None:
     parser.add_argument("--gbps", type=float, default=0.05)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = ModelConfig.deepseek_v3_tiny(hidden_size=128, num_heads=4, head_dim=32, num_layers=4,
-                                          moe_intermediate=128, dense_intermediate=256, batch_invariant=False)
+    config = ModelConfig.scaled("deepseek", 128, 4, head_dim=32, batch_invariant=False)
     bench = TracedModel(config, args.latency_us * 1e-6, args.gbps * 1e9)
     errors, right, rows = [], 0, []
     for mode in ("decode", "prefill"):

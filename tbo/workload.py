@@ -72,13 +72,14 @@ class CaseResult:
         return statistics.median(self.tbo_ms)
 
 
+#: Split whenever a step can be split: the workloads measure what overlap gives, not where the threshold is.
+POLICY = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
+
+
 def model_config(case: Case, world: int) -> ModelConfig:
-    make = ModelConfig.deepseek_v3_tiny if case.model == "deepseek" else ModelConfig.qwen3_moe_tiny
-    heads = max(1, case.hidden_size // 16)
-    return make(hidden_size=case.hidden_size, num_heads=heads, head_dim=case.hidden_size // heads,
-                num_layers=case.num_layers, num_experts=case.experts_per_rank * world,
-                moe_intermediate=case.hidden_size, dense_intermediate=2 * case.hidden_size,
-                batch_invariant=case.batch_invariant, seed=case.seed)
+    return ModelConfig.scaled(case.model, case.hidden_size, case.num_layers,
+                              num_experts=case.experts_per_rank * world, batch_invariant=case.batch_invariant,
+                              seed=case.seed)
 
 
 def build_backend(num_experts: int, world: int, link: str | None, fmt: str = "expanded") -> Any:
@@ -86,15 +87,6 @@ def build_backend(num_experts: int, world: int, link: str | None, fmt: str = "ex
     f = DispatchFormat(fmt)
     backend: Any = LocalBackend(num_experts, f) if world == 1 else TorchDistributedBackend(num_experts, f)
     return EmulatedLink.from_spec(backend, link) if link else backend
-
-
-def _batch(case: Case, rank: int, vocab: int) -> tuple[list[int], list[int], torch.Tensor]:
-    """Prompt lengths (varied, deterministic per rank) and token ids of one rank's batch."""
-    g = torch.Generator().manual_seed(case.seed * 7919 + rank)
-    lo, hi = max(1, case.prompt_len // 2), max(2, case.prompt_len * 3 // 2)
-    lens = torch.randint(lo, hi + 1, (case.num_seqs,), generator=g).tolist()
-    ids = torch.randint(0, vocab, (sum(lens),), generator=g)
-    return list(range(case.num_seqs)), lens, ids
 
 
 def _barrier(world: int) -> None:
@@ -114,12 +106,13 @@ def _max_over_ranks(world: int, value: float) -> float:
     return float(t.item())
 
 
-def _timed(world: int, fn: Any) -> tuple[Any, float]:
+def _timed(world: int, fn: Any) -> float:
+    """Milliseconds ``fn`` takes, between barriers so that every rank times the same step."""
     _barrier(world)
     t0 = time.perf_counter()
-    out = fn()
+    fn()
     _barrier(world)
-    return out, (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3
 
 
 def render_schedule(strategy: OperationsStrategy, layers: int = 1) -> str:
@@ -136,30 +129,20 @@ def run_case(rank: int, world: int, case: Case) -> CaseResult:
     backend = build_backend(config.num_experts, world, case.link, case.format)
     tracer = Tracer(label=f"{case.strategy_name}, rank {rank}") if case.trace else None
     model = ReferenceModel(config, backend if tracer is None else traced(backend, tracer))
-    seq_ids, lens, prompt = _batch(case, rank, config.vocab_size)
-    cache = KVCache()
-    policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
-    if case.mode == "prefill":
-        meta = AttentionMetadata.build(seq_ids, lens, [0] * len(lens))
-        ids = prompt
-        plan = policy.plan(ForwardMode.EXTEND, meta.num_tokens, list(meta.extend_lens))
-    else:
-        model.forward(prompt, AttentionMetadata.build(seq_ids, lens, [0] * len(lens)), cache)  # fill the cache
-        meta = AttentionMetadata.build(seq_ids, [1] * len(lens), lens)
-        ids = torch.randint(0, config.vocab_size, (len(lens),), generator=torch.Generator().manual_seed(rank))
-        plan = policy.plan(ForwardMode.DECODE, meta.num_tokens)
-    if not agree_to_split(plan):
-        plan = None
+    batch = make_batch(model, case.mode, case.num_seqs, case.prompt_len, seed=case.seed * 7919 + rank,
+                       policy=POLICY)
+    ids, meta, cache = batch.ids, batch.meta, batch.cache
+    plan = batch.plan if agree_to_split(batch.plan) else None
     strategy = case.strategy_name
     reference = model.forward(ids, meta, cache.clone())
     tbo_logits = model.forward_tbo(ids, meta, cache.clone(), strategy, plan)
     diff = float((tbo_logits - reference).abs().max()) if reference.numel() else 0.0
     result = CaseResult(rank, meta.num_tokens, plan is not None, _max_over_ranks(world, diff))
     for i in range(case.repeats + 1):  # the first round warms up and is not kept
-        _, single = _timed(world, lambda: model.forward_tbo(ids, meta, cache.clone(), strategy, None))
+        single = _timed(world, lambda: model.forward_tbo(ids, meta, cache.clone(), strategy, None))
         if isinstance(backend, EmulatedLink):
             backend.reset_stats()
-        _, tbo_ms = _timed(world, lambda: model.forward_tbo(ids, meta, cache.clone(), strategy, plan))
+        tbo_ms = _timed(world, lambda: model.forward_tbo(ids, meta, cache.clone(), strategy, plan))
         if i:
             result.single_ms.append(single)
             result.tbo_ms.append(tbo_ms)
@@ -280,7 +263,7 @@ class TracedModel:
         self.tracer = Tracer()
         self.link = EmulatedLink(LocalBackend(config.num_experts), latency_s, bandwidth)
         self.model = ReferenceModel(config, traced(self.link, self.tracer))
-        self.policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
+        self.policy = POLICY
 
     def batch(self, mode: str, num_seqs: int, ctx: int, seed: int = 0, spread: float = 0.5) -> Batch:
         return make_batch(self.model, mode, num_seqs, ctx, seed, spread, self.policy)

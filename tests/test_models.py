@@ -179,3 +179,12 @@ def test_forward_input_errors():
         ReferenceModel(ModelConfig.qwen3_moe_tiny(num_experts=9), two_ranks)
     with pytest.raises(ValueError, match="top_k=9 must be in"):
         ModelConfig(top_k=9)
+
+
+def test_scaled_config_follows_hidden_size():
+    c = ModelConfig.scaled("qwen3_moe", 256, 3, head_dim=32, ffn_multiple=2, num_experts=12)
+    assert (c.num_heads, c.head_dim, c.moe_intermediate, c.dense_intermediate) == (8, 32, 512, 1024)
+    assert c.num_shared_experts == 0 and c.num_experts == 12 and c.num_layers == 3
+    assert ModelConfig.scaled("deepseek", 8, 2).num_heads == 1  # at least one head
+    with pytest.raises(KeyError):
+        ModelConfig.scaled("llama", 64, 2)

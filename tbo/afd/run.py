@@ -61,12 +61,8 @@ class AFDResult:
 
 
 def model_config(case: AFDCase) -> ModelConfig:
-    heads = max(1, case.hidden_size // 16)
-    return ModelConfig.deepseek_v3_tiny(hidden_size=case.hidden_size, num_heads=heads,
-                                        head_dim=case.hidden_size // heads, num_layers=case.num_layers,
-                                        moe_intermediate=case.ffn_multiple * case.hidden_size,
-                                        dense_intermediate=2 * case.ffn_multiple * case.hidden_size,
-                                        batch_invariant=case.batch_invariant)
+    return ModelConfig.scaled("deepseek", case.hidden_size, case.num_layers, ffn_multiple=case.ffn_multiple,
+                              batch_invariant=case.batch_invariant)
 
 
 def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:

@@ -57,6 +57,18 @@ class ModelConfig(BaseModel):
         return getattr(torch, self.dtype)
 
     @classmethod
+    def scaled(cls, family: str, hidden_size: int, num_layers: int, *, head_dim: int = 16, ffn_multiple: int = 1,
+               **overrides: object) -> "ModelConfig":
+        """A ``family`` ("deepseek" or "qwen3_moe") model whose widths follow ``hidden_size``: heads of about
+        ``head_dim``, experts ``ffn_multiple`` x hidden wide, dense MLPs twice that. What workloads and benchmarks
+        build."""
+        make = {"deepseek": cls.deepseek_v3_tiny, "qwen3_moe": cls.qwen3_moe_tiny}[family]
+        heads = max(1, hidden_size // head_dim)
+        return make(**{"hidden_size": hidden_size, "num_heads": heads, "head_dim": hidden_size // heads,
+                       "num_layers": num_layers, "moe_intermediate": ffn_multiple * hidden_size,
+                       "dense_intermediate": 2 * ffn_multiple * hidden_size, **overrides})
+
+    @classmethod
     def deepseek_v3_tiny(cls, **overrides: object) -> "ModelConfig":
         """DeepSeek-V3-shaped: dense first layer, shared expert, sigmoid scoring with normalised top-k."""
         return cls(**{"scoring": "sigmoid", "num_shared_experts": 1, "first_k_dense": 1, **overrides})
