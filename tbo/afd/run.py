@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,8 +53,11 @@ class AFDResult:
     no_dbo_ms: list[float] = field(default_factory=list)
     dbo_ms: list[float] = field(default_factory=list)
     received: list[AFDMeta] = field(default_factory=list)
-    attention_ms: float = 0.0  #: attention-side compute of a step without DBO
-    ffn_ms: float = 0.0  #: time that step waited for FFN results (FFN compute plus transfers)
+    ffn_busy_ms: dict[int, float] = field(default_factory=dict)  #: FFN rank: compute per step, by number of stages
+    #: per mode ("no_dbo", "dbo"), from one traced step: attention-side compute, and time spent waiting for FFN
+    #: results (``afd_recv``: FFN compute plus transfers, less whatever the other stage hid)
+    attention_ms: dict[str, float] = field(default_factory=dict)
+    wait_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
@@ -76,7 +80,9 @@ def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
         if case.ffn_dies_after is not None:
             _die_after(server, case.ffn_dies_after)
         server.serve()
-        return AFDResult(rank, "ffn", received=server.received)
+        steps = Counter(m.num_stages for m in server.received if (m.layer_idx, m.stage_idx) == (0, 0))
+        return AFDResult(rank, "ffn", received=server.received,
+                         ffn_busy_ms={n: s * 1e3 / steps[n] for n, s in server.busy_s.items()})
     return _attention(rank, case, config, model, connector)
 
 
@@ -109,11 +115,12 @@ def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceMode
                 t0 = time.perf_counter()
                 afd.forward(batch.ids, batch.meta, batch.cache.clone(), plan if use_dbo else None)
                 times.append((time.perf_counter() - t0) * 1e3)
-        tracer = Tracer()  # one more step without DBO: how its time divides between the two sides
-        afd.forward(batch.ids, batch.meta, batch.cache.clone(), None, observer=tracer)
-        spans = tracer.finish().lane("compute")
-        result.ffn_ms = sum(s.duration for s in spans if s.name == "afd_recv") * 1e3
-        result.attention_ms = sum(s.duration for s in spans) * 1e3 - result.ffn_ms
+        for name, step_plan in (("no_dbo", None), ("dbo", plan)):  # one more traced step each: where time goes
+            tracer = Tracer()
+            afd.forward(batch.ids, batch.meta, batch.cache.clone(), step_plan, observer=tracer)
+            spans = tracer.finish().lane("compute")
+            result.wait_ms[name] = sum(s.duration for s in spans if s.name == "afd_recv") * 1e3
+            result.attention_ms[name] = sum(s.duration for s in spans) * 1e3 - result.wait_ms[name]
     finally:
         if case.ffn_dies_after is None:
             connector.shutdown()

@@ -6,6 +6,8 @@ stage each belongs to. The loop ends when every attention rank has sent its shut
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from typing import Any
 
 from .connector import AFDMeta, TorchDistributedAFDConnector
@@ -17,6 +19,9 @@ class AFDFFNServer:
     def __init__(self, model: Any, connector: TorchDistributedAFDConnector) -> None:
         self.model, self.connector = model, connector
         self.received: list[AFDMeta] = []  #: every request's metadata, in arrival order
+        #: seconds spent computing FFNs, by the requests' ``num_stages``: how busy DBO keeps this rank, and how much
+        #: more work two half-size FFN calls cost than one full-size call
+        self.busy_s: defaultdict[int, float] = defaultdict(float)
 
     def serve(self) -> int:
         """Serve until all attention peers shut down; return how many requests were served."""
@@ -31,7 +36,10 @@ class AFDFFNServer:
                 raise ValueError(f"rank {meta.src} asked for layer {meta.layer_idx}; the model has "
                                  f"{len(self.model.layers)}")
             self.received.append(meta)
-            self.connector.send_ffn_output(self.model.layers[meta.layer_idx].ffn(hidden), meta)
+            t0 = time.perf_counter()
+            out = self.model.layers[meta.layer_idx].ffn(hidden)
+            self.busy_s[meta.num_stages] += time.perf_counter() - t0
+            self.connector.send_ffn_output(out, meta)
             served += 1
         self.connector.flush()
         return served
