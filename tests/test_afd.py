@@ -22,6 +22,10 @@ def test_one_to_one_equals_colocated_forward(mode):
     assert first_step == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
     assert all(m.hidden == 64 and m.dtype == torch.float32 and m.src == 0 for m in ffn.received)
     assert sum(m.num_tokens for m in ffn.received[:2]) == attention.tokens
+    # the benchmark's accounting: FFN busy time per step for each mode, where each step's time went on the attention
+    assert set(ffn.ffn_busy_ms) == {1, 2} and all(ms > 0 for ms in ffn.ffn_busy_ms.values())
+    assert set(attention.attention_ms) == set(attention.wait_ms) == {"no_dbo", "dbo"}
+    assert all(attention.wait_ms[m] > 0 and attention.attention_ms[m] > 0 for m in ("no_dbo", "dbo"))
 
 
 @pytest.mark.dist
@@ -38,6 +42,7 @@ def test_step_below_threshold_runs_unsplit():
     attention, ffn = launch(run_afd, 2, AFDCase(mode="decode", num_seqs=1, ctx=8, num_layers=2, repeats=1))
     assert not attention.split and attention.max_diff == 0.0
     assert {(m.stage_idx, m.num_stages) for m in ffn.received} == {(0, 1)}
+    assert set(ffn.ffn_busy_ms) == {1}
 
 
 @pytest.mark.dist
