@@ -298,9 +298,10 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
     dearer) an op runs in the first and in later microbatches when they interleave. An op seen only in overlapped
     traces takes its cost from them, with no scale.
 
-    Traces at several token counts are needed for the slopes; an op's compute time excludes its ``_b`` wait. Each
-    op's repeated samples at one token count are reduced to their median before the fit, so a slow outlier (an
-    allocation, a noisy neighbour) cannot tilt the line. The link's latency and bandwidth are fitted from transfer
+    Traces at several token counts are needed for the slopes; an op's compute time excludes its ``_b`` wait. Within
+    a trace an op's calls (one per layer) are averaged, so the costs add up to the step; across traces the samples
+    at one token count are reduced to their median before the fit, so a slow step (an allocation, a noisy
+    neighbour) cannot tilt the line. The link's latency and bandwidth are fitted from transfer
     durations unless given.
     """
     samples: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -309,13 +310,18 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
     durations: list[tuple[float, float]] = []
     for trace in traces:
         wait_spans = trace.lane("wait")
+        calls: dict[tuple[str, int], list[float]] = defaultdict(list)  # (op, microbatch) -> its calls' seconds
         for s in trace.lane("compute"):
             waited = sum(w.duration for w in wait_spans if w.mb == s.mb and w.start >= s.start and w.end <= s.end)
-            sample = (trace.tokens[s.mb], s.duration - waited)
+            calls[(s.name, s.mb)].append(s.duration - waited)
+        for (name, mb), seconds in calls.items():
+            # one sample per trace: the mean call. The same op differs by layer (the first layer runs cold), and
+            # the simulator calls it once per layer, so the mean keeps the sum that a median of calls would lose.
+            sample = (trace.tokens[mb], sum(seconds) / len(seconds))
             if len(trace.tokens) == 1:
-                samples[s.name].append(sample)
+                samples[name].append(sample)
             else:
-                overlapped[(s.name, min(s.mb, 1))].append(sample)
+                overlapped[(name, min(mb, 1))].append(sample)
         for s in trace.lane("comm"):
             sizes[s.name].append((trace.tokens[s.mb], float(s.nbytes)))
             durations.append((float(s.nbytes), s.duration))

@@ -27,15 +27,23 @@ class LinkClock(Protocol):
 
 
 class WallClock:
-    """Real time; sleeping releases the CPU (and the GIL) to whatever else runs."""
+    """Real time. A wait sleeps, releasing the CPU (and the GIL) to whatever else runs, until ``spin_s`` before its
+    deadline, and spins the rest: ``time.sleep`` wakes 50-120 us late on a VM, which would make every exposed wait
+    longer than the transfer it emulates (and the simulator, which models the link, wrong by that much per wait).
+    """
+
+    def __init__(self, spin_s: float = 3e-4) -> None:
+        self.spin_s = spin_s
 
     def now(self) -> float:
         return time.perf_counter()
 
     def sleep_until(self, t: float) -> None:
-        delay = t - time.perf_counter()
+        delay = t - time.perf_counter() - self.spin_s
         if delay > 0:
             time.sleep(delay)
+        while time.perf_counter() < t:
+            pass
 
 
 class SimulatedClock:
