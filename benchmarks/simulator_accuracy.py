@@ -1,9 +1,9 @@
 """Does the simulator predict real runs? Fit costs from traced single-batch runs, predict a grid, compare.
 
 1. Trace single-batch and TBO steps of the reference model over an `EmulatedLink` (one process) at several batch
-   sizes per mode, and fit per-op cost tables from the single-batch traces (`fit_costs(kind="table")`: medians,
-   interpolated), and from the TBO traces how interleaving changes each op's cost (``overlap_scale``: the second
-   microbatch finds the weights the first just used warm).
+   sizes per mode, and fit per-op cost tables (`fit_costs(kind="table")`: per-trace mean call, median over traces,
+   interpolated): from the single-batch traces the plain costs, from the TBO traces each op's costs in the first
+   and in the second microbatch when they interleave (the second finds the weights the first just used warm).
 2. Predict, for a grid of batch sizes, the single-batch and TBO step times (`simulate`, with the split plan's real
    microbatch sizes), and whether to split (`recommend`).
 3. Measure the same steps (medians; each size until it has enough samples and enough measured time) and compare.

@@ -102,15 +102,15 @@ class CostModel(BaseModel):
     bandwidth: float = 1e12  #: bytes per second
     launches: dict[str, str] = Field(default_factory=dict)
     waits: dict[str, str] = Field(default_factory=dict)
-    #: cost multipliers of an op when microbatches overlap: (first microbatch, later ones). Interleaving changes
-    #: what is warm in caches: a later microbatch runs an op right after another ran it on the same weights.
-    overlap_scale: dict[str, tuple[float, float]] = Field(default_factory=dict)
+    #: an op's costs when microbatches interleave, for the first microbatch and for later ones; where given they
+    #: replace ``ops``. Interleaving changes what is warm in caches: a later microbatch runs an op right after
+    #: another ran it on the same weights, and the first one finds them evicted by the other's different op.
+    overlapped: dict[str, tuple[Cost, Cost]] = Field(default_factory=dict)
 
     def op(self, name: str, tokens: int, mb: int = 0, overlapped: bool = False) -> float:
-        cost = self.ops.get(name, self.default)(tokens)
-        if overlapped and name in self.overlap_scale:
-            cost *= self.overlap_scale[name][1 if mb else 0]
-        return cost
+        if overlapped and name in self.overlapped:
+            return self.overlapped[name][1 if mb else 0](tokens)
+        return self.ops.get(name, self.default)(tokens)
 
     def role(self, name: str) -> tuple[str, str] | None:
         """("launch" | "wait", transfer kind) for a communication op, None for compute."""
@@ -289,20 +289,32 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     return max(my - slope * mx, 0.0), slope
 
 
+def _fit_cost(pts: Sequence[tuple[int, float]], kind: Literal["linear", "table"]) -> Cost:
+    """One op's cost from (tokens, seconds) samples: the median per token count, then a table or a line."""
+    by_tokens: dict[int, list[float]] = defaultdict(list)
+    for tokens, seconds in pts:
+        by_tokens[tokens].append(seconds)
+    xs = sorted(by_tokens)
+    ys = [statistics.median(by_tokens[x]) for x in xs]
+    if kind == "table":
+        return Cost(kind="table", points=list(zip(map(float, xs), ys)))
+    a, b = _least_squares(xs, ys)
+    return Cost(kind="linear", seconds=a, per_token=b)
+
+
 def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth: float | None = None,
               kind: Literal["linear", "table"] = "linear") -> CostModel:
     """Per-op costs and per-transfer sizes fitted from real traces: ``linear`` (seconds + per_token * t) or
     ``table`` (the measured medians, interpolated: better where small batches are not linear).
 
-    Single-batch traces give the costs; overlapped traces, if any, give ``overlap_scale``: how much cheaper (or
-    dearer) an op runs in the first and in later microbatches when they interleave. An op seen only in overlapped
-    traces takes its cost from them, with no scale.
+    Single-batch traces give ``ops``; overlapped traces, if any, give ``overlapped``: each op's costs in the first
+    and in later microbatches when they interleave, fitted the same way.
 
     Traces at several token counts are needed for the slopes; an op's compute time excludes its ``_b`` wait. Within
     a trace an op's calls (one per layer) are averaged, so the costs add up to the step; across traces the samples
     at one token count are reduced to their median before the fit, so a slow step (an allocation, a noisy
-    neighbour) cannot tilt the line. The link's latency and bandwidth are fitted from transfer
-    durations unless given.
+    neighbour) cannot tilt the line. The link's latency and bandwidth are fitted from transfer durations unless
+    given.
     """
     samples: dict[str, list[tuple[int, float]]] = defaultdict(list)
     overlapped: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
@@ -327,20 +339,12 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
             durations.append((float(s.nbytes), s.duration))
     only_overlapped = {name for name, _ in overlapped if not samples.get(name)}
     for (name, _), pts in overlapped.items():
-        if name in only_overlapped:
+        if name in only_overlapped:  # an op that only runs overlapped: its overlapped cost is its cost
             samples[name].extend(pts)
-    ops = {}
-    for name, pts in samples.items():
-        by_tokens: dict[int, list[float]] = defaultdict(list)
-        for tokens, seconds in pts:
-            by_tokens[tokens].append(seconds)
-        xs = sorted(by_tokens)
-        ys = [statistics.median(by_tokens[x]) for x in xs]
-        if kind == "table":
-            ops[name] = Cost(kind="table", points=list(zip(map(float, xs), ys)))
-            continue
-        a, b = _least_squares(xs, ys)
-        ops[name] = Cost(kind="linear", seconds=a, per_token=b)
+    ops = {name: _fit_cost(pts, kind) for name, pts in samples.items()}
+    overlapped_ops = {name: (_fit_cost(overlapped.get((name, 0)) or overlapped[(name, 1)], kind),
+                             _fit_cost(overlapped.get((name, 1)) or overlapped[(name, 0)], kind))
+                      for name in {name for name, _ in overlapped}}
     transfers = {}
     for transfer_kind, pts in sizes.items():
         a, b = _least_squares([p[0] for p in pts], [p[1] for p in pts])
@@ -349,15 +353,5 @@ def fit_costs(traces: Sequence[Trace], latency_s: float | None = None, bandwidth
         lat, per_byte = _least_squares([d[0] for d in durations], [d[1] for d in durations])
         latency_s = lat if latency_s is None else latency_s
         bandwidth = (1.0 / per_byte if per_byte > 0 else 1e12) if bandwidth is None else bandwidth
-    scale: dict[str, tuple[float, float]] = {}
-    for name in {name for name, _ in overlapped} - only_overlapped:
-        base = ops.get(name)
-        if base is None:
-            continue
-        factors = []
-        for role in (0, 1):
-            ratios = [sec / base(tok) for tok, sec in overlapped.get((name, role), []) if base(tok) > 0]
-            factors.append(statistics.median(ratios) if ratios else 1.0)
-        scale[name] = (factors[0], factors[1])
     return CostModel(ops=ops, transfers=transfers, latency_s=latency_s or 0.0, bandwidth=bandwidth or 1e12,
-                     overlap_scale=scale)
+                     overlapped=overlapped_ops)

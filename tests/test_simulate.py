@@ -144,12 +144,42 @@ def test_tracer_on_real_run_and_fit():
 
 
 def test_fit_from_overlapped_traces_only():
-    """With only overlapped traces, their samples are the costs (and no overlap scale is claimed)."""
+    """With only overlapped traces, their samples are the costs, single-batch and overlapped alike."""
     t = simulate(LAYER, costs(1.0, 2.0, 1.0), [3, 5]).trace
     fitted = fit_costs([t], latency_s=0.0, bandwidth=1.0, kind="table")
-    assert fitted.overlap_scale == {}
+    assert set(fitted.overlapped) == {"attn", "dispatch_a", "dispatch_b", "mlp"}
     assert fitted.op("attn", 3) == pytest.approx(3.0) and fitted.op("mlp", 5) == pytest.approx(10.0)
     assert simulate(LAYER, fitted, [3, 5]).step_s == pytest.approx(simulate(LAYER, costs(1.0, 2.0, 1.0), [3, 5]).step_s)
+
+
+@pytest.mark.parametrize("kind", ["linear", "table"])
+def test_fit_recovers_overlapped_costs_per_microbatch(kind):
+    """The second microbatch runs attn warm (half cost), the first runs mlp cold (+1 s): fitted and predicted."""
+    truth = costs(1.0, 2.0, 1.0)
+    truth.overlapped = {"attn": (per_token(1.0), per_token(0.5)),
+                        "mlp": (Cost(seconds=1.0, per_token=2.0), per_token(2.0))}
+    traces = [simulate(LAYER, truth, [n], 0).trace for n in (2, 4, 6)]
+    traces += [simulate(LAYER, truth, [n, n]).trace for n in (1, 2, 3)]
+    fitted = fit_costs(traces, latency_s=0.0, bandwidth=1.0, kind=kind)
+    assert fitted.op("attn", 4) == pytest.approx(4.0)  # single batch: the plain cost
+    assert fitted.op("attn", 2, mb=1, overlapped=True) == pytest.approx(1.0)
+    assert fitted.op("mlp", 2, mb=0, overlapped=True) == pytest.approx(5.0)
+    for tokens in ([4], [2, 2], [3, 3]):
+        assert simulate(LAYER, fitted, tokens).step_s == pytest.approx(simulate(LAYER, truth, tokens).step_s)
+
+
+def test_fit_averages_an_ops_calls_within_a_trace():
+    """The first layer's op runs cold: a cost per call must still add up to the measured step."""
+    layers = OperationsStrategy.concat([LAYER] * 3)
+    trace = simulate(layers, costs(1.0, 2.0, 1.0), [4], 0).trace
+    first_attn = next(s for s in trace.spans if s.name == "attn")
+    for s in trace.spans:  # the first attn takes 3 s longer; everything after it shifts
+        if s.start >= first_attn.end:
+            s.start, s.end = s.start + 3.0, s.end + 3.0
+    first_attn.end += 3.0
+    fitted = fit_costs([trace], latency_s=0.0, bandwidth=1.0, kind="table")
+    assert fitted.op("attn", 4) == pytest.approx(5.0)  # (7 + 4 + 4) / 3; a median of calls (4) loses the 3 s
+    assert simulate(layers, fitted, [4], 0).step_s == pytest.approx(summary(trace).step_s)
 
 
 def test_tune_keeps_launch_and_wait_apart_for_any_naming():
