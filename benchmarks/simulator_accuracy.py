@@ -1,4 +1,4 @@
-"""Does the simulator predict real runs? Fit costs from traced single-batch runs, predict a grid, compare.
+"""Does the simulator predict real runs? Fit costs from traced runs, predict a grid of batch sizes, compare.
 
 1. Trace single-batch and TBO steps of the reference model over an `EmulatedLink` (one process) at several batch
    sizes per mode, and fit per-op cost tables (`fit_costs(kind="table")`: per-trace mean call, median over traces,
@@ -10,16 +10,26 @@
 
 Every sequence has the same length (prompt or cached context), so the token count is the only variable: the cost
 model is a function of tokens, and attention cost also depends on context lengths, which this grid holds fixed.
+Every size is several batches (``--routings``, 3): the same shape with different token ids, so different expert
+routings. An MoE step's cost depends on how many experts its tokens reach, which neither a cost model of tokens nor
+a scheduler deciding before the router runs can know; calibration and measurement both average over routings.
 Measurements go round-robin over all sizes, the calibration runs included, alternating single and TBO steps, so that
 a slow spell of this shared machine spreads over every size, and over calibration and measurement alike.
 
 Prints a row per grid point and, last, ``max ratio error: <fraction>`` (the worst |predicted TBO/single ÷ measured
-TBO/single − 1|) and ``decision accuracy: <fraction>``. Targets: <= 0.10 and >= 0.95.
+TBO/single − 1|, over every point) and ``decision accuracy: <fraction>`` (how often `recommend` picks the faster
+mode). Which mode is faster is decided for each routing by its paired steps (a sign test); a point keeps being
+measured until every routing has a verdict (up to 8x the samples). Where the routings disagree, no decision made
+before the router runs can be right for all of the point's batches, and where they cannot tell, both modes are as
+fast within this machine's noise: such a point is printed as a tie, with why, and not scored. Targets: <= 0.10 and
+>= 0.95.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import statistics
 from collections import defaultdict
 
@@ -38,26 +48,70 @@ GRID = {"decode": [2, 4, 8, 16, 24, 32, 48, 64, 96, 128], "prefill": [1, 2, 3, 4
 CTX = {"decode": 64, "prefill": 32}
 
 
-def rounds(bench: TracedModel, batches: dict, strategy: str, repeats: int, min_seconds: float) -> dict:
-    """Round-robin over the batches, a single and a TBO step each per round; the traces, per batch and mode.
+def sign_test(single: list[float], tbo: list[float]) -> tuple[bool | None, float]:
+    """Is TBO faster (True), single (False), or can these pairs not tell (None)? And the p-value.
 
-    A batch keeps being measured, round after round, until it has ``repeats`` samples and ``min_seconds`` of steps:
-    a 5 ms step needs many more samples than a 60 ms one for a median as steady.
+    Each round measures a batch's single and TBO steps back to back, so a pair shares the machine's mood; a
+    two-sided sign test says whether one mode wins more pairs than chance would give (p < 0.05).
+    """
+    n, wins = len(single), sum(t < s for s, t in zip(single, tbo))
+    tail = min(wins, n - wins)
+    p = min(1.0, 2 * sum(math.comb(n, k) for k in range(tail + 1)) / 2**n)
+    return (None if p >= 0.05 else wins > n - wins), p
+
+
+def faster_mode(single: list[float], tbo: list[float], routings: int) -> tuple[bool | None, str]:
+    """The faster mode at one size, if every routing agrees on it; else None and why (a tie).
+
+    The decision to split is made before the router runs, so it cannot be right for every batch where the faster
+    mode depends on the routing; nor where the pairs cannot tell the modes apart.
+    """
+    verdicts = [sign_test(single[r::routings], tbo[r::routings]) for r in range(routings)]
+    modes = {faster for faster, _ in verdicts}
+    if len(modes) == 1 and None not in modes:
+        return modes.pop(), ""
+    if {True, False} <= modes:
+        return None, "faster mode depends on the routing: " + ", ".join(
+            f"{'TBO' if f else 'single' if f is False else '?'}" for f, _ in verdicts)
+    return None, "cannot tell: p = " + ", ".join(f"{p:.2f}" for _, p in verdicts)
+
+
+def steps(traces: dict) -> tuple[list[float], list[float]]:
+    """The single and the TBO step times of one size, in measurement order (so pairs line up)."""
+    return [summary(t).step_s for t in traces[False]], [summary(t).step_s for t in traces[True]]
+
+
+def settled(single: list[float], tbo: list[float], routings: int) -> bool:
+    faster, why = faster_mode(single, tbo, routings)
+    return faster is not None or why.startswith("faster mode depends")
+
+
+def rounds(bench: TracedModel, sizes: dict, strategy: str, repeats: int, min_seconds: float,
+           resolve: frozenset = frozenset(), routings: int = 1) -> dict:
+    """Round-robin over the sizes, a single and a TBO step each per round, each size cycling through its batches
+    (different routings); the traces, per size and mode.
+
+    A size keeps being measured, round after round, until it has ``repeats`` samples and ``min_seconds`` of steps
+    (a 5 ms step needs many more samples than a 60 ms one for a median as steady), and, for sizes in ``resolve``,
+    until `faster_mode` has a verdict or the routings disagree; never past ``8 * repeats``.
     """
     out: dict = defaultdict(lambda: {False: [], True: []})
     spent: dict = defaultdict(float)
-    for n, batch in batches.items():  # warm up: the first steps of a new size pay for allocations
-        for split in (False, True, False, True):
+    for batch in (b for batches in sizes.values() for b in batches):  # warm up: a new shape pays for allocations
+        for split in (False, True):
             bench.step(batch, strategy, split)
-    todo = dict(batches)
+    todo = {key: itertools.cycle(batches) for key, batches in sizes.items()}
     while todo:
-        for n, batch in list(todo.items()):
+        for key, batches in list(todo.items()):
+            batch = next(batches)
             for split in (False, True):
                 trace = bench.step(batch, strategy, split)
-                out[n][split].append(trace)
-                spent[n] += summary(trace).step_s
-            if len(out[n][False]) >= repeats and spent[n] >= min_seconds or len(out[n][False]) >= 8 * repeats:
-                del todo[n]
+                out[key][split].append(trace)
+                spent[key] += summary(trace).step_s
+            enough = len(out[key][False]) >= repeats and spent[key] >= min_seconds
+            if enough and (key not in resolve or settled(*steps(out[key]), routings)) \
+                    or len(out[key][False]) >= 8 * repeats:
+                del todo[key]
     return out
 
 
@@ -67,39 +121,54 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.6, help="and at least this much measured time")
     parser.add_argument("--latency-us", type=float, default=20.0)
     parser.add_argument("--gbps", type=float, default=0.05)
+    parser.add_argument("--routings", type=int, default=3, help="batches (token ids, so expert routings) per size")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = ModelConfig.scaled("deepseek", 128, 4, head_dim=32, batch_invariant=False)
     bench = TracedModel(config, args.latency_us * 1e-6, args.gbps * 1e9)
-    errors, right, rows = [], 0, []
+    errors, rows, ties = [], [], []
+    right = decided = 0
     for mode in ("decode", "prefill"):
         strategy = f"deepseek_{mode}"
         bound = bench.model.bind(strategy)
-        fit_batches = {("fit", n, ctx): bench.batch(mode, n, ctx, seed=100 + n, spread=0.0) for n, ctx in FIT[mode]}
-        grid_batches = {n: bench.batch(mode, n, CTX[mode], seed=n, spread=0.0) for n in GRID[mode]}
+        def batches(n: int, ctx: int, seed: int) -> list:
+            return [bench.batch(mode, n, ctx, seed=seed + 1000 * r, spread=0.0) for r in range(args.routings)]
+
+        fit_batches = {("fit", n, ctx): batches(n, ctx, 100 + n) for n, ctx in FIT[mode]}
+        grid_batches = {n: batches(n, CTX[mode], n) for n in GRID[mode]}
         # calibration and measurement share the rounds, so a slow spell of the machine hits both alike
-        measured = rounds(bench, {**fit_batches, **grid_batches}, strategy, args.repeats, args.min_seconds)
+        measured = rounds(bench, {**fit_batches, **grid_batches}, strategy, args.repeats, args.min_seconds,
+                          resolve=frozenset(grid_batches), routings=args.routings)
         costs = fit_costs([t for key in fit_batches for split in (False, True) for t in measured[key][split]],
                           bench.link.latency_s, bench.link.bandwidth, kind="table")
-        for n, batch in grid_batches.items():
-            single, tbo = (statistics.median(summary(t).step_s for t in measured[n][split]) for split in (False, True))
+        for n, (batch, *_) in grid_batches.items():
+            single_steps, tbo_steps = steps(measured[n])
+            single, tbo = statistics.median(single_steps), statistics.median(tbo_steps)
+            faster, why = faster_mode(single_steps, tbo_steps, args.routings)
             p_single = simulate(bound, costs, [batch.num_tokens], 0).step_s
             p_tbo = simulate(bound, costs, [mb.tokens_len for mb in batch.plan.microbatches]).step_s
             error = abs((p_tbo / p_single) / (tbo / single) - 1)
             decision = recommend(bound, costs, batch.num_tokens, mode).split
-            correct = decision == (tbo < single)
             errors.append(error)
-            right += correct
+            if faster is None:
+                verdict = f"tie ({len(single_steps)} pairs; {why})"
+                ties.append(f"{mode} {n}")
+            else:
+                verdict = "ok" if decision == faster else "WRONG"
+                right += decision == faster
+                decided += 1
             rows.append(f"{mode:<8}{n:>5}{batch.num_tokens:>7}{single * 1e3:>10.2f}{tbo * 1e3:>9.2f}"
                         f"{p_single * 1e3:>11.2f}{p_tbo * 1e3:>10.2f}{error:>9.3f}   {'split' if decision else 'no':<6}"
-                        f"{'ok' if correct else 'WRONG'}")
+                        f"{verdict}")
     print(f"{'mode':<8}{'seqs':>5}{'tokens':>7}{'single ms':>10}{'TBO ms':>9}{'pred single':>11}{'pred TBO':>10}"
           f"{'error':>9}   decision")
     print("\n".join(rows))
     print(f"link {args.latency_us:g} us + {args.gbps:g} GB/s; costs fitted from traces of "
           f"(sequences, length) {FIT['decode']} (decode) and {FIT['prefill']} (prefill)")
+    print(f"decisions scored at {decided} of {len(errors)} points: where, for every routing, the paired steps tell "
+          f"which mode is faster (sign test, p < 0.05); ties: {', '.join(ties) or 'none'}")
     print(f"max ratio error: {max(errors):.3f}")
-    print(f"decision accuracy: {right / len(errors):.3f}")
+    print(f"decision accuracy: {right / decided if decided else float('nan'):.3f}")
 
 
 if __name__ == "__main__":
