@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from .comm import DispatchFormat, LocalBackend, TorchDistributedBackend
-from .comm.emulated import EmulatedLink
+from .comm.emulated import EmulatedLink, WallClock
 from .models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from .schedule import interleave
 from .split import ForwardMode, SplitPolicy, agree_to_split
@@ -261,7 +261,8 @@ class TracedModel:
     def __init__(self, config: ModelConfig, latency_s: float, bandwidth: float) -> None:
         self.config = config
         self.tracer = Tracer()
-        self.link = EmulatedLink(LocalBackend(config.num_experts), latency_s, bandwidth)
+        # one process on its core: waits end on time (a plain sleep would end ~0.1 ms late; see WallClock)
+        self.link = EmulatedLink(LocalBackend(config.num_experts), latency_s, bandwidth, WallClock(spin_s=3e-4))
         self.model = ReferenceModel(config, traced(self.link, self.tracer))
         self.policy = POLICY
 

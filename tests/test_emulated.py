@@ -80,3 +80,18 @@ def test_wall_clock_sleeps_not_spins():
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     assert wall >= 0.05  # the deadline is honoured
     assert cpu < wall / 2  # sleeping, not spinning (a ratio with a wide margin)
+
+
+def test_wall_clock_spins_only_the_tail():
+    """With ``spin_s`` a wait sleeps, then spins its last ``spin_s``: the deadline is honoured to the spin loop's
+    precision, and the CPU time is about the spin, not the whole wait (ratios with wide margins)."""
+    import time
+
+    from tbo.comm.emulated import WallClock
+
+    clock = WallClock(spin_s=0.02)
+    cpu0, start = time.process_time(), time.perf_counter()
+    clock.sleep_until(start + 0.06)
+    end, cpu = time.perf_counter(), time.process_time() - cpu0
+    assert end >= start + 0.06
+    assert 0.002 < cpu < 0.05  # spun for about 0.02 s of the 0.06 s wait

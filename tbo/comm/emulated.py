@@ -28,11 +28,15 @@ class LinkClock(Protocol):
 
 class WallClock:
     """Real time. A wait sleeps, releasing the CPU (and the GIL) to whatever else runs, until ``spin_s`` before its
-    deadline, and spins the rest: ``time.sleep`` wakes 50-120 us late on a VM, which would make every exposed wait
-    longer than the transfer it emulates (and the simulator, which models the link, wrong by that much per wait).
+    deadline, and spins the rest.
+
+    ``time.sleep`` wakes 50-120 us late on a VM, which makes every exposed wait longer than the transfer it emulates
+    (and a simulator that models the link wrong by that much per wait). Spinning fixes that where one process owns
+    its core (`tbo.workload.TracedModel`); where several ranks share few cores, a spinning rank takes CPU from
+    transports' threads, so the default is 0: sleep only.
     """
 
-    def __init__(self, spin_s: float = 3e-4) -> None:
+    def __init__(self, spin_s: float = 0.0) -> None:
         self.spin_s = spin_s
 
     def now(self) -> float:
