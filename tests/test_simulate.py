@@ -194,3 +194,31 @@ def test_tune_keeps_launch_and_wait_apart_for_any_naming():
     stages = [list(s) for s in best.stage_names]
     assert not any("afd_send" in s and "afd_recv" in s for s in stages)
     assert ["attn", "afd_send"] in stages and ["afd_recv", "output"] in stages
+
+
+def _accuracy_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "simulator_accuracy.py"
+    spec = importlib.util.spec_from_file_location("simulator_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accuracy_benchmark_scores_decisions_only_where_the_steps_tell():
+    """The benchmark's verdicts: a sign test per routing; routings that disagree, or pairs that cannot tell, tie."""
+    bench = _accuracy_benchmark()
+    assert bench.sign_test([2.0] * 6, [1.0] * 6) == (True, pytest.approx(2 / 64))  # TBO wins 6 of 6 pairs
+    assert bench.sign_test([1.0] * 5, [2.0] * 5)[0] is None  # 5 pairs can never reach p < 0.05
+    assert bench.sign_test([1.0] * 10, [2.0] * 9 + [0.5])[0] is False  # single wins 9 of 10: p = 0.021
+    assert bench.sign_test([1.0] * 8, [2.0] * 7 + [0.5])[0] is None  # 7 of 8: p = 0.07
+    # pairs interleave routings 0, 1, 0, 1, ...: routing 0 prefers TBO, routing 1 single
+    single, tbo = [2.0, 1.0] * 6, [1.0, 2.0] * 6
+    faster, why = bench.faster_mode(single, tbo, routings=2)
+    assert faster is None and why.startswith("faster mode depends on the routing")
+    assert bench.settled(single, tbo, 2)
+    assert bench.faster_mode([2.0] * 12, [1.0] * 12, routings=2) == (True, "")
+    faster, why = bench.faster_mode([2.0] * 4, [1.0] * 4, routings=2)
+    assert faster is None and why.startswith("cannot tell") and not bench.settled([2.0] * 4, [1.0] * 4, 2)
