@@ -60,13 +60,18 @@ def sign_test(single: list[float], tbo: list[float]) -> tuple[bool | None, float
     return (None if p >= 0.05 else wins > n - wins), p
 
 
+def routing_verdicts(single: list[float], tbo: list[float], routings: int) -> list[tuple[bool | None, float]]:
+    """`sign_test` per routing: rounds cycle through a size's batches, so routing r has pairs r, r + R, ..."""
+    return [sign_test(single[r::routings], tbo[r::routings]) for r in range(routings)]
+
+
 def faster_mode(single: list[float], tbo: list[float], routings: int) -> tuple[bool | None, str]:
     """The faster mode at one size, if every routing agrees on it; else None and why (a tie).
 
     The decision to split is made before the router runs, so it cannot be right for every batch where the faster
     mode depends on the routing; nor where the pairs cannot tell the modes apart.
     """
-    verdicts = [sign_test(single[r::routings], tbo[r::routings]) for r in range(routings)]
+    verdicts = routing_verdicts(single, tbo, routings)
     modes = {faster for faster, _ in verdicts}
     if len(modes) == 1 and None not in modes:
         return modes.pop(), ""
@@ -82,8 +87,9 @@ def steps(traces: dict) -> tuple[list[float], list[float]]:
 
 
 def settled(single: list[float], tbo: list[float], routings: int) -> bool:
-    faster, why = faster_mode(single, tbo, routings)
-    return faster is not None or why.startswith("faster mode depends")
+    """Will more pairs not change `faster_mode`? Yes once every routing has a verdict, or two disagree."""
+    modes = {faster for faster, _ in routing_verdicts(single, tbo, routings)}
+    return None not in modes or {True, False} <= modes
 
 
 def rounds(bench: TracedModel, sizes: dict, strategy: str, repeats: int, min_seconds: float,
