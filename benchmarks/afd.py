@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from tbo.afd.run import AFDCase, run_afd
-from tbo.launch import launch
+from tbo.harness.afd import AFDCase, run_afd
+from tbo.harness.launch import launch
 
 CASES = {
     "prefill": AFDCase(mode="prefill", num_seqs=8, ctx=128, hidden_size=512, num_layers=8, batch_invariant=False),

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from tbo import OperationsStrategy, State, Yield, execute_overlapped_operations, strategies
-from tbo.schedule import interleave
+from tbo.core.schedule import interleave
 
 DECODE_LAYER = strategies.get("deepseek_decode")  # 14 ops, 5 Yields, delta 2
 

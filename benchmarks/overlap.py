@@ -19,9 +19,9 @@ import statistics
 import torch
 
 from tbo.models import ModelConfig
-from tbo.simulate import fit_costs, simulate
-from tbo.trace import summary
-from tbo.workload import TracedModel
+from tbo.tools.simulate import fit_costs, simulate
+from tbo.tools.trace import summary
+from tbo.harness.workload import TracedModel
 
 
 def main() -> None:

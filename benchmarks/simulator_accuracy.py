@@ -36,9 +36,9 @@ from collections import defaultdict
 import torch
 
 from tbo.models import ModelConfig
-from tbo.simulate import fit_costs, recommend, simulate
-from tbo.trace import summary
-from tbo.workload import TracedModel
+from tbo.tools.simulate import fit_costs, recommend, simulate
+from tbo.tools.trace import summary
+from tbo.harness.workload import TracedModel
 
 #: (sequences, length) of the single-batch runs the costs are fitted from: they cover the microbatch sizes TBO makes
 #: of the grid (half of each), down to the 16-token chunks a one-sequence prefill is cut into.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from tbo.afd.run import AFDCase, run_afd
-from tbo.launch import launch
+from tbo.harness.afd import AFDCase, run_afd
+from tbo.harness.launch import launch
 
 
 def main() -> None:

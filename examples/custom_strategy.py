@@ -19,8 +19,9 @@ import torch
 import tbo
 import tbo.strategies
 from tbo import OperationsStrategy, SplitPolicy, State, Yield
-from tbo.cli import main as tbo_cli
-from tbo.comm import LocalBackend, run_experts
+from tbo.tools.cli import main as tbo_cli
+from tbo.comm import LocalBackend
+from tbo.experts import run_experts
 from tbo.comm.emulated import EmulatedLink
 
 HIDDEN, EXPERTS, TOP_K = 64, 8, 2

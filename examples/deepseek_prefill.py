@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/deepseek_prefill.py
 """
 
-from tbo.workload import example_main
+from tbo.harness.workload import example_main
 
 if __name__ == "__main__":
     example_main("deepseek", "prefill")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from tbo import strategies
-from tbo.launch import launch
-from tbo.workload import Case, render_schedule, run_case, summarize
+from tbo.harness.launch import launch
+from tbo.harness.workload import Case, render_schedule, run_case, summarize
 
 CASES = [
     Case(model="deepseek", mode="decode", num_seqs=32, prompt_len=512, link="50,0.002", repeats=3),

@@ -18,7 +18,7 @@ import torch
 from tbo.comm import TorchDistributedBackend
 from tbo.integrations import transformers as tbo_hf
 from tbo.integrations.hf_tiny import MODELS, tiny_model
-from tbo.launch import launch
+from tbo.harness.launch import launch
 from tbo.split import SplitPolicy
 
 

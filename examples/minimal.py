@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tbo import OperationsStrategy, State, Yield, execute_operations, execute_overlapped_operations
-from tbo.schedule import interleave
+from tbo.core.schedule import interleave
 
 HIDDEN, EXPERTS, TOPK = 32, 8, 2
 

@@ -8,8 +8,8 @@ from pydantic import ValidationError
 
 
 from tbo.afd import AFDConfig, AFDMeta, AFDTopology
-from tbo.afd.run import AFDCase, run_afd
-from tbo.launch import RankError, launch
+from tbo.harness.afd import AFDCase, run_afd
+from tbo.harness.launch import RankError, launch
 
 
 @pytest.mark.dist

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from tbo import OperationsStrategy, Yield
-from tbo.cli import main
+from tbo.tools.cli import main
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_show_by_registered_name(capsys):
 
 
 def test_simulate_command(tmp_path, capsys):
-    from tbo.simulate import Cost, CostModel, TransferCost
+    from tbo.tools.simulate import Cost, CostModel, TransferCost
 
     costs = CostModel(ops={"attn_core": Cost(per_token=1e-4), "experts": Cost(per_token=1e-4)},
                       transfers={"dispatch": TransferCost(bytes_per_token=1e3), "combine": TransferCost(

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tbo import CommTimeoutError
-from tbo.comm import DispatchFormat, LocalBackend, TorchDistributedBackend, run_experts
-from tbo.launch import RankError, launch
+from tbo.comm import DispatchFormat, LocalBackend, TorchDistributedBackend
+from tbo.experts import run_experts
+from tbo.harness.launch import RankError, launch
 from tbo.testing.moe import SwiGLUExperts, dense_moe_reference, make_routing
 
 HIDDEN, INTER = 16, 24

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from tbo.comm import DispatchFormat, LocalBackend, run_experts
-from tbo.comm.deep_gemm_experts import DeepGemmSwiGLUExperts
-from tbo.comm.experts import DEEP_GEMM_NAMES, resolve_deep_gemm
-from tbo.comm.fp8 import dequantize_per_block, quantize_per_block
+from tbo.comm import DispatchFormat, LocalBackend
+from tbo.experts import run_experts
+from tbo.experts.deep_gemm import DeepGemmSwiGLUExperts
+from tbo.experts.deep_gemm import DEEP_GEMM_NAMES, resolve_deep_gemm
+from tbo.experts.fp8 import dequantize_per_block, quantize_per_block
 from tbo.testing import deep_gemm_standin
 from tbo.testing.moe import SwiGLUExperts, make_routing
 

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from tbo.comm import DispatchFormat, LocalBackend, run_experts
+from tbo.comm import DispatchFormat, LocalBackend
+from tbo.experts import run_experts
 from tbo.comm.deepep import DeepEPLowLatencyBackend, DeepEPNormalBackend, supported_kwargs
-from tbo.comm.fp8 import dequantize_per_token_group, quantize_per_token_group
-from tbo.launch import launch
-from tbo.sm_budget import deep_ep_num_sms
+from tbo.experts.fp8 import dequantize_per_token_group, quantize_per_token_group
+from tbo.harness.launch import launch
+from tbo.runtime.sm_budget import deep_ep_num_sms
 from tbo.testing.deepep_standin import Buffer, DeepEPContractError
 from tbo.testing.moe import SwiGLUExperts, make_routing
 
@@ -199,7 +200,7 @@ def test_deep_ep_num_sms_save_restore():
 
 
 def test_create_without_deep_ep_says_how_to_install():
-    from tbo._optional import try_import
+    from tbo.util.optional import try_import
 
     if try_import("deep_ep") is not None:
         pytest.skip("deep_ep is installed")

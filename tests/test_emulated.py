@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tbo.comm import LocalBackend, run_experts
+from tbo.comm import LocalBackend
+from tbo.experts import run_experts
 from tbo.comm.emulated import EmulatedLink, SimulatedClock
 from tbo.testing.moe import SwiGLUExperts, make_routing
 

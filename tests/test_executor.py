@@ -5,8 +5,9 @@ from hypothesis import strategies as st
 
 from tbo import (OperationError, OperationsStrategy, State, StrategyError, Yield, execute_operations,
                  execute_overlapped_operations)
-from tbo.observer import Observer
-from tbo.schedule import interleave
+from tbo.core.observer import Observer
+from tbo.core.schedule import interleave
+from tbo.runtime.profile import RecordFunctionObserver
 
 
 class ToyMoELayer:
@@ -174,7 +175,7 @@ def test_observer_sees_schedule_and_ops():
 def test_profile_adds_record_function_ranges():
     strategy = build(num_layers=1, delta=1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        execute_overlapped_operations(inputs((2, 2)), strategy, profile=True)
+        execute_overlapped_operations(inputs((2, 2)), strategy, observer=RecordFunctionObserver())
     names = {e.name for e in prof.events()}
     assert "tbo/mb1/stage3" in names and "tbo/mb0/dispatch_a" in names
 
@@ -212,7 +213,7 @@ def test_operation_error_with_observer_path():
 
     s = OperationsStrategy(operations=[lambda st: None, Yield, boom])
     with pytest.raises(OperationError, match="microbatch 0, stage 1, op 'boom'"):
-        execute_overlapped_operations([{}, {}], s, observer=Recorder(), profile=True)
+        execute_overlapped_operations([{}, {}], s, observer=[RecordFunctionObserver(), Recorder()])
 
 
 def test_non_dict_output_is_explained():

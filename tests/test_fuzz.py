@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tbo import OperationsStrategy, Yield
 from tbo.comm import TorchDistributedBackend
-from tbo.launch import launch
+from tbo.harness.launch import launch
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy, agree_to_split
 

@@ -8,9 +8,9 @@ import torch
 
 import tbo.strategies as S
 from tbo import HangError, OperationError, OperationsStrategy, Yield, lint
-from tbo.cli import main
+from tbo.tools.cli import main
 from tbo.comm import LocalBackend, TorchDistributedBackend
-from tbo.launch import launch
+from tbo.harness.launch import launch
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy
 

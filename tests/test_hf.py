@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from tbo.comm import TorchDistributedBackend  # noqa: E402
 from tbo.integrations import transformers as tbo_hf  # noqa: E402
 from tbo.integrations.hf_tiny import MODELS, tiny_model  # noqa: E402
-from tbo.launch import launch  # noqa: E402
+from tbo.harness.launch import launch  # noqa: E402
 from tbo.split import SplitPolicy  # noqa: E402
 
 SPLIT = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
@@ -56,9 +56,15 @@ def test_batch_below_threshold_runs_unsplit():
                                        policy=SplitPolicy(prefill_token_threshold=100)), expected)
 
 
+def _rows(plan):
+    return tuple(mb.requests_start for mb in plan.microbatches) + (plan.num_requests,)
+
+
 def test_rows_are_split_for_tbo():
-    assert tbo_hf._rows_plan(SPLIT, 4, 7, 0) == (0, 2, 4)
-    assert tbo_hf._rows_plan(SPLIT, 5, 1, 9) == (0, 2, 5)
+    assert _rows(tbo_hf._rows_plan(SPLIT, 4, 7, 0)) == (0, 2, 4)
+    assert _rows(tbo_hf._rows_plan(SPLIT, 5, 1, 9)) == (0, 2, 5)
+    padded = tbo_hf._rows_plan(SPLIT.model_copy(update={"pad_to_multiple": 8}), 4, 7, 0)
+    assert [mb.tokens_len for mb in padded.microbatches] == [14, 14]  # a padded row would not be a row
     assert tbo_hf._rows_plan(SPLIT, 1, 40, 0) is None  # one row: the policy would cut inside it; HF cannot
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tbo.launch import RankError, launch
+from tbo.harness.launch import RankError, launch
 
 
 def _sum_ranks(rank, world):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import tbo.strategies as S
 from tbo import OperationsStrategy, StrategyError, Yield
 from tbo.comm import DispatchFormat, LocalBackend, TorchDistributedBackend
-from tbo.launch import launch
+from tbo.harness.launch import launch
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy
 

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from tbo.schedule import interleave
+from tbo.core.schedule import interleave
 
 
 def expected_steps(num_stages, offsets):

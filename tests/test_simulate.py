@@ -9,9 +9,9 @@ from tbo import OperationsStrategy, Yield
 from tbo.comm import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
-from tbo.simulate import (Cost, CostModel, TransferCost, _candidates, compare, find_threshold, fit_costs, recommend,
+from tbo.tools.simulate import (Cost, CostModel, TransferCost, _candidates, compare, find_threshold, fit_costs, recommend,
                           simulate, tune)
-from tbo.trace import Span, Trace, Tracer, save_chrome_json, save_png, summary, to_chrome_json, traced
+from tbo.tools.trace import Span, Trace, Tracer, save_chrome_json, save_png, summary, to_chrome_json, traced
 
 LAYER = OperationsStrategy(operations=["attn", "dispatch_a", Yield, "dispatch_b", "mlp"])
 

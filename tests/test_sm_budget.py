@@ -5,7 +5,7 @@ import types
 import pytest
 
 import tbo
-from tbo._optional import require, try_import
+from tbo.util.optional import require, try_import
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_absent_deep_gemm_logs_and_noops(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import raises ModuleNotFoundError
     if try_import("deep_gemm") is not None:
         pytest.skip("deep_gemm is installed")
-    with caplog.at_level(logging.DEBUG, logger="tbo.sm_budget"):
+    with caplog.at_level(logging.DEBUG, logger="tbo.runtime.sm_budget"):
         with tbo.deep_gemm_num_sms(10):
             pass
     assert "deep_gemm is not installed" in caplog.text
@@ -66,6 +66,6 @@ def test_require_names_package_and_purpose():
 def test_import_tbo_does_not_import_gpu_libraries():
     import subprocess
 
-    code = "import sys, tbo, tbo.executors; print('deep_ep' in sys.modules, 'deep_gemm' in sys.modules)"
+    code = "import sys, tbo, tbo.core.executors; print('deep_ep' in sys.modules, 'deep_gemm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from tbo.launch import launch
+from tbo.harness.launch import launch
 from tbo.split import (ForwardMode, SplitPolicy, agree_to_split, compute_split_seq_index, compute_split_token_index,
                        merge_outputs, split_inputs)
 

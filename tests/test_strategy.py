@@ -3,7 +3,7 @@ import pickle
 import pytest
 
 from tbo import OperationsStrategy, StrategyError, Yield
-from tbo.operations import op_name
+from tbo.core.operations import op_name
 
 
 def op_attn(state):

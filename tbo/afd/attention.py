@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from .. import strategies
-from ..forward import model_forward_maybe_tbo
-from ..models.cache import AttentionMetadata, KVCache
-from ..split.plan import MicrobatchSlice, SplitPlan
-from ..state import State
-from .connector import AFDMeta
+from tbo import strategies
+from tbo.runtime.forward import model_forward_maybe_tbo
+from tbo.models.cache import AttentionMetadata, KVCache
+from tbo.split.plan import MicrobatchSlice, SplitPlan
+from tbo.core.state import State
+from tbo.afd.connector import AFDMeta
 
 __all__ = ["AFDAttentionLayer", "AFDAttentionModel"]
 

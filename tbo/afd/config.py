@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from ..split.plan import SplitPolicy
+from tbo.split.plan import SplitPolicy
 
 __all__ = ["AFDConfig", "AFD_NUM_STAGES"]
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..comm.wait import DEFAULT_TIMEOUT_S, wait_work
+from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 
 __all__ = ["AFDMeta", "AFDConnector", "AFDTopology", "TorchDistributedAFDConnector"]
 

@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from .connector import AFDMeta, TorchDistributedAFDConnector
+from tbo.afd.connector import AFDMeta, TorchDistributedAFDConnector
 
 __all__ = ["AFDFFNServer"]
 

@@ -1,10 +1,9 @@
 """Expert-parallel communication: dispatch_a/b and combine_a/b over local, torch.distributed, emulated and DeepEP
-transports, the expert runners for each layout, and timeout-bounded waits."""
+transports, and timeout-bounded waits. (The expert runners for each layout are in `tbo.experts`.)"""
 
-from .alltoall import AllToAllBackend, LocalBackend, TorchDistributedBackend
-from .experts import ExpertFn, run_experts
-from .types import CombineState, DispatchFormat, DispatchOutput, DispatchState, EPBackend
-from .wait import DEFAULT_TIMEOUT_S, wait_work
+from tbo.comm.alltoall import AllToAllBackend, LocalBackend, TorchDistributedBackend
+from tbo.comm.types import CombineState, DispatchFormat, DispatchOutput, DispatchState, EPBackend
+from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 
 __all__ = [
     "AllToAllBackend",
@@ -14,9 +13,7 @@ __all__ = [
     "DispatchOutput",
     "DispatchState",
     "EPBackend",
-    "ExpertFn",
     "LocalBackend",
     "TorchDistributedBackend",
-    "run_experts",
     "wait_work",
 ]

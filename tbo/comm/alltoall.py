@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from .layout import (ExpandedRoute, NormalRoute, check_routing, expanded_route, expert_major_perm, from_masked,
+from tbo.comm.layout import (ExpandedRoute, NormalRoute, check_routing, expanded_route, expert_major_perm, from_masked,
                      normal_route, to_masked, weighted_sum)
-from .transport import LocalTransport, TorchDistributedTransport, Transport
-from .types import CombineState, DispatchFormat, DispatchOutput, DispatchState
-from .wait import DEFAULT_TIMEOUT_S
+from tbo.comm.transport import LocalTransport, TorchDistributedTransport, Transport
+from tbo.comm.types import CombineState, DispatchFormat, DispatchOutput, DispatchState
+from tbo.comm.wait import DEFAULT_TIMEOUT_S
 
 __all__ = ["AllToAllBackend", "LocalBackend", "TorchDistributedBackend"]
 

@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from .._optional import require
-from .fp8 import quantize_per_token_group
-from .layout import check_routing
-from .types import DispatchFormat, DispatchOutput
+from tbo.util.optional import require
+from tbo.experts.fp8 import quantize_per_token_group
+from tbo.comm.layout import check_routing
+from tbo.comm.types import DispatchFormat, DispatchOutput
 
 __all__ = ["DeepEPNormalBackend", "DeepEPLowLatencyBackend", "supported_kwargs"]
 

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..trace import interval_union
-from .types import DispatchOutput
+from tbo.util.intervals import interval_union
+from tbo.comm.types import BackendWrapper, DispatchOutput
 
 __all__ = ["EmulatedLink", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer"]
 
@@ -32,7 +32,7 @@ class WallClock:
 
     ``time.sleep`` wakes 50-120 us late on a VM, which makes every exposed wait longer than the transfer it emulates
     (and a simulator that models the link wrong by that much per wait). Spinning fixes that where one process owns
-    its core (`tbo.workload.TracedModel`); where several ranks share few cores, a spinning rank takes CPU from
+    its core (`tbo.harness.workload.TracedModel`); where several ranks share few cores, a spinning rank takes CPU from
     transports' threads, so the default is 0: sleep only.
     """
 
@@ -109,21 +109,19 @@ class _InFlight:
     transfer: Transfer
 
 
-class EmulatedLink:
+class EmulatedLink(BackendWrapper):
     """An `EPBackend` wrapper whose transfers take ``latency_s + nbytes / bandwidth`` of (wall or simulated) time."""
 
     def __init__(self, inner: Any, latency_s: float, bandwidth_bytes_per_s: float,
                  clock: LinkClock | None = None) -> None:
         if latency_s < 0 or bandwidth_bytes_per_s <= 0:
             raise ValueError(f"latency_s must be >= 0 and bandwidth > 0, got {latency_s}, {bandwidth_bytes_per_s}")
-        self.inner = inner
+        super().__init__(inner)
         self.latency_s = latency_s
         self.bandwidth = bandwidth_bytes_per_s
         self.clock: LinkClock = clock or WallClock()
         self.stats = LinkStats()
         self._free_at = float("-inf")  # when the link finishes the bytes already queued (FIFO)
-        self.rank, self.num_ranks = inner.rank, inner.num_ranks
-        self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
 
     @classmethod
     def from_spec(cls, inner: Any, spec: str, clock: LinkClock | None = None) -> "EmulatedLink":
@@ -133,13 +131,6 @@ class EmulatedLink:
         except ValueError:
             raise ValueError(f"link spec must be 'LATENCY_US,GBPS', got {spec!r}") from None
         return cls(inner, latency_us * 1e-6, gbps * 1e9, clock)
-
-    @property
-    def in_flight(self) -> list[Any]:
-        return list(getattr(self.inner, "in_flight", []))
-
-    def drain(self) -> int:
-        return self.inner.drain() if hasattr(self.inner, "drain") else 0
 
     def transfer_time(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth

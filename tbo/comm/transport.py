@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .wait import DEFAULT_TIMEOUT_S, wait_work
+from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 
 __all__ = ["Transport", "LocalTransport", "TorchDistributedTransport", "Pending"]
 
@@ -87,7 +87,7 @@ class TorchDistributedTransport(Transport):
 
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError("TorchDistributedTransport needs torch.distributed initialised (see tbo.launch)")
+            raise RuntimeError("TorchDistributedTransport needs torch.distributed initialised (see tbo.harness.launch)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["DispatchFormat", "DispatchOutput", "DispatchState", "CombineState", "EPBackend"]
+__all__ = ["BackendWrapper", "DispatchFormat", "DispatchOutput", "DispatchState", "CombineState", "EPBackend"]
 
 
 class DispatchFormat(enum.Enum):
@@ -79,3 +79,42 @@ class EPBackend(Protocol):
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> Any: ...
 
     def combine_b(self, state: Any) -> torch.Tensor: ...
+
+    @property
+    def in_flight(self) -> list[Any]:
+        """Transfers launched and not yet waited: what the watchdog reports when a step hangs."""
+        ...
+
+    def drain(self) -> int:
+        """Wait out every transfer still in flight and return how many there were. The executor calls it when an op
+        fails mid-step, so that nothing still writes into buffers the caller is about to free or reuse."""
+        ...
+
+
+class BackendWrapper:
+    """Base of backends that wrap another (an emulated link, a tracer, a copy-engine link): the topology and the
+    in-flight/drain contract are the inner backend's; a subclass overrides the four transfer methods it changes."""
+
+    def __init__(self, inner: EPBackend) -> None:
+        self.inner = inner
+        self.rank, self.num_ranks = inner.rank, inner.num_ranks
+        self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
+
+    @property
+    def in_flight(self) -> list[Any]:
+        return self.inner.in_flight
+
+    def drain(self) -> int:
+        return self.inner.drain()
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        return self.inner.dispatch_a(hidden, topk_idx, topk_weights)
+
+    def dispatch_b(self, state: Any) -> DispatchOutput:
+        return self.inner.dispatch_b(state)
+
+    def combine_a(self, expert_out: torch.Tensor, handle: Any) -> Any:
+        return self.inner.combine_a(expert_out, handle)
+
+    def combine_b(self, state: Any) -> torch.Tensor:
+        return self.inner.combine_b(state)

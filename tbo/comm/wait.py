@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from ..errors import CommTimeoutError
+from tbo.core.errors import CommTimeoutError
 
 __all__ = ["wait_work", "DEFAULT_TIMEOUT_S"]
 

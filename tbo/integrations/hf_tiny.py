@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .._optional import require
+from tbo.util.optional import require
 
 __all__ = ["tiny_model", "MODELS"]
 

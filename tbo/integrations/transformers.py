@@ -19,13 +19,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import strategies
-from .._optional import require
-from ..comm.alltoall import LocalBackend
-from ..executors import execute_operations, execute_overlapped_operations
-from ..models.moe_ops import ExpertParallelOps
-from ..split import ForwardMode, SplitPolicy, agree_to_split
-from ..state import State
+from tbo import strategies
+from tbo.util.optional import require
+from tbo.comm.alltoall import LocalBackend
+from tbo.models.layer_ops import DecoderLayerOps
+from tbo.split import ForwardMode, SplitPolicy, agree_to_split
+from tbo.core.state import State
+from tbo.runtime.forward import model_forward_maybe_tbo
+from tbo.split.plan import MicrobatchSlice, SplitPlan
 
 __all__ = ["TboDecoderLayer", "forward", "generate", "SUPPORTED_LAYERS", "SUPPORTED_ATTENTION"]
 
@@ -49,7 +50,7 @@ class _Step:
     cache: Any
 
 
-class TboDecoderLayer(ExpertParallelOps):
+class TboDecoderLayer(DecoderLayerOps):
     """An HF ``DeepseekV3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` as ops; experts dispatched through ``backend``."""
 
     def __init__(self, hf_layer: Any, backend: Any, layer_idx: int) -> None:
@@ -65,6 +66,7 @@ class TboDecoderLayer(ExpertParallelOps):
         mlp = hf_layer.mlp
         self.kind = "moe" if hasattr(mlp, "experts") else "dense"
         self.shared = getattr(mlp, "shared_experts", None) if self.kind == "moe" else None
+        self.has_shared_experts = self.shared is not None
         if self.kind == "moe":
             experts = mlp.experts
             if experts.num_experts != backend.num_experts:
@@ -81,57 +83,37 @@ class TboDecoderLayer(ExpertParallelOps):
         gate, up = F.linear(rows, self._experts.gate_up_proj[g]).chunk(2, dim=-1)
         return F.linear(self._experts.act_fn(gate) * up, self._experts.down_proj[g])
 
-    def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor) -> None:
-        state.residual = hidden_states
-        state.attn_in = self.hf.input_layernorm(hidden_states)
+    # ---- the hooks DecoderLayerOps needs: HF's own modules ----------------------------------------------------
+    def attn_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf.input_layernorm(x)
 
+    def mlp_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf.post_attention_layernorm(x)
+
+    def shared_experts(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x)
+
+    # ---- the ops that touch HF's attention and router (hidden states are [tokens, H], as in the seam) ----------
     def op_attn_prepare(self, state: State) -> None:
         step: _Step = state.hf_step
         state.attn_kwargs = {"attention_mask": step.attention_mask, "position_ids": step.position_ids,
                              "cache": step.cache, "use_cache": True, "position_embeddings": step.position_embeddings}
 
     def op_attn_core(self, state: State) -> None:
-        out, _ = self.hf.self_attn(hidden_states=state.pop("attn_in"), **state.pop("attn_kwargs"))
-        state.attn_out = out
-
-    def op_comm_prepare_mlp(self, state: State) -> None:
-        residual = state.pop("residual") + state.pop("attn_out")
-        state.residual = residual
-        state.mlp_in = self.hf.post_attention_layernorm(residual)
+        x = state.pop("attn_in")
+        rows = state.hf_step.position_ids.shape[0]  # HF attention wants [rows, seq, H]
+        out, _ = self.hf.self_attn(hidden_states=x.view(rows, -1, x.shape[-1]), **state.pop("attn_kwargs"))
+        state.attn_out = out.reshape(x.shape)
 
     def op_mlp(self, state: State) -> None:
         state.mlp_out = self.hf.mlp(state.pop("mlp_in"))
 
     def op_gate(self, state: State) -> None:
-        x = state.mlp_in
-        _, weights, idx = self.hf.mlp.gate(x.reshape(-1, x.shape[-1]))
+        _, weights, idx = self.hf.mlp.gate(state.mlp_in)
         state.topk = (idx, weights)
 
     def op_select_experts(self, state: State) -> None:
         """HF routers pick the experts inside the gate; nothing is left to do here."""
-
-    def op_dispatch_a(self, state: State) -> None:
-        x = state.mlp_in if self.shared is not None else state.pop("mlp_in")
-        state.moe_shape = x.shape
-        state.dispatch = self.backend.dispatch_a(x.reshape(-1, x.shape[-1]), *state.pop("topk"))
-
-    def op_shared_experts(self, state: State) -> None:
-        if self.shared is not None:
-            state.shared_out = self.shared(state.pop("mlp_in"))
-
-    def op_output(self, state: State) -> None:
-        if self.kind == "dense":
-            mlp = state.pop("mlp_out")
-        else:
-            mlp = state.pop("routed_out").view(state.pop("moe_shape"))
-            if self.shared is not None:
-                mlp = mlp + state.pop("shared_out")
-        state.layer_out = state.pop("residual") + mlp
-
-    def op_comm_postprocess_layer(self, state: State) -> dict[str, torch.Tensor]:
-        out = state.pop("layer_out")
-        state.clear()
-        return {"hidden_states": out}
 
 
 class _Wrapped:
@@ -153,6 +135,13 @@ def _wrapped(model: Any, backend: Any) -> _Wrapped:
     return cached
 
 
+def _step(mask: Any, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lo: int, hi: int,
+          cache: Any) -> _Step:
+    """Rows ``lo:hi`` of what attention needs this step."""
+    m = mask[lo:hi] if isinstance(mask, torch.Tensor) else mask
+    return _Step(m, position_ids[lo:hi], (cos[lo:hi], sin[lo:hi]), cache)
+
+
 def _cache_rows(cache: Any, config: Any, lo: int, hi: int) -> Any:
     """A cache holding rows ``lo:hi`` of ``cache`` (the tensors are views: nothing is copied)."""
     part = _transformers().DynamicCache(config=config)
@@ -172,15 +161,17 @@ def _join_cache_rows(cache: Any, parts: list[Any]) -> None:
         layer.values = torch.cat([p.values for p in pieces])
 
 
-def _rows_plan(policy: SplitPolicy, batch: int, seq: int, past: int) -> tuple[int, ...] | None:
-    """Row boundaries of the microbatches, or None: HF batches can only be cut between rows."""
+def _rows_plan(policy: SplitPolicy, batch: int, seq: int, past: int) -> SplitPlan | None:
+    """The step's split, or None. HF attention takes whole rows, so a plan that cuts inside a row runs unsplit, and
+    microbatches are never padded (a padded row would not be a row)."""
+    policy = policy.model_copy(update={"pad_to_multiple": 1})
     if seq == 1 and past > 0:
         plan = policy.plan(ForwardMode.DECODE, batch)
     else:
         plan = policy.plan(ForwardMode.EXTEND, batch * seq, [seq] * batch)
     if not agree_to_split(plan) or plan is None or plan.two_chunk:
         return None
-    return tuple(mb.requests_start for mb in plan.microbatches) + (batch,)
+    return plan
 
 
 def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -212,30 +203,21 @@ def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
                          position_ids=position_ids)
         cos, sin = inner.rotary_emb(embeds, position_ids=position_ids)
         strategy = wrapped.strategies["decode" if seq == 1 and past > 0 else "prefill"]
-        rows = _rows_plan(policy, batch, seq, past) if policy is not None else None
-        drain = {"drain": (backend,)} if hasattr(backend, "drain") else {}
+        plan = _rows_plan(policy, batch, seq, past) if policy is not None else None
+        parts: list[Any] = []
 
-        def step(lo: int, hi: int, part_cache: Any) -> _Step:
-            m = mask[lo:hi] if isinstance(mask, torch.Tensor) else mask
-            return _Step(m, position_ids[lo:hi], (cos[lo:hi], sin[lo:hi]), part_cache)
+        def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
+            if mb is None:
+                return {"hf_step": _step(mask, position_ids, cos, sin, 0, batch, cache)}
+            lo, hi = mb.requests_start, mb.requests_start + mb.requests_len
+            parts.append(_cache_rows(cache, config, lo, hi))
+            return {"hf_step": _step(mask, position_ids, cos, sin, lo, hi, parts[-1])}
 
-        if rows is None:
-            state = State()
-            state.pin(hf_step=step(0, batch, cache))
-            hidden = execute_operations({"hidden_states": embeds}, strategy, state=state, **drain, **run)
-            hidden = hidden["hidden_states"]
-        else:
-            bounds = list(zip(rows[:-1], rows[1:]))
-            parts = [_cache_rows(cache, config, lo, hi) for lo, hi in bounds]
-            states = []
-            for (lo, hi), part in zip(bounds, parts):
-                state = State()
-                state.pin(hf_step=step(lo, hi, part))
-                states.append(state)
-            outs = execute_overlapped_operations([{"hidden_states": embeds[lo:hi]} for lo, hi in bounds], strategy,
-                                                 states=states, **drain, **run)
-            hidden = torch.cat([o["hidden_states"] for o in outs])
+        out = model_forward_maybe_tbo(wrapped.layers, {"hidden_states": embeds.view(batch * seq, -1)}, strategy, plan,
+                                      pinned=pinned, backend=backend, **run)
+        if parts:
             _join_cache_rows(cache, parts)
+        hidden = out["hidden_states"].view(batch, seq, -1)
         logits = model.lm_head(inner.norm(hidden))
     return logits, cache
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ..split.plan import MicrobatchSlice
+from tbo.split.plan import MicrobatchSlice
 
 __all__ = ["KVCache", "AttentionMetadata"]
 

@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
-from .. import strategies
-from ..comm.alltoall import LocalBackend
-from ..comm.experts import run_experts
-from ..forward import model_forward_maybe_tbo
-from ..split.plan import MicrobatchSlice, SplitPlan
-from ..state import State
-from ..strategy import OperationsStrategy
-from .cache import AttentionMetadata, KVCache
-from .config import ModelConfig
-from .functional import attend, linear, pointwise, rms_norm, rope, swiglu
-from .moe_ops import ExpertParallelOps
+from tbo import strategies
+from tbo.comm.alltoall import LocalBackend
+from tbo.experts import run_experts
+from tbo.runtime.forward import model_forward_maybe_tbo
+from tbo.split.plan import MicrobatchSlice, SplitPlan
+from tbo.core.state import State
+from tbo.core.strategy import OperationsStrategy
+from tbo.models.cache import AttentionMetadata, KVCache
+from tbo.models.config import ModelConfig
+from tbo.models.functional import attend, linear, pointwise, rms_norm, rope, swiglu
+from tbo.models.layer_ops import DecoderLayerOps
 
 __all__ = ["DecoderLayer", "ReferenceModel", "STATE_FLOW"]
 
@@ -52,7 +52,7 @@ def _init(g: torch.Generator, *shape: int, scale: float, dtype: torch.dtype) -> 
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-class DecoderLayer(ExpertParallelOps):
+class DecoderLayer(DecoderLayerOps):
     """One decoder layer. ``kind`` is ``"dense"`` (SwiGLU MLP) or ``"moe"`` (router, shared and routed experts)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, backend: Any) -> None:
@@ -122,7 +122,18 @@ class DecoderLayer(ExpertParallelOps):
             weights = weights / weights.sum(-1, keepdim=True)
         return idx, weights * c.routed_scaling_factor
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+    # ---- the hooks DecoderLayerOps needs ----------------------------------------------------------------------
+    def attn_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.input_norm, self.config.rms_eps)
+
+    def mlp_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.post_attn_norm, self.config.rms_eps)
+
+    @property
+    def has_shared_experts(self) -> bool:
+        return getattr(self, "shared_w", None) is not None
+
+    def shared_experts(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *self.shared_w, self.bi)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,31 +147,19 @@ class DecoderLayer(ExpertParallelOps):
         dispatched = self.backend.dispatch_b(self.backend.dispatch_a(x, idx, weights))
         out = run_experts(dispatched, self.local_expert)
         routed = self.backend.combine_b(self.backend.combine_a(out, dispatched.handle))
-        return routed + self._shared(x) if self.shared_w is not None else routed
+        return routed + self.shared_experts(x) if self.has_shared_experts else routed
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """The layer without ops: the reference the op path and every strategy must equal."""
-        c = self.config
-        residual = hidden
-        attn = self._attention(*self._qkv(rms_norm(hidden, self.input_norm, c.rms_eps), meta), meta, cache)
-        residual = residual + attn
-        return residual + self.ffn(rms_norm(residual, self.post_attn_norm, c.rms_eps))
+        residual = hidden + self._attention(*self._qkv(self.attn_norm(hidden), meta), meta, cache)
+        return residual + self.ffn(self.mlp_norm(residual))
 
-    # ---- ops ----------------------------------------------------------------------------------------------------
-    def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor) -> None:
-        state.residual = hidden_states
-        state.attn_in = rms_norm(hidden_states, self.input_norm, self.config.rms_eps)
-
+    # ---- the ops that touch this layer's own modules (the rest come from DecoderLayerOps) ----------------------
     def op_attn_prepare(self, state: State) -> None:
         state.qkv = self._qkv(state.pop("attn_in"), state.attn)
 
     def op_attn_core(self, state: State) -> None:
         state.attn_out = self._attention(*state.pop("qkv"), state.attn, state.cache)
-
-    def op_comm_prepare_mlp(self, state: State) -> None:
-        residual = state.pop("residual") + state.pop("attn_out")
-        state.residual = residual
-        state.mlp_in = rms_norm(residual, self.post_attn_norm, self.config.rms_eps)
 
     def op_mlp(self, state: State) -> None:
         state.mlp_out = swiglu(state.pop("mlp_in"), *self.mlp_w, self.bi)
@@ -170,28 +169,6 @@ class DecoderLayer(ExpertParallelOps):
 
     def op_select_experts(self, state: State) -> None:
         state.topk = self._select(state.pop("router_logits"))
-
-    def op_dispatch_a(self, state: State) -> None:
-        x = state.mlp_in if self.shared_w is not None else state.pop("mlp_in")
-        state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"))
-
-    def op_shared_experts(self, state: State) -> None:
-        if self.shared_w is not None:
-            state.shared_out = self._shared(state.pop("mlp_in"))
-
-    def op_output(self, state: State) -> None:
-        if self.kind == "dense":
-            mlp = state.pop("mlp_out")
-        else:
-            mlp = state.pop("routed_out")
-            if self.shared_w is not None:
-                mlp = mlp + state.pop("shared_out")
-        state.layer_out = state.pop("residual") + mlp
-
-    def op_comm_postprocess_layer(self, state: State) -> dict[str, torch.Tensor]:
-        out = state.pop("layer_out")
-        state.clear()  # every key a layer wrote was consumed: anything left is a leak
-        return {"hidden_states": out}
 
 
 class ReferenceModel:
@@ -240,10 +217,8 @@ class ReferenceModel:
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             return {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
 
-        if hasattr(self.backend, "drain"):
-            kwargs.setdefault("drain", (self.backend,))  # a failed step drains its transfers before raising
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": self.embed(input_ids)}, self.bind(strategy),
-                                      plan, pinned=pinned, **kwargs)
+                                      plan, pinned=pinned, backend=self.backend, **kwargs)
         return self.head(out["hidden_states"])
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:

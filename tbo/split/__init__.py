@@ -1,10 +1,19 @@
-"""Microbatch splitting: where to cut a step's batch, when not to, and the same decision on every rank."""
+"""Microbatch splitting: where to cut a step's batch, when not to, and the same decision on every rank.
 
-from .agree import agree_to_split
-from .index import (ForwardMode, compute_split_seq_index, compute_split_token_index,
-                    DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD)
-from .plan import MicrobatchSlice, SplitPlan, SplitPolicy
-from .tensors import merge_outputs, split_inputs
+The policy and the index rules need no torch; `split_inputs`, `merge_outputs` and `agree_to_split` touch tensors and
+process groups, and are imported on first use.
+"""
+
+from tbo.split.index import (DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, ForwardMode, compute_split_seq_index,
+                             compute_split_token_index)
+from tbo.split.plan import MicrobatchSlice, SplitPlan, SplitPolicy
+from tbo.util.lazy import lazy_attributes
+
+__getattr__ = lazy_attributes(__name__, {
+    "agree_to_split": "tbo.split.agree",
+    "merge_outputs": "tbo.split.tensors",
+    "split_inputs": "tbo.split.tensors",
+})
 
 __all__ = [
     "DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD",

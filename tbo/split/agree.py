@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..comm.wait import DEFAULT_TIMEOUT_S, wait_work
-from .plan import SplitPlan
+from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
+from tbo.split.plan import SplitPlan
 
 __all__ = ["agree_to_split"]
 

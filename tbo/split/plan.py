@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..state import State
-from .index import DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, Cut, ForwardMode, _decode_cut, extend_cut, sequence_lens
+from tbo.core.state import State
+from tbo.split.index import DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, Cut, ForwardMode, _decode_cut, extend_cut, sequence_lens
 
 __all__ = ["MicrobatchSlice", "SplitPlan", "SplitPolicy", "plan_from_cuts"]
 

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from .plan import MicrobatchSlice, SplitPlan
+from tbo.split.plan import MicrobatchSlice, SplitPlan
 
 __all__ = ["split_inputs", "merge_outputs"]
 

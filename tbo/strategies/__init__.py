@@ -7,11 +7,11 @@
     2
 """
 
-from .afd import afd_attention_dbo
-from .deepseek import deepseek_decode, deepseek_prefill
-from .dense import DENSE_OPS, LayerStrategies, bind_layers, dense_like
-from .qwen3_moe import qwen3_moe_decode, qwen3_moe_prefill
-from .registry import get, names, register, unregister
+from tbo.strategies.afd import afd_attention_dbo
+from tbo.strategies.deepseek import deepseek_decode, deepseek_prefill
+from tbo.strategies.dense import DENSE_OPS, LayerStrategies, bind_layers, dense_like
+from tbo.strategies.qwen3_moe import qwen3_moe_decode, qwen3_moe_prefill
+from tbo.strategies.registry import get, names, register, unregister
 
 for _factory in (deepseek_decode, deepseek_prefill, qwen3_moe_decode, qwen3_moe_prefill, afd_attention_dbo):
     register(_factory.__name__, _factory)

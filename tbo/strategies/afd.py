@@ -7,8 +7,8 @@ layer's output, and layer l+1's attention up to its ``afd_send``.
 
 from __future__ import annotations
 
-from ..operations import Yield
-from ..strategy import OperationsStrategy
+from tbo.core.operations import Yield
+from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["afd_attention_dbo"]
 

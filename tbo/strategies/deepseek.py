@@ -6,8 +6,8 @@ two stages. Prefill has fewer, longer stages; DeepGEMM is told to leave DeepEP's
 
 from __future__ import annotations
 
-from ..operations import Yield
-from ..strategy import OperationsStrategy
+from tbo.core.operations import Yield
+from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["deepseek_decode", "deepseek_prefill", "prefill_deep_gemm_num_sms"]
 
@@ -18,7 +18,7 @@ def prefill_deep_gemm_num_sms() -> int | None:
 
     if not torch.cuda.is_available():
         return None
-    from .._optional import try_import
+    from tbo.util.optional import try_import
 
     deep_ep = try_import("deep_ep")
     comm_sms = deep_ep.Buffer.num_sms if deep_ep is not None else 0

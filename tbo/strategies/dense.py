@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from ..errors import StrategyError
-from ..strategy import OperationsStrategy
+from tbo.core.errors import StrategyError
+from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["DENSE_OPS", "dense_like", "bind_layers", "LayerStrategies"]
 

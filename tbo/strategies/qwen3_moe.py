@@ -6,8 +6,8 @@ microbatch's stages are what hide the dispatch.
 
 from __future__ import annotations
 
-from ..strategy import OperationsStrategy
-from .deepseek import deepseek_decode, deepseek_prefill
+from tbo.core.strategy import OperationsStrategy
+from tbo.strategies.deepseek import deepseek_decode, deepseek_prefill
 
 __all__ = ["qwen3_moe_decode", "qwen3_moe_prefill"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Callable, Union
 
-from ..errors import StrategyError
-from ..strategy import OperationsStrategy
+from tbo.core.errors import StrategyError
+from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["register", "get", "names", "unregister"]
 

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from ..comm.fp8 import dequantize_per_block, dequantize_per_token_group
+from tbo.experts.fp8 import dequantize_per_block, dequantize_per_token_group
 
 __all__ = ["install", "DeepGemmContractError"]
 

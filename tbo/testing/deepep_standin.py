@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..comm.fp8 import quantize_per_token_group
-from ..comm.layout import normal_route
-from ..comm.transport import TorchDistributedTransport
-from ..comm.wait import DEFAULT_TIMEOUT_S
+from tbo.experts.fp8 import quantize_per_token_group
+from tbo.comm.layout import normal_route
+from tbo.comm.transport import TorchDistributedTransport
+from tbo.comm.wait import DEFAULT_TIMEOUT_S
 
 __all__ = ["Buffer", "EventOverlap", "DeepEPContractError"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.experts import ExpertFn
+from tbo.experts import ExpertFn
 
 __all__ = ["SwiGLUExperts", "make_routing", "dense_moe_reference"]
 

@@ -20,8 +20,8 @@ import tempfile
 import threading
 from typing import Any, Protocol, Sequence
 
-from ..errors import HangError
-from ..observer import Observer
+from tbo.core.errors import HangError
+from tbo.core.observer import Observer
 
 __all__ = ["Drainable", "PositionObserver", "watchdog", "drain_all"]
 

@@ -10,7 +10,7 @@ import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from ._optional import require, try_import
+from tbo.util.optional import require, try_import
 
 __all__ = ["deep_gemm_num_sms", "deep_ep_num_sms", "save_restore"]
 

@@ -1,4 +1,4 @@
-"""Expert compute for each dispatch format, in plain torch, with DeepGEMM grouped GEMMs where they exist.
+"""Expert compute for each dispatch format, in plain torch: the reference runner every backend's output feeds.
 
 An expert is ``fn(local_expert, rows) -> rows``. The runners group rows by local expert and call it once per expert
 with that expert's rows, in arrival order, so every backend feeds every expert the very same matrix.
@@ -11,11 +11,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._optional import require
-from .fp8 import dequantize_per_token_group
-from .types import DispatchFormat, DispatchOutput
+from tbo.experts.fp8 import dequantize_per_token_group
+from tbo.comm.types import DispatchFormat, DispatchOutput
 
-__all__ = ["ExpertFn", "run_experts", "resolve_deep_gemm", "DEEP_GEMM_NAMES"]
+__all__ = ["ExpertFn", "run_experts"]
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -64,22 +63,3 @@ def run_experts(dispatched: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
     if dispatched.format is DispatchFormat.MASKED:
         return _run_masked(dispatched.hidden, counts, fn)
     return _run_normal(dispatched, fn)
-
-
-#: DeepGEMM renamed its grouped GEMMs across versions; newest first.
-DEEP_GEMM_NAMES = {
-    "masked": ("fp8_m_grouped_gemm_nt_masked", "m_grouped_fp8_gemm_nt_masked", "m_grouped_gemm_fp8_fp8_bf16_nt_masked"),
-    "contiguous": ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"),
-}
-
-
-def resolve_deep_gemm(kind: str) -> Callable:
-    """The installed deep_gemm's grouped GEMM for ``kind`` ("masked" or "contiguous"), whatever its version calls it."""
-    if kind not in DEEP_GEMM_NAMES:
-        raise ValueError(f"unknown DeepGEMM layout {kind!r}; expected one of {sorted(DEEP_GEMM_NAMES)}")
-    deep_gemm = require("deep_gemm", f"the DeepGEMM {kind} expert runner")
-    for name in DEEP_GEMM_NAMES[kind]:
-        fn = getattr(deep_gemm, name, None)
-        if fn is not None:
-            return fn
-    raise ImportError(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} has none of {DEEP_GEMM_NAMES[kind]}")

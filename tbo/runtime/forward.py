@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .executors import execute_operations, execute_overlapped_operations
-from .observer import Observer
-from .sm_budget import deep_gemm_num_sms
-from .split.plan import MicrobatchSlice, SplitPlan
-from .split.tensors import merge_outputs, split_inputs
-from .state import State
-from .strategies.dense import LayerStrategies, bind_layers
-from .strategy import OperationsStrategy
+from tbo.core.executors import execute_operations, execute_overlapped_operations
+from tbo.core.executors.guard import Drainable
+from tbo.core.observer import Observer
+from tbo.runtime.profile import RecordFunctionObserver
+from tbo.runtime.sm_budget import deep_gemm_num_sms
+from tbo.split.plan import MicrobatchSlice, SplitPlan
+from tbo.split.tensors import merge_outputs, split_inputs
+from tbo.core.state import State
+from tbo.strategies.dense import LayerStrategies, bind_layers
+from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["model_forward_maybe_tbo"]
 
@@ -33,6 +35,7 @@ def model_forward_maybe_tbo(
     request_keys: Iterable[str] = (),
     shared_keys: Iterable[str] = (),
     output_key: str = "hidden_states",
+    backend: Drainable | None = None,
     observer: Observer | None = None,
     profile: bool = False,
     **guard: Any,
@@ -42,9 +45,15 @@ def model_forward_maybe_tbo(
     ``strategy`` is a bound strategy for the whole stack (build it once with `bind_layers`: the fast path), or what
     `bind_layers` takes: one strategy for every layer, one per layer kind, or a function of the layer.
     ``pinned(slice)`` returns step-scoped values to pin in each microbatch's State (``slice`` is None unsplit).
+    ``backend``: the layers' communication backend (an `EPBackend`, an AFD connector). Unless ``guard`` names
+    ``drain`` itself, a step that fails drains it before raising, so no transfer still writes into buffers the
+    caller is about to free or reuse. ``profile`` adds torch.profiler ranges per stage and op.
     ``guard`` passes ``drain``, ``watchdog_s``, ``watchdog_label`` and ``dump_stacks`` to the executor.
     Returns ``{output_key: tensor}``, merged back to the whole batch.
     """
+    if backend is not None:
+        guard.setdefault("drain", (backend,))
+    observers = [RecordFunctionObserver(), observer] if profile else observer
     bound = strategy if isinstance(strategy, OperationsStrategy) and strategy.is_bound else bind_layers(
         layers, strategy)
     with deep_gemm_num_sms(bound.deep_gemm_num_sms):
@@ -52,13 +61,12 @@ def model_forward_maybe_tbo(
             state = State()
             if pinned is not None:
                 state.pin(**pinned(None))
-            out = execute_operations(inputs, bound, state=state, observer=observer, profile=profile, **guard)
+            out = execute_operations(inputs, bound, state=state, observer=observers, **guard)
             return {output_key: out[output_key]}
         parts = split_inputs(inputs, plan, request_keys=request_keys, shared_keys=shared_keys)
         states = plan.make_states()
         if pinned is not None:
             for state, mb in zip(states, plan.microbatches):
                 state.pin(**pinned(mb))
-        outs = execute_overlapped_operations(parts, bound, states=states, observer=observer, profile=profile,
-                                             **guard)
+        outs = execute_overlapped_operations(parts, bound, states=states, observer=observers, **guard)
         return {output_key: merge_outputs([o[output_key] for o in outs], plan)}

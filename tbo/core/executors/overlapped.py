@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..errors import HangError, OperationError, StrategyError
-from ..observer import FanoutObserver, Observer, RecordFunctionObserver
-from ..operations import YieldType, op_name
-from ..schedule import Schedule, interleave
-from ..state import State
-from ..strategy import OperationsStrategy
-from .guard import Drainable, PositionObserver, drain_all, watchdog
+from tbo.core.errors import HangError, OperationError, StrategyError
+from tbo.core.observer import Observer, as_observer
+from tbo.core.operations import YieldType, op_name
+from tbo.core.schedule import Schedule, interleave
+from tbo.core.state import State
+from tbo.core.strategy import OperationsStrategy
+from tbo.core.executors.guard import Drainable, PositionObserver, drain_all, watchdog
 
 __all__ = ["execute_operations", "execute_overlapped_operations", "run_schedule"]
 
@@ -131,21 +131,13 @@ def _as_strategies(operations_arr: Any, count: int) -> list[OperationsStrategy]:
     return strategies
 
 
-def _make_observer(observer: Observer | None, profile: bool) -> Observer | None:
-    if profile:
-        rf = RecordFunctionObserver()
-        return rf if observer is None else FanoutObserver([rf, observer])
-    return observer
-
-
 def execute_overlapped_operations(
     inputs_arr: Sequence[Mapping[str, Any]],
     operations_arr: Any,
     delta_stages: int | Sequence[int] | None = None,
     *,
     states: Sequence[State] | None = None,
-    observer: Observer | None = None,
-    profile: bool = False,
+    observer: Observer | Sequence[Observer] | None = None,
     drain: Sequence[Drainable] = (),
     watchdog_s: float | None = None,
     watchdog_label: str = "",
@@ -180,7 +172,7 @@ def execute_overlapped_operations(
     elif len(states) != count:
         raise ValueError(f"got {len(states)} states for {count} microbatches; they must match")
     schedule = interleave([s.num_stages for s in strategies], delta_stages)
-    obs = _make_observer(observer, profile)
+    obs = as_observer(observer)
     positions = None
     if watchdog_s is not None:
         obs = positions = PositionObserver(count, obs)
@@ -213,8 +205,7 @@ def execute_operations(
     operations: Any,
     *,
     state: State | None = None,
-    observer: Observer | None = None,
-    profile: bool = False,
+    observer: Observer | Sequence[Observer] | None = None,
     **guard: Any,
 ) -> Any:
     """Run one microbatch through every stage in order: the single-batch reference the overlapped run must equal.
@@ -222,6 +213,5 @@ def execute_operations(
     ``guard`` takes the `execute_overlapped_operations` keywords ``drain``, ``watchdog_s``, ``watchdog_label`` and
     ``dump_stacks``."""
     return execute_overlapped_operations(
-        [inputs], operations, 0, states=None if state is None else [state], observer=observer, profile=profile,
-        **guard,
+        [inputs], operations, 0, states=None if state is None else [state], observer=observer, **guard,
     )[0]

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-from ..models import ModelConfig, ReferenceModel
-from ..split import ForwardMode
-from ..trace import Tracer
-from ..workload import make_batch
-from .attention import AFDAttentionModel
-from .config import AFDConfig
-from .connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
-from .server import AFDFFNServer
+from tbo.models import ModelConfig, ReferenceModel
+from tbo.split import ForwardMode
+from tbo.tools.trace import Tracer
+from tbo.harness.workload import make_batch
+from tbo.afd.attention import AFDAttentionModel
+from tbo.afd.config import AFDConfig
+from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.server import AFDFFNServer
 
 __all__ = ["AFDCase", "AFDResult", "run_afd"]
 

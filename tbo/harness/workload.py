@@ -16,13 +16,13 @@ from typing import Any, Literal
 
 import torch
 
-from .comm import DispatchFormat, LocalBackend, TorchDistributedBackend
-from .comm.emulated import EmulatedLink, WallClock
-from .models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
-from .schedule import interleave
-from .split import ForwardMode, SplitPolicy, agree_to_split
-from .strategy import OperationsStrategy
-from .trace import Trace, Tracer, save_chrome_json, save_png, summary, traced
+from tbo.comm import DispatchFormat, LocalBackend, TorchDistributedBackend
+from tbo.comm.emulated import EmulatedLink, WallClock
+from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+from tbo.core.schedule import interleave
+from tbo.split import ForwardMode, SplitPolicy, agree_to_split
+from tbo.core.strategy import OperationsStrategy
+from tbo.tools.trace import Trace, Tracer, save_chrome_json, save_png, summary, traced
 
 __all__ = ["Case", "CaseResult", "run_case", "build_backend", "render_schedule", "example_main", "summarize",
            "Batch", "TracedModel", "make_batch"]
@@ -172,8 +172,8 @@ def example_main(model: str, mode: str, argv: list[str] | None = None, *, defaul
     """The command line shared by the example scripts: build a Case, run it on N ranks, print what it shows."""
     import argparse
 
-    from . import strategies
-    from .launch import launch, under_torchrun
+    from tbo import strategies
+    from tbo.harness.launch import launch, under_torchrun
 
     parser = argparse.ArgumentParser(description=f"{model} {mode} through tbo: TBO vs single batch vs forward()")
     parser.add_argument("--ranks", type=int, default=1, help="local gloo processes (ignored under torchrun)")

@@ -1,5 +1,5 @@
 """Executors: run a compiled schedule of op stages over one or more microbatches."""
 
-from .overlapped import execute_operations, execute_overlapped_operations, run_schedule
+from tbo.core.executors.overlapped import execute_operations, execute_overlapped_operations, run_schedule
 
 __all__ = ["execute_operations", "execute_overlapped_operations", "run_schedule"]

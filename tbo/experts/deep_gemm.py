@@ -9,16 +9,35 @@ DeepGEMM versions; `resolve_deep_gemm` finds whichever the installed version has
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .experts import resolve_deep_gemm
-from .fp8 import quantize_per_block, quantize_per_token_group
-from .types import DispatchFormat, DispatchOutput
+from tbo.util.optional import require
+from tbo.experts.fp8 import quantize_per_block, quantize_per_token_group
+from tbo.comm.types import DispatchFormat, DispatchOutput
 
-__all__ = ["DeepGemmSwiGLUExperts"]
+__all__ = ["DEEP_GEMM_NAMES", "DeepGemmSwiGLUExperts", "resolve_deep_gemm"]
+
+#: DeepGEMM renamed its grouped GEMMs across versions; newest first.
+DEEP_GEMM_NAMES = {
+    "masked": ("fp8_m_grouped_gemm_nt_masked", "m_grouped_fp8_gemm_nt_masked", "m_grouped_gemm_fp8_fp8_bf16_nt_masked"),
+    "contiguous": ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"),
+}
+
+
+def resolve_deep_gemm(kind: str) -> Callable:
+    """The installed deep_gemm's grouped GEMM for ``kind`` ("masked" or "contiguous"), whatever its version calls it."""
+    if kind not in DEEP_GEMM_NAMES:
+        raise ValueError(f"unknown DeepGEMM layout {kind!r}; expected one of {sorted(DEEP_GEMM_NAMES)}")
+    deep_gemm = require("deep_gemm", f"the DeepGEMM {kind} expert runner")
+    for name in DEEP_GEMM_NAMES[kind]:
+        fn = getattr(deep_gemm, name, None)
+        if fn is not None:
+            return fn
+    raise ImportError(f"deep_gemm {getattr(deep_gemm, '__version__', '?')} has none of {DEEP_GEMM_NAMES[kind]}")
+
 
 #: DeepGEMM's row alignment for each group of the contiguous layout.
 M_ALIGNMENT = 128

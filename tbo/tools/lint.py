@@ -14,9 +14,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Literal
 
-from .operations import comm_role
-from .schedule import interleave
-from .strategy import OperationsStrategy
+from tbo.core.operations import comm_role
+from tbo.core.schedule import interleave
+from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["Finding", "lint"]
 

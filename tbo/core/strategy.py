@@ -14,8 +14,8 @@ from typing import Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from .errors import StrategyError
-from .operations import YIELD_NAME, Operation, Yield, is_yield, op_name
+from tbo.core.errors import StrategyError
+from tbo.core.operations import YIELD_NAME, Operation, Yield, is_yield, op_name
 
 __all__ = ["OperationsStrategy"]
 

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .errors import StrategyError
-from .schedule import interleave
-from .strategy import OperationsStrategy
+from tbo.core.errors import StrategyError
+from tbo.core.schedule import interleave
+from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["main", "load_strategy"]
 
@@ -19,7 +19,7 @@ def load_strategy(source: str) -> OperationsStrategy:
     path = Path(source)
     if path.is_file():
         return OperationsStrategy.model_validate_json(path.read_text())
-    from . import strategies
+    from tbo import strategies
 
     if source in strategies.names():
         return strategies.get(source)
@@ -46,8 +46,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from .simulate import CostModel, compare, recommend
-    from .trace import save_chrome_json, save_png, summary
+    from tbo.tools.simulate import CostModel, compare, recommend
+    from tbo.tools.trace import save_chrome_json, save_png, summary
 
     layer = load_strategy(args.strategy)
     strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
@@ -68,7 +68,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:
-    from .lint import lint
+    from tbo.tools.lint import lint
 
     layer = load_strategy(args.strategy)
     strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="predict single-batch vs TBO step time from a cost model")
     sim.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
     sim.add_argument("--tokens", type=int, required=True, help="tokens in the step")
-    sim.add_argument("--costs", required=True, help="a CostModel JSON file (see tbo.simulate.CostModel)")
+    sim.add_argument("--costs", required=True, help="a CostModel JSON file (see tbo.tools.simulate.CostModel)")
     sim.add_argument("--layers", type=int, default=1, help="layers of the strategy to chain (default 1)")
     sim.add_argument("--png", help="write the simulated TBO timeline as a PNG")
     sim.add_argument("--trace", help="write the simulated TBO trace as Chrome/Perfetto JSON")

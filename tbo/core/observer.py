@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["Observer", "RecordFunctionObserver", "FanoutObserver"]
+__all__ = ["Observer", "FanoutObserver", "as_observer"]
 
 
 class Observer:
@@ -28,41 +28,6 @@ class Observer:
 
     def close(self) -> None:
         """Called once when a run ends, also when an op raised; release anything left open."""
-
-
-class RecordFunctionObserver(Observer):
-    """Adds a ``torch.profiler.record_function`` range per stage and per op, so overlapped runs read well in traces."""
-
-    def __init__(self) -> None:
-        from torch.profiler import record_function  # lazy: the executor itself never imports torch
-
-        self._record_function = record_function
-        self._open: list[Any] = []
-
-    def _enter(self, label: str) -> None:
-        ctx = self._record_function(label)
-        ctx.__enter__()
-        self._open.append(ctx)
-
-    def _exit(self) -> None:
-        self._open.pop().__exit__(None, None, None)
-
-    def on_stage_start(self, mb: int, stage: int) -> None:
-        self._enter(f"tbo/mb{mb}/stage{stage}")
-
-    def on_stage_end(self, mb: int, stage: int) -> None:
-        self._exit()
-
-    def on_op_start(self, mb: int, stage: int, name: str) -> None:
-        self._enter(f"tbo/mb{mb}/{name}")
-
-    def on_op_end(self, mb: int, stage: int, name: str) -> None:
-        self._exit()
-
-    def close(self) -> None:
-        """Close ranges left open by an op that raised."""
-        while self._open:
-            self._exit()
 
 
 class FanoutObserver(Observer):
@@ -90,3 +55,11 @@ class FanoutObserver(Observer):
     def close(self) -> None:
         for o in self.observers:
             o.close()
+
+
+def as_observer(observer: Observer | Sequence[Observer] | None) -> Observer | None:
+    """One observer from None, an observer, or a list of them (called in list order)."""
+    if observer is None or isinstance(observer, Observer):
+        return observer
+    observers = [o for o in observer if o is not None]
+    return None if not observers else observers[0] if len(observers) == 1 else FanoutObserver(observers)

@@ -1,8 +1,10 @@
 """See the overlap: a tracer for real runs, one trace type for real and simulated runs, metrics and exporters.
 
-A `Tracer` is an executor observer: it records every op's start and end with its microbatch and stage. Wrapping a
-backend with `traced` makes it report each transfer's launch (``_a``), its completion when known (an
-`EmulatedLink` knows it exactly), and the ``_b`` wait. The simulator produces the same `Trace`, so the same
+A `Tracer` is an executor observer: it records every op's start and end with its microbatch and stage, and puts
+every op with a communication role (``X_a``/``X_b``, ``afd_send``/``afd_recv``, see `comm_role`) on the
+communication lane: a launch op starts a transfer, a wait op's time is the wait. Wrapping an EP backend with `traced`
+sharpens this: it reports each transfer's bytes, its completion when known (an `EmulatedLink` knows it exactly), and
+the exact time the ``_b`` blocked. The simulator produces the same `Trace`, so the same
 exporters (Perfetto JSON, PNG) and the same `summary` serve both.
 
 Times are seconds from ``perf_counter``; on a GPU, ``Tracer(cuda=True)`` times ops with CUDA events instead.
@@ -12,14 +14,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .observer import Observer
+from tbo.core.observer import Observer
+from tbo.core.operations import comm_role
+from tbo.comm.types import BackendWrapper
+from tbo.util.intervals import interval_union
 
-__all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_png",
-           "interval_union"]
+__all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_png"]
 
 
 @dataclass
@@ -58,17 +63,6 @@ class Trace:
         return cls([Span(**s) for s in data["spans"]], list(data.get("tokens", [])), data.get("label", ""))
 
 
-def interval_union(intervals: Iterable[tuple[float, float]]) -> float:
-    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
-    total, covered_to = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        start = max(start, covered_to)
-        if end > start:
-            total += end - start
-        covered_to = max(covered_to, end)
-    return total
-
-
 def _union(spans: Iterable[Span]) -> float:
     return interval_union((s.start, s.end) for s in spans)
 
@@ -103,7 +97,7 @@ def summary(trace: Trace) -> TraceSummary:
 
 
 class Tracer(Observer):
-    """Records ops (from the executor) and transfers (from `traced` backends) into a `Trace`."""
+    """Records ops (from the executor) and transfers (from comm ops, or `traced` backends) into a `Trace`."""
 
     def __init__(self, cuda: bool = False, label: str = "") -> None:
         self.trace = Trace(label=label)
@@ -112,11 +106,14 @@ class Tracer(Observer):
         self._open: dict[int, tuple[int, str, Any]] = {}
         self._events: list[tuple[Span, Any, Any]] = []
         self._current = (0, 0)
-        self._pending_comm: dict[int, Span] = {}
+        self._pending_comm: dict[tuple[int, str], deque[Span]] = defaultdict(deque)
+        self._reported = False  # did a traced backend report the current op's transfer itself?
+        self._generic: list[tuple[Span, tuple[str, str]]] = []  # comm ops whose transfers only the op shows
 
     # ---- executor callbacks -------------------------------------------------------------------------------------
     def on_op_start(self, mb: int, stage: int, name: str) -> None:
         self._current = (mb, stage)
+        self._reported = False
         self._open[mb] = (stage, name, self._now_or_event())
 
     def on_op_end(self, mb: int, stage: int, name: str) -> None:
@@ -128,6 +125,20 @@ class Tracer(Observer):
         else:
             span.start, span.end = start, self._clock()
         self.trace.spans.append(span)
+        role = comm_role(name)
+        if role is not None and not self._reported:  # e.g. AFD send/recv: the op itself is the launch or the wait
+            if self.cuda:
+                self._generic.append((span, role))
+            else:
+                self._comm_from_op(span, role)
+
+    def _comm_from_op(self, op: Span, role: tuple[str, str]) -> None:
+        """A launch op starts a transfer when it ends; a wait op's whole duration is the wait."""
+        self._current = (op.mb, op.stage)
+        if role[0] == "launch":
+            self._launch(role[1], 0, None, at=op.end)
+        else:
+            self._wait(role[1], op.start, op.end)
 
     def _now_or_event(self) -> Any:
         if not self.cuda:
@@ -149,43 +160,48 @@ class Tracer(Observer):
                 span.start = first.elapsed_time(start) / 1e3
                 span.end = first.elapsed_time(end) / 1e3
             self._events.clear()
+        for span, role in self._generic:
+            self._comm_from_op(span, role)
+        self._generic.clear()
         return self.trace
 
     # ---- backend callbacks --------------------------------------------------------------------------------------
-    def on_comm_launch(self, key: int, kind: str, nbytes: int, complete: float | None) -> None:
+    def on_comm_launch(self, kind: str, nbytes: int, complete: float | None) -> None:
+        """A traced backend launched a ``kind`` transfer in the current op (``complete``: when the link finishes)."""
+        self._reported = True
+        self._launch(kind, nbytes, complete, at=self._clock())
+
+    def on_comm_wait(self, kind: str, start: float, end: float) -> None:
+        """A traced backend blocked from ``start`` to ``end`` waiting for the oldest ``kind`` transfer."""
+        self._reported = True
+        self._wait(kind, start, end)
+
+    def _launch(self, kind: str, nbytes: int, complete: float | None, at: float) -> None:
         mb, stage = self._current
-        t = self._clock()
-        span = Span("comm", mb, stage, kind, t, complete if complete is not None else t, nbytes)
-        self._pending_comm[key] = span
+        span = Span("comm", mb, stage, kind, at, complete if complete is not None else at, nbytes)
+        self._pending_comm[(mb, kind)].append(span)
         self.trace.spans.append(span)
 
-    def on_comm_wait(self, key: int, kind: str, start: float, end: float) -> None:
+    def _wait(self, kind: str, start: float, end: float) -> None:
         mb, stage = self._current
-        span = self._pending_comm.pop(key, None)
+        queue = self._pending_comm[(mb, kind)]
+        span = queue.popleft() if queue else None  # transfers of one kind complete in launch order per microbatch
         if span is not None and span.end <= span.start:  # completion unknown: it was done by the time the wait ended
             span.end = max(span.start, end)
         if end > start:
             self.trace.spans.append(Span("wait", mb, stage, f"{kind}_wait", start, end))
 
 
-class _Traced:
+class _Traced(BackendWrapper):
     """An `EPBackend` wrapper reporting launches and waits to a tracer."""
 
     def __init__(self, inner: Any, tracer: Tracer) -> None:
-        self.inner, self.tracer = inner, tracer
-        self.rank, self.num_ranks = inner.rank, inner.num_ranks
-        self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
-
-    @property
-    def in_flight(self) -> list[Any]:
-        return list(getattr(self.inner, "in_flight", []))
-
-    def drain(self) -> int:
-        return self.inner.drain() if hasattr(self.inner, "drain") else 0
+        super().__init__(inner)
+        self.tracer = tracer
 
     def _launch(self, kind: str, state: Any) -> Any:
         transfer = getattr(state, "transfer", None)  # an EmulatedLink knows when its transfer completes
-        self.tracer.on_comm_launch(id(state), kind, getattr(transfer, "nbytes", getattr(state, "nbytes", 0)),
+        self.tracer.on_comm_launch(kind, getattr(transfer, "nbytes", getattr(state, "nbytes", 0)),
                                    getattr(transfer, "complete", None))
         return state
 
@@ -194,9 +210,9 @@ class _Traced:
         out = fn(state)
         transfer = getattr(state, "transfer", None)
         if transfer is not None and transfer.wait_start is not None:  # the link knows exactly how long it blocked
-            self.tracer.on_comm_wait(id(state), kind, transfer.wait_start, transfer.wait_end)
+            self.tracer.on_comm_wait(kind, transfer.wait_start, transfer.wait_end)
         else:
-            self.tracer.on_comm_wait(id(state), kind, start, time.perf_counter())
+            self.tracer.on_comm_wait(kind, start, time.perf_counter())
         return out
 
     def dispatch_a(self, hidden: Any, topk_idx: Any, topk_weights: Any) -> Any:

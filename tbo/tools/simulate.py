@@ -21,10 +21,10 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .operations import Yield, comm_role
-from .schedule import interleave
-from .strategy import OperationsStrategy
-from .trace import Span, Trace, summary
+from tbo.core.operations import Yield, comm_role
+from tbo.core.schedule import interleave
+from tbo.core.strategy import OperationsStrategy
+from tbo.tools.trace import Span, Trace, summary
 
 __all__ = ["Cost", "TransferCost", "CostModel", "SimResult", "Comparison", "Recommendation", "simulate",
            "compare", "recommend", "find_threshold", "tune", "fit_costs"]

@@ -1,0 +1,97 @@
+"""The op bodies a decoder layer shares with every other decoder layer, written once.
+
+The reference `DecoderLayer` and the Hugging Face `TboDecoderLayer` differ in their modules (norms, attention,
+router, experts), not in how ops move data through the microbatch's `State`. A layer inherits `DecoderLayerOps`,
+provides the few hooks below, and gets the residual bookkeeping, the expert-parallel dispatch/combine and the layer
+output as ops; it writes only the ops that touch its own modules (``attn_prepare``, ``attn_core``, ``mlp``,
+``gate``, ``select_experts``).
+
+State keys (see ``STATE_FLOW`` in `tbo.models.decoder`): ``residual``, ``attn_in``, ``attn_out``, ``mlp_in``,
+``topk``, ``dispatch``, ``dispatched``, ``expert_out``, ``combine``, ``routed_out``, ``shared_out``, ``mlp_out``,
+``layer_out``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tbo.core.state import State
+from tbo.experts import run_experts
+
+__all__ = ["DecoderLayerOps", "ExpertParallelOps"]
+
+
+class ExpertParallelOps:
+    """Dispatch, the local experts and combine as ops, for any layer with a ``backend`` (an `EPBackend`) and a
+    ``local_expert(e, rows)``."""
+
+    backend: Any
+
+    def local_expert(self, e: int, rows: Any) -> Any:  # provided by the layer
+        raise NotImplementedError
+
+    def op_dispatch_b(self, state: State) -> None:
+        state.dispatched = self.backend.dispatch_b(state.pop("dispatch"))
+
+    def op_experts(self, state: State) -> None:
+        dispatched = state.pop("dispatched")  # dropped here: DeepEP low-latency holds at most two results
+        state.expert_out = (run_experts(dispatched, self.local_expert), dispatched.handle)
+
+    def op_combine_a(self, state: State) -> None:
+        state.combine = self.backend.combine_a(*state.pop("expert_out"))
+
+    def op_combine_b(self, state: State) -> None:
+        state.routed_out = self.backend.combine_b(state.pop("combine"))
+
+
+class DecoderLayerOps(ExpertParallelOps):
+    """The residual stream, dispatch launch, shared experts and output of a pre-norm decoder layer, as ops.
+
+    Hooks: ``kind`` (``"dense"`` or ``"moe"``), ``attn_norm(x)``, ``mlp_norm(x)``, ``has_shared_experts`` and
+    ``shared_experts(x)``. Hidden states may be ``[tokens, H]`` or ``[..., H]``: the router and the backend see
+    ``[tokens, H]``, and the routed output takes the residual's shape back.
+    """
+
+    kind: str
+    has_shared_experts: bool
+
+    def attn_norm(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def mlp_norm(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def shared_experts(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def op_comm_prepare_attn(self, state: State, hidden_states: Any) -> None:
+        state.residual = hidden_states
+        state.attn_in = self.attn_norm(hidden_states)
+
+    def op_comm_prepare_mlp(self, state: State) -> None:
+        residual = state.pop("residual") + state.pop("attn_out")
+        state.residual = residual
+        state.mlp_in = self.mlp_norm(residual)
+
+    def op_dispatch_a(self, state: State) -> None:
+        x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
+        state.dispatch = self.backend.dispatch_a(x.reshape(-1, x.shape[-1]), *state.pop("topk"))
+
+    def op_shared_experts(self, state: State) -> None:
+        if self.has_shared_experts:
+            state.shared_out = self.shared_experts(state.pop("mlp_in"))
+
+    def op_output(self, state: State) -> None:
+        residual = state.pop("residual")
+        if self.kind == "dense":
+            mlp = state.pop("mlp_out")
+        else:
+            mlp = state.pop("routed_out").view(residual.shape)
+            if self.has_shared_experts:
+                mlp = mlp + state.pop("shared_out")
+        state.layer_out = residual + mlp
+
+    def op_comm_postprocess_layer(self, state: State) -> dict[str, Any]:
+        out = state.pop("layer_out")
+        state.clear()  # every key a layer wrote was consumed: anything left is a leak
+        return {"hidden_states": out}

@@ -1,0 +1,157 @@
+"""The architecture, enforced: every module's imports (parsed with `ast`, function-level ones too) must follow the
+layer table below. It is written once, here, and the README's "Architecture" section draws it.
+
+    harness   tbo.harness                                        workloads, timing, launch, AFD runner
+    tools     tbo.tools                                          lint, trace, simulate, predict, cli
+    testing   tbo.testing                                        the DeepEP / DeepGEMM stand-ins, MoE test helpers
+    library   tbo.split comm experts strategies models integrations afd runtime
+    util      tbo.util                                           tiny helpers, no torch, no tbo imports
+    core      tbo.core                                           no torch, no frameworks, nothing outside core
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tbo"
+
+#: Which layer each first-level name under `tbo` belongs to.
+LAYER_OF = {
+    "core": "core",
+    "util": "util",
+    "split": "library", "comm": "library", "experts": "library", "strategies": "library", "models": "library",
+    "integrations": "library", "afd": "library", "runtime": "library",
+    "tools": "tools",
+    "testing": "testing",
+    "harness": "harness",
+    "__init__": "api", "__main__": "api",  # the package's front door: re-exports, `python -m tbo`
+}
+
+#: Which layers a layer may import from. An arrow only points down.
+ALLOWED = {
+    "core": {"core"},
+    "util": {"util"},
+    "library": {"core", "util", "library"},
+    "tools": {"core", "util", "library", "tools"},
+    "testing": {"core", "util", "library", "testing"},
+    "harness": {"core", "util", "library", "tools", "testing", "harness"},
+    "api": {"core", "util", "library", "tools"},
+}
+
+#: Third-party imports the core may use (torch and frameworks are not among them).
+CORE_THIRD_PARTY = {"pydantic"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import; ``from tbo import x`` counts as ``tbo.x`` when x is a module."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                is_module = (ROOT / Path(*sub.split("."))).is_dir() or (ROOT / Path(*sub.split("."))).with_suffix(
+                    ".py").is_file()
+                found.append((node.lineno, sub if is_module else base))
+    return found
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "tbo":
+        return None
+    first = parts[1] if len(parts) > 1 else "__init__"
+    return LAYER_OF.get(first, f"unplaced:{first}")
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_sits_in_a_layer():
+    unplaced = sorted({p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in MODULES} - set(LAYER_OF))
+    assert not unplaced, f"tbo/{unplaced}: add it to a layer's package (or to LAYER_OF, with a reason)"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path: Path):
+    layer = _layer(_module_name(path))
+    broken = []
+    for line, target in _imports(path):
+        target_layer = _layer(target)
+        if target_layer is None:  # third party or standard library
+            top = target.split(".")[0]
+            if layer == "core" and top not in sys.stdlib_module_names and top not in CORE_THIRD_PARTY:
+                broken.append(f"line {line}: core imports {target!r} (core uses only the standard library and "
+                              f"{sorted(CORE_THIRD_PARTY)})")
+            elif layer == "util" and top not in sys.stdlib_module_names:
+                broken.append(f"line {line}: util imports {target!r}")
+            continue
+        if target_layer not in ALLOWED[layer]:
+            broken.append(f"line {line}: {layer} imports {target} ({target_layer})")
+    assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_the_checker_sees_violations(tmp_path, monkeypatch):
+    """The checker itself can fail: a core module importing torch and a library module importing the harness."""
+    fake = tmp_path / "tbo"
+    (fake / "core").mkdir(parents=True)
+    (fake / "comm").mkdir()
+    (fake / "harness").mkdir()
+    (fake / "core" / "bad.py").write_text("import torch\nfrom ..comm import x\n")
+    (fake / "comm" / "bad.py").write_text("def f():\n    from tbo.harness import workload\n")
+    (fake / "harness" / "workload.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [t for _, t in _imports(fake / "core" / "bad.py")] == ["torch", "tbo.comm"]
+    with pytest.raises(AssertionError, match="core imports 'torch'"):
+        test_imports_point_down(fake / "core" / "bad.py")
+    with pytest.raises(AssertionError, match=r"library imports tbo.harness.workload \(harness\)"):
+        test_imports_point_down(fake / "comm" / "bad.py")
+
+
+_BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def test_import_tbo_needs_no_torch():
+    code = _BLOCK_TORCH + (
+        "import tbo, tbo.core, tbo.split\n"
+        "s = tbo.OperationsStrategy(operations=['a', tbo.Yield, 'b'], delta_stages=1)\n"
+        "assert tbo.lint(s) == [] and tbo.SplitPolicy().plan(tbo.ForwardMode.DECODE, 64) is not None\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "try:\n    tbo.split_inputs\nexcept ImportError as e:\n    print('lazy', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "lazy torch is blocked" in out.stdout  # the torch-needing name fails where it is used, not at import
+
+
+def test_core_imports_no_torch_even_with_torch_installed():
+    code = "import sys, tbo.core, tbo.tools.lint; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
