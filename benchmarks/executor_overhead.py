@@ -17,7 +17,6 @@ import statistics
 import time
 
 from tbo import OperationsStrategy, State, Yield, execute_overlapped_operations, strategies
-from tbo.core.schedule import interleave
 
 DECODE_LAYER = strategies.get("deepseek_decode")  # 14 ops, 5 Yields, delta 2
 
@@ -87,7 +86,7 @@ def run_executor(strategy: OperationsStrategy) -> list:
 
 def make_plain_loop(strategy: OperationsStrategy):
     """The same calls, in the same order, precomputed: the least any executor could do."""
-    schedule = interleave([strategy.num_stages] * 2, strategy.delta_stages)
+    schedule = strategy.schedule(2)
     calls = [(mb, op) for mb, stage in schedule.steps for op in strategy.stages[stage]]
     empty: dict = {}
 

@@ -1,7 +1,7 @@
 """Attention-FFN disaggregation with dual-batch overlap: 1 attention rank, 1 FFN rank, over gloo.
 
 The attention rank keeps the KV cache and runs attention; every layer's FFN (dense MLP or MoE) runs on the FFN rank.
-With DBO the attention rank sends stage 0, computes stage 1 while the FFN rank computes stage 0, then receives.
+With DBO the attention rank sends microbatch 0, computes microbatch 1 while the FFN rank computes microbatch 0, then receives.
 Each step runs without and with DBO; both are compared with the colocated model's plain forward().
 
     python examples/afd_dbo.py
@@ -33,7 +33,7 @@ def main() -> None:
         no_dbo = max(statistics.median(r.no_dbo_ms) for r in attention)
         dbo = max(statistics.median(r.dbo_ms) for r in attention)
         print(f"{mode}: {args.attention_ranks} attention : {args.ffn_ranks} FFN ranks, "
-              f"{sum(r.tokens for r in attention)} tokens, split into 2 stages: "
+              f"{sum(r.tokens for r in attention)} tokens, split into 2 microbatches: "
               f"{'yes' if all(r.split for r in attention) else 'no'}, FFN requests served: {served}")
         print(f"max diff: {max(r.max_diff for r in attention):.3g}  (vs the colocated forward(); bit-exact expected)")
         print(f"no DBO: {no_dbo:.1f} ms   DBO: {dbo:.1f} ms")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from tbo import OperationsStrategy, State, Yield, execute_operations, execute_overlapped_operations
-from tbo.core.schedule import interleave
 
 HIDDEN, EXPERTS, TOPK = 32, 8, 2
 
@@ -72,8 +71,7 @@ def main() -> None:
     strategy = OperationsStrategy.concat([STRATEGY.bind(layer) for layer in layers])
     print(STRATEGY.describe())
     print(f"\n{len(layers)} layers joined: {strategy.num_stages} stages\n")
-    labels = [", ".join(names) for names in strategy.stage_names]
-    print(interleave([strategy.num_stages] * 2, strategy.delta_stages).render(labels, width=40))
+    print(strategy.render_schedule(2, width=40))
 
     x = torch.randn(12, HIDDEN)
     whole = execute_operations({"x": x}, strategy)["x"]

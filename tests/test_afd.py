@@ -17,8 +17,8 @@ from tbo.harness.launch import RankError, launch
 def test_one_to_one_equals_colocated_forward(mode):
     attention, ffn = launch(run_afd, 2, AFDCase(mode=mode, num_seqs=6, ctx=12, num_layers=3, repeats=1))
     assert attention.split and attention.max_diff == 0.0
-    # stage metadata arrives intact: every layer, both stages, in the order the strategy sends them
-    first_step = [(m.layer_idx, m.stage_idx, m.num_stages) for m in ffn.received[:6]]
+    # microbatch metadata arrives intact: every layer, both microbatches, in the order the strategy sends them
+    first_step = [(m.layer_idx, m.microbatch_idx, m.num_microbatches) for m in ffn.received[:6]]
     assert first_step == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
     assert all(m.hidden == 64 and m.dtype == torch.float32 and m.src == 0 for m in ffn.received)
     assert sum(m.num_tokens for m in ffn.received[:2]) == attention.tokens
@@ -41,7 +41,7 @@ def test_two_to_one_topology():
 def test_step_below_threshold_runs_unsplit():
     attention, ffn = launch(run_afd, 2, AFDCase(mode="decode", num_seqs=1, ctx=8, num_layers=2, repeats=1))
     assert not attention.split and attention.max_diff == 0.0
-    assert {(m.stage_idx, m.num_stages) for m in ffn.received} == {(0, 1)}
+    assert {(m.microbatch_idx, m.num_microbatches) for m in ffn.received} == {(0, 1)}
     assert set(ffn.ffn_busy_ms) == {1}
 
 
@@ -53,14 +53,14 @@ def test_ffn_death_raises_comm_timeout_with_context():
         launch(run_afd, 2, case, timeout_s=120, failure_grace_s=30)
     elapsed = time.monotonic() - t0
     message = str(info.value)
-    assert "CommTimeoutError" in message and "rank 0: afd_recv (layer" in message and "stage" in message
+    assert "CommTimeoutError" in message and "rank 0: afd_recv (layer" in message and "microbatch" in message
     assert elapsed < 60  # the deadline, with a wide margin: never a hang
 
 
-def test_config_rejects_three_stages_and_bad_topologies():
-    with pytest.raises(ValidationError, match="exactly 2 stages, got num_stages=3"):
-        AFDConfig(role="attention", num_stages=3)
-    AFDConfig(role="attention", num_stages=3, dbo=False)  # without DBO the stage count does not matter
+def test_config_rejects_three_microbatches_and_bad_topologies():
+    with pytest.raises(ValidationError, match="exactly 2 microbatches, got num_microbatches=3"):
+        AFDConfig(role="attention", num_microbatches=3)
+    AFDConfig(role="attention", num_microbatches=3, dbo=False)  # without DBO the microbatch count does not matter
     with pytest.raises(ValidationError, match="multiple of num_ffn_ranks"):
         AFDConfig(role="ffn", num_attention_ranks=3, num_ffn_ranks=2)
     with pytest.raises(ValidationError, match="decode_token_threshold=1 is lower than num_microbatches=2"):
@@ -73,7 +73,8 @@ def test_config_rejects_three_stages_and_bad_topologies():
 def test_meta_header_round_trip_and_topology():
     meta = AFDMeta(3, 1, 2, 17, 64, torch.bfloat16)
     back = AFDMeta.decode(meta.encode(), src=5)
-    assert (back.layer_idx, back.stage_idx, back.num_stages, back.num_tokens, back.hidden, back.dtype, back.src) == (
+    assert (back.layer_idx, back.microbatch_idx, back.num_microbatches, back.num_tokens, back.hidden, back.dtype,
+            back.src) == (
         3, 1, 2, 17, 64, torch.bfloat16, 5)
     bad = meta.encode()
     bad[0] = 1

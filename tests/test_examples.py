@@ -54,7 +54,7 @@ def test_afd_example():
     out = run("afd_dbo.py", "--repeats", "1")
     diffs = [float(v) for v in re.findall(r"^max diff: (\S+)", out, re.M)]
     assert diffs == [0.0, 0.0]
-    assert out.count("speedup:") == 2 and "split into 2 stages: yes" in out
+    assert out.count("speedup:") == 2 and "split into 2 microbatches: yes" in out
 
 
 @pytest.mark.dist

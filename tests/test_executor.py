@@ -138,13 +138,13 @@ def test_op_input_output_chaining_and_first_inputs():
 
 def test_states_are_per_microbatch_and_can_be_prefilled():
     def read(state):
-        return {"v": state.stage_idx}
+        return {"v": state.microbatch_idx}
 
     def out(state, v):
-        return (v, state.num_stages)
+        return (v, state.num_microbatches)
 
     s = OperationsStrategy(operations=[read, Yield, out], delta_stages=1)
-    states = [State(stage_idx=i, num_stages=2) for i in range(2)]
+    states = [State(microbatch_idx=i, num_microbatches=2) for i in range(2)]
     assert execute_overlapped_operations([{}, {}], s, states=states) == [(0, 2), (1, 2)]
 
 

@@ -67,7 +67,7 @@ def _fail_while_a_dispatch_in_flight(rank, world):
     original = layer.op_attn_prepare
 
     def failing_attn_prepare(state):
-        if armed["on"] and state.stage_idx == 1:
+        if armed["on"] and state.microbatch_idx == 1:
             raise RuntimeError("injected failure in microbatch B")
         return original(state)
 

@@ -94,7 +94,7 @@ def test_plan_fields_two_chunk():
     plan = SplitPolicy().plan(E, 100, [10, 90])
     assert plan.two_chunk and plan.cut_extend_lens == (40, 50)
     a, b = plan.microbatches
-    assert (a.stage_idx, a.num_stages, b.stage_idx, b.num_stages) == (0, 2, 1, 2)
+    assert (a.microbatch_idx, a.num_microbatches, b.microbatch_idx, b.num_microbatches) == (0, 2, 1, 2)
     assert (a.tokens_start, a.tokens_unpadded_len, a.requests_start, a.requests_len) == (0, 50, 0, 2)
     assert (b.tokens_start, b.tokens_unpadded_len, b.requests_start, b.requests_len) == (50, 50, 1, 1)
     assert a.extend_lens == (10, 40) and b.extend_lens == (50,) and b.prefix_offset == 40
@@ -108,7 +108,7 @@ def test_plan_padding():
 def test_plan_states_carry_stage_metadata():
     plan = SplitPolicy().plan(D, 4)
     states = plan.make_states()
-    assert [(s.stage_idx, s.num_stages) for s in states] == [(0, 2), (1, 2)]
+    assert [(s.microbatch_idx, s.num_microbatches) for s in states] == [(0, 2), (1, 2)]
     states[0].clear()
     assert states[0].split is plan.microbatches[0]
 

@@ -62,15 +62,15 @@ def test_delattr_pops():
 
 def test_pinned_keys_survive_clear_and_refuse_pop():
     s = State()
-    s.pin(stage_idx=1, num_stages=2)
+    s.pin(microbatch_idx=1, num_microbatches=2)
     s.tmp = "tensor"
     s.clear(expect_keys=["tmp"])
-    assert (s.stage_idx, s.num_stages) == (1, 2) and "tmp" not in s
-    assert s.pinned == {"stage_idx", "num_stages"}
+    assert (s.microbatch_idx, s.num_microbatches) == (1, 2) and "tmp" not in s
+    assert s.pinned == {"microbatch_idx", "num_microbatches"}
     with pytest.raises(KeyError, match="pinned"):
-        s.pop("stage_idx")
+        s.pop("microbatch_idx")
     with pytest.raises(AttributeError, match="already set"):
-        s.stage_idx = 5
+        s.microbatch_idx = 5
     s.leak = 1
     with pytest.raises(ValueError, match=r"\['leak'\]"):
         s.clear()

@@ -138,3 +138,41 @@ def test_without_drops_ops_and_empty_stages():
     assert s.without(["d"], name="y").stage_names == (("a",), ("b",), ("c",))
     with pytest.raises(StrategyError, match="empty"):
         s.without(["a", "b", "c", "d"])
+
+
+def test_one_joining_rule_for_concat_and_bind_layers():
+    """Multi-stage layers must agree on the lead; a one-stage (dense) layer has none of its own and takes any."""
+    moe = OperationsStrategy(operations=["attn", Yield, "dispatch_a", Yield, "dispatch_b"], delta_stages=2)
+    dense = OperationsStrategy(operations=["attn", "mlp"])
+    joined = OperationsStrategy.concat([dense, moe, dense, moe])
+    assert joined.delta_stages == 2 and joined.num_stages == 5
+    with pytest.raises(StrategyError, match=r"strategy \[3\] has delta_stages=1 but strategy \[1\] has 2"):
+        OperationsStrategy.concat([dense, moe, dense, moe._replace(delta_stages=1)])
+
+    class Layer:
+        def __init__(self, kind):
+            self.kind = kind
+            for name in ("attn", "mlp", "dispatch_a", "dispatch_b", "comm_prepare_attn", "attn_prepare", "attn_core",
+                         "comm_prepare_mlp", "output", "comm_postprocess_layer"):
+                setattr(self, f"op_{name}", lambda state, **kw: None)
+
+    from tbo import strategies as S
+    layers = [Layer("dense"), Layer("moe"), Layer("moe")]
+    assert S.bind_layers(layers, moe).delta_stages == 2  # the dense layer joins under the same rule
+    with pytest.raises(StrategyError, match=r"strategy \[2\] has delta_stages=1 but strategy \[1\] has 2"):
+        S.bind_layers(layers, lambda layer: dense if layer.kind == "dense" else
+                      moe if layer is layers[1] else moe._replace(delta_stages=1))
+
+
+def test_walk_is_the_schedule_with_names_and_roles():
+    s = OperationsStrategy(operations=["attn", Yield, "dispatch_a", Yield, "dispatch_b", "mlp"], delta_stages=1)
+    visits = list(s.walk(2))
+    assert [(v.mb, v.stage, v.op) for v in visits] == [
+        (0, 0, "attn"), (0, 1, "dispatch_a"), (1, 0, "attn"), (0, 2, "dispatch_b"), (0, 2, "mlp"),
+        (1, 1, "dispatch_a"), (1, 2, "dispatch_b"), (1, 2, "mlp")]
+    assert [v.role for v in visits if v.role] == [("launch", "dispatch"), ("wait", "dispatch")] * 2
+    assert [v.mb for v in s.walk(2, delta_stages=0)][:3] == [0, 1, 0]  # an explicit lead overrides the strategy's
+    custom = list(s.walk(1, role=lambda name: ("launch", "x") if name == "mlp" else None))
+    assert [v.op for v in custom if v.role] == ["mlp"]
+    table = s.render_schedule(2, width=30)
+    assert "microbatch A" in table and "s1 dispatch_a" in table and len(table.splitlines()) == 2 + 4

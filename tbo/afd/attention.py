@@ -1,8 +1,8 @@
 """The attention side of AFD: attention ops as usual, the FFN replaced by ``afd_send`` / ``afd_recv``.
 
-``op_afd_send`` ships the post-attention normed hidden states with the microbatch's stage metadata (read from its
-pinned State); ``op_afd_recv`` receives the FFN output of the same stage. The Yield between them in the
-``afd_attention_dbo`` strategy is what lets the other stage compute while this one waits.
+``op_afd_send`` ships the post-attention normed hidden states with the microbatch's metadata (read from its pinned
+State); ``op_afd_recv`` receives the FFN output of the same microbatch. The Yield between them in the
+``afd_attention_dbo`` strategy is what lets the other microbatch compute while this one waits.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class AFDAttentionLayer:
         return f"AFDAttentionLayer({self.layer_idx})"
 
     def _meta(self, state: State, x: torch.Tensor) -> AFDMeta:
-        return AFDMeta(self.layer_idx, state.get("stage_idx", 0), state.get("num_stages", 1), x.shape[0], x.shape[1],
+        return AFDMeta(self.layer_idx, state.get("microbatch_idx", 0), state.get("num_microbatches", 1), x.shape[0],
+                       x.shape[1],
                        x.dtype)
 
     def op_afd_send(self, state: State) -> None:
@@ -66,7 +67,7 @@ class AFDAttentionModel:
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, plan: SplitPlan | None,
                 **kwargs: Any) -> torch.Tensor:
-        """Logits, with each layer's FFN on the FFN rank; two stages overlapped when ``plan`` splits the step."""
+        """Logits, with each layer's FFN on the FFN rank; two microbatches overlapped when ``plan`` splits the step."""
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             return {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}

@@ -2,8 +2,8 @@
 
 Ranks ``[0, M)`` are attention ranks, ``[M, M + N)`` FFN ranks; attention rank ``a`` talks to FFN rank
 ``M + a // (M / N)``. Each message is a header (`AFDMeta` as int64) followed by the payload, so the FFN side knows,
-before it allocates anything, which layer and stage a tensor belongs to and how big it is. Sends are asynchronous;
-every receive has a deadline and raises `CommTimeoutError` naming the rank, the layer and the stage.
+before it allocates anything, which layer and microbatch a tensor belongs to and how big it is. Sends are asynchronous;
+every receive has a deadline and raises `CommTimeoutError` naming the rank, the layer and the microbatch.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ class AFDMeta:
     """What travels ahead of every payload."""
 
     layer_idx: int
-    stage_idx: int
-    num_stages: int
+    microbatch_idx: int
+    num_microbatches: int
     num_tokens: int
     hidden: int
     dtype: torch.dtype = torch.float32
@@ -36,18 +36,18 @@ class AFDMeta:
     src: int = -1  #: filled in by the receiver: the rank it came from
 
     def encode(self) -> torch.Tensor:
-        return torch.tensor([_MAGIC, int(self.shutdown), self.layer_idx, self.stage_idx, self.num_stages,
+        return torch.tensor([_MAGIC, int(self.shutdown), self.layer_idx, self.microbatch_idx, self.num_microbatches,
                              self.num_tokens, self.hidden, _DTYPES.index(self.dtype)], dtype=torch.int64)
 
     @classmethod
     def decode(cls, header: torch.Tensor, src: int) -> "AFDMeta":
-        magic, shutdown, layer, stage, stages, tokens, hidden, dtype = header.tolist()
+        magic, shutdown, layer, mb, num_mbs, tokens, hidden, dtype = header.tolist()
         if magic != _MAGIC:
             raise RuntimeError(f"AFD header from rank {src} is corrupt (magic {magic:#x}); the peers are out of step")
-        return cls(layer, stage, stages, tokens, hidden, _DTYPES[dtype], bool(shutdown), src)
+        return cls(layer, mb, num_mbs, tokens, hidden, _DTYPES[dtype], bool(shutdown), src)
 
     def describe(self) -> str:
-        return f"layer {self.layer_idx}, stage {self.stage_idx}/{self.num_stages}"
+        return f"layer {self.layer_idx}, microbatch {self.microbatch_idx}/{self.num_microbatches}"
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class TorchDistributedAFDConnector:
         peer = self.topology.ffn_peer(self.rank)
         what = f"afd_recv ({meta.describe()}) from FFN rank {peer}"
         got = self._recv_header(peer, what, self.timeout_s)
-        if (got.layer_idx, got.stage_idx, got.num_tokens) != (meta.layer_idx, meta.stage_idx, meta.num_tokens):
+        if (got.layer_idx, got.microbatch_idx, got.num_tokens) != (meta.layer_idx, meta.microbatch_idx, meta.num_tokens):
             raise RuntimeError(f"rank {self.rank}: FFN rank {peer} answered {got.describe()} ({got.num_tokens} "
                                f"tokens) while {meta.describe()} ({meta.num_tokens} tokens) was expected")
         return self._recv_payload(got, peer, what)

@@ -1,4 +1,4 @@
-"""`AFDFFNServer`: the FFN side's loop. Receive a stage's hidden states, run that layer's FFN, send the result back.
+"""`AFDFFNServer`: the FFN side's loop. Receive a microbatch's hidden states, run that layer's FFN, send the result back.
 
 Requests are served in arrival order from all of this FFN rank's attention ranks; the header says which layer and
 stage each belongs to. The loop ends when every attention rank has sent its shutdown message.
@@ -19,8 +19,8 @@ class AFDFFNServer:
     def __init__(self, model: Any, connector: TorchDistributedAFDConnector) -> None:
         self.model, self.connector = model, connector
         self.received: list[AFDMeta] = []  #: every request's metadata, in arrival order
-        #: seconds spent computing FFNs, by the requests' ``num_stages``: how busy DBO keeps this rank, and how much
-        #: more work two half-size FFN calls cost than one full-size call
+        #: seconds spent computing FFNs, by the requests' ``num_microbatches``: how busy DBO keeps this rank, and how
+        #: much more work two half-size FFN calls cost than one full-size call
         self.busy_s: defaultdict[int, float] = defaultdict(float)
 
     def serve(self) -> int:
@@ -38,7 +38,7 @@ class AFDFFNServer:
             self.received.append(meta)
             t0 = time.perf_counter()
             out = self.model.layers[meta.layer_idx].ffn(hidden)
-            self.busy_s[meta.num_stages] += time.perf_counter() - t0
+            self.busy_s[meta.num_microbatches] += time.perf_counter() - t0
             self.connector.send_ffn_output(out, meta)
             served += 1
         self.connector.flush()

@@ -6,7 +6,7 @@ Anything a framework needs per stage (SGLang's buffer-length hook, say) belongs 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 __all__ = ["Observer", "FanoutObserver", "as_observer"]
 

@@ -5,7 +5,7 @@ Each microbatch owns one State, which is what makes two microbatches in flight s
 Keys are write-once so that one op cannot silently overwrite another's tensor, and ``clear(expect_keys=...)`` at the
 end of a layer catches tensors that would otherwise leak into the next layer.
 
-Pinned keys (``state.pin(...)``) hold step-scoped metadata such as the microbatch's ``stage_idx``: they survive
+Pinned keys (``state.pin(...)``) hold step-scoped metadata such as the microbatch's ``microbatch_idx``: they survive
 ``clear`` and cannot be popped, so every layer's ops can read them.
 
 Values live in the instance ``__dict__`` so reads are plain attribute loads, as fast as any Python object.

@@ -9,15 +9,28 @@ String-only strategies round-trip through JSON, which is what ``tbo show`` reads
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from tbo.core.errors import StrategyError
-from tbo.core.operations import YIELD_NAME, Operation, Yield, is_yield, op_name
+from tbo.core.operations import YIELD_NAME, Operation, Yield, comm_role, is_yield, op_name
+from tbo.core.schedule import Schedule, interleave
 
-__all__ = ["OperationsStrategy"]
+__all__ = ["OperationsStrategy", "OpVisit"]
+
+
+@dataclass(frozen=True)
+class OpVisit:
+    """One op as the schedule runs it: its microbatch, its stage, its name and its communication role
+    (``("launch" | "wait", kind)``, or None for compute). What the linter, the simulator and the renderers read."""
+
+    mb: int
+    stage: int
+    op: str
+    role: tuple[str, str] | None
 
 
 def _as_strategy_error(exc: ValidationError) -> StrategyError:
@@ -148,6 +161,27 @@ class OperationsStrategy(BaseModel):
         lines = [f"  stage {s:>{width}}: {', '.join(names)}" for s, names in enumerate(self.stage_names)]
         return "\n".join([head, *lines])
 
+    # ---- the schedule, as data ----------------------------------------------------------------------------------
+    def schedule(self, num_microbatches: int = 2, delta_stages: int | Sequence[int] | None = None) -> Schedule:
+        """The compiled interleaving of ``num_microbatches`` copies of this strategy (cached by `interleave`)."""
+        return interleave([self.num_stages] * num_microbatches,
+                          self.delta_stages if delta_stages is None else delta_stages)
+
+    def walk(self, num_microbatches: int = 2, delta_stages: int | Sequence[int] | None = None,
+             role: Callable[[str], tuple[str, str] | None] = comm_role) -> Iterator[OpVisit]:
+        """Every op in execution order, as the executor would run it: the one walk that the linter, the simulator
+        and the renderers share. ``role`` classifies op names (the simulator passes its cost model's)."""
+        names = self.stage_names
+        for mb, stage in self.schedule(num_microbatches, delta_stages).steps:
+            for name in names[stage]:
+                yield OpVisit(mb, stage, name, role(name))
+
+    def render_schedule(self, num_microbatches: int = 2, delta_stages: int | Sequence[int] | None = None,
+                        width: int = 44) -> str:
+        """A text table of the interleaved schedule, each cell a stage and its op names (`Schedule.render`)."""
+        labels = [", ".join(names) for names in self.stage_names]
+        return self.schedule(num_microbatches, delta_stages).render(labels, width=width)
+
     # ---- binding and joining ------------------------------------------------------------------------------------
     def bind(self, layer: object) -> "OperationsStrategy":
         """Resolve every op name to ``layer.op_<name>``. Missing methods are reported together, with their indices."""
@@ -193,27 +227,33 @@ class OperationsStrategy(BaseModel):
 
         No Yield is inserted between layers: the last stage of one layer and the first stage of the next run as one
         stage, as in DeepSeek decode where ``output, comm_postprocess_layer`` flows into the next ``attn_prepare``.
-        All layers must agree on ``delta_stages`` and ``deep_gemm_num_sms``, since the whole run has one of each.
+        The one joining rule: the whole run has one ``delta_stages`` and one ``deep_gemm_num_sms``, so every layer
+        with more than one stage must agree on the lead (a one-stage layer, such as a dense layer, has none of its
+        own and accepts any), and every layer on the SM budget.
         """
         parts = list(strategies)
         if not parts:
             raise StrategyError("concat needs at least one strategy")
-        first = parts[0]
-        for i, part in enumerate(parts[1:], start=1):
-            for field in ("delta_stages", "deep_gemm_num_sms"):
-                if getattr(part, field) != getattr(first, field):
+        leads = [(i, part) for i, part in enumerate(parts) if part.num_stages > 1]
+        lead_i, lead = leads[0] if leads else (0, parts[0])
+        for i, part in enumerate(parts):
+            checks = [("deep_gemm_num_sms", parts[0], 0)]
+            if part.num_stages > 1:
+                checks.append(("delta_stages", lead, lead_i))
+            for field, ref, ref_i in checks:
+                if getattr(part, field) != getattr(ref, field):
                     raise StrategyError(
-                        f"concat: strategy [{i}] has {field}={getattr(part, field)} but strategy [0] has "
-                        f"{getattr(first, field)}; all layers of one run must agree"
+                        f"concat: strategy [{i}] has {field}={getattr(part, field)} but strategy [{ref_i}] has "
+                        f"{getattr(ref, field)}; all layers of one run must agree"
                     )
         ops: list[Any] = []
         for part in parts:
             ops.extend(part.operations)
         return cls(
             operations=ops,
-            delta_stages=first.delta_stages,
-            deep_gemm_num_sms=first.deep_gemm_num_sms,
-            name=name if name is not None else first.name,
+            delta_stages=lead.delta_stages,
+            deep_gemm_num_sms=parts[0].deep_gemm_num_sms,
+            name=name if name is not None else lead.name,
         )
 
     # ---- JSON ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The AFD workload: attention ranks step the reference model with remote FFNs, FFN ranks serve them.
 
 Behind `examples/afd_dbo.py`, `benchmarks/afd.py` and the AFD tests. Each attention rank has its own batch; every
-step is run without DBO (one stage) and with DBO (two stages, when the policy splits it), timed, and compared with
+step is run without DBO (one microbatch) and with DBO (two microbatches, when the policy splits it), timed, and compared with
 the colocated model's plain `forward()`.
 """
 
@@ -53,9 +53,9 @@ class AFDResult:
     no_dbo_ms: list[float] = field(default_factory=list)
     dbo_ms: list[float] = field(default_factory=list)
     received: list[AFDMeta] = field(default_factory=list)
-    ffn_busy_ms: dict[int, float] = field(default_factory=dict)  #: FFN rank: compute per step, by number of stages
+    ffn_busy_ms: dict[int, float] = field(default_factory=dict)  #: FFN rank: compute per step, by number of microbatches
     #: per mode ("no_dbo", "dbo"), from one traced step: attention-side compute, and time spent waiting for FFN
-    #: results (``afd_recv``: FFN compute plus transfers, less whatever the other stage hid)
+    #: results (``afd_recv``: FFN compute plus transfers, less whatever the other microbatch hid)
     attention_ms: dict[str, float] = field(default_factory=dict)
     wait_ms: dict[str, float] = field(default_factory=dict)
 
@@ -80,7 +80,7 @@ def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
         if case.ffn_dies_after is not None:
             _die_after(server, case.ffn_dies_after)
         server.serve()
-        steps = Counter(m.num_stages for m in server.received if (m.layer_idx, m.stage_idx) == (0, 0))
+        steps = Counter(m.num_microbatches for m in server.received if (m.layer_idx, m.microbatch_idx) == (0, 0))
         return AFDResult(rank, "ffn", received=server.received,
                          ffn_busy_ms={n: s * 1e3 / steps[n] for n, s in server.busy_s.items()})
     return _attention(rank, case, config, model, connector)

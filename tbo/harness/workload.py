@@ -19,7 +19,6 @@ import torch
 from tbo.comm import DispatchFormat, LocalBackend, TorchDistributedBackend
 from tbo.comm.emulated import EmulatedLink, WallClock
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
-from tbo.core.schedule import interleave
 from tbo.split import ForwardMode, SplitPolicy, agree_to_split
 from tbo.core.strategy import OperationsStrategy
 from tbo.tools.trace import Trace, Tracer, save_chrome_json, save_png, summary, traced
@@ -117,9 +116,7 @@ def _timed(world: int, fn: Any) -> float:
 
 def render_schedule(strategy: OperationsStrategy, layers: int = 1) -> str:
     """The two-microbatch schedule of ``layers`` layers of ``strategy`` (the per-layer strategy, unbound)."""
-    joined = OperationsStrategy.concat([strategy] * layers)
-    labels = [", ".join(names) for names in joined.stage_names]
-    return interleave([joined.num_stages] * 2, joined.delta_stages).render(labels, width=60)
+    return OperationsStrategy.concat([strategy] * layers).render_schedule(2, width=60)
 
 
 def run_case(rank: int, world: int, case: Case) -> CaseResult:

@@ -1,6 +1,6 @@
 """`SplitPolicy` decides whether and where a step splits; `SplitPlan` describes the microbatches it makes.
 
-The plan is plain data: per microbatch, its token and request ranges, padded and unpadded lengths, stage index and
+The plan is plain data: per microbatch, its token and request ranges, padded and unpadded lengths, microbatch index and
 count. These are the fields an attention-FFN connector puts on the wire and the fields ops read from their State.
 Thresholds live here and nowhere else: a step too small to gain from overlap gets no plan, and runs unsplit.
 """
@@ -28,8 +28,8 @@ class MicrobatchSlice:
     cached prefix for attention (0 unless the request was cut).
     """
 
-    stage_idx: int
-    num_stages: int
+    microbatch_idx: int
+    num_microbatches: int
     tokens_start: int
     tokens_len: int
     tokens_unpadded_len: int
@@ -87,11 +87,11 @@ class SplitPlan:
         return self.microbatches[0].extend_lens[-1], self.microbatches[1].extend_lens[0]
 
     def make_states(self, **extra: Any) -> list[State]:
-        """One State per microbatch, pinned with ``stage_idx``, ``num_stages`` and ``split`` (its slice)."""
+        """One State per microbatch, pinned with ``microbatch_idx``, ``num_microbatches`` and ``split`` (its slice)."""
         states = []
         for mb in self.microbatches:
             state = State()
-            state.pin(stage_idx=mb.stage_idx, num_stages=mb.num_stages, split=mb, **extra)
+            state.pin(microbatch_idx=mb.microbatch_idx, num_microbatches=mb.num_microbatches, split=mb, **extra)
             states.append(state)
         return states
 
@@ -123,8 +123,8 @@ def plan_from_cuts(
         unpadded = token_end - cut.token_index
         slices.append(
             MicrobatchSlice(
-                stage_idx=k,
-                num_stages=count,
+                microbatch_idx=k,
+                num_microbatches=count,
                 tokens_start=cut.token_index,
                 tokens_len=_round_up(unpadded, pad_to_multiple),
                 tokens_unpadded_len=unpadded,

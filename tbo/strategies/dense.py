@@ -40,19 +40,10 @@ def _for_layer(strategies: LayerStrategies, layer: Any) -> OperationsStrategy:
 
 
 def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | None = None) -> OperationsStrategy:
-    """Bind each layer's strategy to it and join them into the one list the executor runs.
-
-    The joined strategy takes the largest ``delta_stages`` among the layers (a dense layer's single stage accepts
-    any lead) and requires their SM budgets to agree.
-    """
+    """Bind each layer's strategy to it and join them into the one list the executor runs, by
+    `OperationsStrategy.concat`'s rule (multi-stage layers agree on the lead; a dense layer's one stage takes any)."""
     if not layers:
         raise StrategyError("bind_layers needs at least one layer")
     per_layer = [_for_layer(strategies, layer) for layer in layers]
-    delta = max(s.delta_stages for s in per_layer)
-    budgets = {s.deep_gemm_num_sms for s in per_layer}
-    if len(budgets) > 1:
-        raise StrategyError(f"layers disagree on deep_gemm_num_sms: {sorted(map(str, budgets))}")
-    bound = [s.bind(layer) for s, layer in zip(per_layer, layers)]
-    joined = [op for s in bound for op in s.operations]
-    return OperationsStrategy(operations=joined, delta_stages=delta, deep_gemm_num_sms=budgets.pop(),
-                              name=name or per_layer[-1].name)
+    return OperationsStrategy.concat([s.bind(layer) for s, layer in zip(per_layer, layers)],
+                                     name=name or per_layer[-1].name)

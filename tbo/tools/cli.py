@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Sequence
 
 from tbo.core.errors import StrategyError
-from tbo.core.schedule import interleave
 from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["main", "load_strategy"]
@@ -30,11 +29,10 @@ def load_strategy(source: str) -> OperationsStrategy:
 def render_strategy(strategy: OperationsStrategy, delta: int | None, microbatches: int) -> str:
     """The stages, then the interleaved schedule of ``microbatches`` copies of the strategy."""
     delta = strategy.delta_stages if delta is None else delta
-    schedule = interleave([strategy.num_stages] * microbatches, delta)
-    labels = [", ".join(names) for names in strategy.stage_names]
+    rounds = strategy.schedule(microbatches, delta).num_rounds
     return (
         f"{strategy.describe()}\n\nschedule: {microbatches} microbatches, delta_stages={delta}, "
-        f"{schedule.num_rounds} rounds\n{schedule.render(labels)}"
+        f"{rounds} rounds\n{strategy.render_schedule(microbatches, delta)}"
     )
 
 

@@ -14,8 +14,6 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Literal
 
-from tbo.core.operations import comm_role
-from tbo.core.schedule import interleave
 from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["Finding", "lint"]
@@ -46,43 +44,40 @@ class _Launch:
 
 def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: bool = False) -> list[Finding]:
     """Findings for ``strategy`` run as ``num_microbatches`` interleaved microbatches (errors first)."""
-    names = strategy.stage_names
-    schedule = interleave([len(names)] * num_microbatches, strategy.delta_stages)
     findings: list[Finding] = []
     pending: dict[tuple[int, str], deque[_Launch]] = defaultdict(deque)
     alive: list[_Launch] = []
     seq = 0
-    for mb, stage in schedule.steps:
-        for name in names[stage]:
-            seq += 1
-            role = comm_role(name)
-            if role is None:
-                for launch in alive:
-                    launch.computed = True
-                continue
-            kind = role[1]
-            if role[0] == "launch":
-                launch = _Launch(mb, stage, name, seq)
-                pending[(mb, kind)].append(launch)
-                alive.append(launch)
-                if low_latency and len(alive) > 2:
-                    where = ", ".join(f"{a.op} of microbatch {a.mb} (stage {a.stage})" for a in alive)
-                    findings.append(Finding("error", "too-many-in-flight", f"{len(alive)} low-latency transfers in "
-                                            f"flight ({where}); DeepEP double-buffers: at most two", mb, stage, name))
-                continue
-            queue = pending[(mb, kind)]
-            if not queue:
-                findings.append(Finding("error", "wait-without-launch", f"waits for a {kind!r} transfer that this "
-                                        f"microbatch never launched", mb, stage, name))
-                continue
-            launch = queue.popleft()
-            alive.remove(launch)
-            if launch.stage == stage and launch.mb == mb:
-                findings.append(Finding("warning", "same-stage", f"{launch.op} and {name} are in the same stage: "
-                                        "nothing can overlap the transfer", mb, stage, name))
-            elif not launch.computed:
-                findings.append(Finding("warning", "no-overlap", f"no compute runs, in any microbatch, between "
-                                        f"{launch.op} and {name}", mb, stage, name))
+    for visit in strategy.walk(num_microbatches):
+        mb, stage, name, role = visit.mb, visit.stage, visit.op, visit.role
+        seq += 1
+        if role is None:
+            for launch in alive:
+                launch.computed = True
+            continue
+        kind = role[1]
+        if role[0] == "launch":
+            launch = _Launch(mb, stage, name, seq)
+            pending[(mb, kind)].append(launch)
+            alive.append(launch)
+            if low_latency and len(alive) > 2:
+                where = ", ".join(f"{a.op} of microbatch {a.mb} (stage {a.stage})" for a in alive)
+                findings.append(Finding("error", "too-many-in-flight", f"{len(alive)} low-latency transfers in "
+                                        f"flight ({where}); DeepEP double-buffers: at most two", mb, stage, name))
+            continue
+        queue = pending[(mb, kind)]
+        if not queue:
+            findings.append(Finding("error", "wait-without-launch", f"waits for a {kind!r} transfer that this "
+                                    f"microbatch never launched", mb, stage, name))
+            continue
+        launch = queue.popleft()
+        alive.remove(launch)
+        if launch.stage == stage and launch.mb == mb:
+            findings.append(Finding("warning", "same-stage", f"{launch.op} and {name} are in the same stage: "
+                                    "nothing can overlap the transfer", mb, stage, name))
+        elif not launch.computed:
+            findings.append(Finding("warning", "no-overlap", f"no compute runs, in any microbatch, between "
+                                    f"{launch.op} and {name}", mb, stage, name))
     for (mb, kind), queue in pending.items():
         for launch in queue:
             findings.append(Finding("error", "never-waited", f"launches a {kind!r} transfer that is never waited",

@@ -22,7 +22,6 @@ from typing import Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from tbo.core.operations import Yield, comm_role
-from tbo.core.schedule import interleave
 from tbo.core.strategy import OperationsStrategy
 from tbo.tools.trace import Span, Trace, summary
 
@@ -131,34 +130,30 @@ class SimResult:
 def simulate(strategy: OperationsStrategy, costs: CostModel, tokens: Sequence[int],
              delta_stages: int | Sequence[int] | None = None) -> SimResult:
     """Replay ``strategy`` for microbatches of ``tokens`` (one entry per microbatch) under ``costs``."""
-    names = strategy.stage_names
-    schedule = interleave([len(names)] * len(tokens), strategy.delta_stages if delta_stages is None else delta_stages)
     trace = Trace(tokens=list(tokens), label=f"simulated {strategy.name or 'strategy'}")
     t, link_free = 0.0, float("-inf")
     in_flight: dict[tuple[int, str], deque[Span]] = defaultdict(deque)
-    for mb, stage in schedule.steps:
-        n = tokens[mb]
-        for name in names[stage]:
-            start = t
-            role = costs.role(name)
-            if role is not None and role[0] == "wait":
-                queue = in_flight[(mb, role[1])]
-                if not queue:
-                    raise ValueError(f"microbatch {mb}, stage {stage}: {name} waits for a {role[1]!r} transfer that "
-                                     "was never launched")
-                arrival = queue.popleft().end
-                if arrival > t:
-                    trace.spans.append(Span("wait", mb, stage, f"{role[1]}_wait", t, arrival))
-                    t = arrival
-            t += costs.op(name, n, mb, len(tokens) > 1)
-            trace.spans.append(Span("compute", mb, stage, name, start, t))
-            if role is not None and role[0] == "launch":
-                nbytes, occupancy = costs.transfer(role[1], n)
-                link_start = max(t, link_free)
-                link_free = link_start + occupancy
-                span = Span("comm", mb, stage, role[1], t, link_free + costs.latency_s, int(nbytes))
-                in_flight[(mb, role[1])].append(span)
-                trace.spans.append(span)
+    for visit in strategy.walk(len(tokens), delta_stages, role=costs.role):
+        mb, stage, name, role, n = visit.mb, visit.stage, visit.op, visit.role, tokens[visit.mb]
+        start = t
+        if role is not None and role[0] == "wait":
+            queue = in_flight[(mb, role[1])]
+            if not queue:
+                raise ValueError(f"microbatch {mb}, stage {stage}: {name} waits for a {role[1]!r} transfer that "
+                                 "was never launched")
+            arrival = queue.popleft().end
+            if arrival > t:
+                trace.spans.append(Span("wait", mb, stage, f"{role[1]}_wait", t, arrival))
+                t = arrival
+        t += costs.op(name, n, mb, len(tokens) > 1)
+        trace.spans.append(Span("compute", mb, stage, name, start, t))
+        if role is not None and role[0] == "launch":
+            nbytes, occupancy = costs.transfer(role[1], n)
+            link_start = max(t, link_free)
+            link_free = link_start + occupancy
+            span = Span("comm", mb, stage, role[1], t, link_free + costs.latency_s, int(nbytes))
+            in_flight[(mb, role[1])].append(span)
+            trace.spans.append(span)
     return SimResult(trace, summary(trace).step_s)
 
 
