@@ -139,7 +139,7 @@ def sglang_rows(eff: Efficiency) -> list[Row]:
 def main() -> int:
     nic, nvl, lat = fit_link_factors(comm_rows())
     shipped = DEFAULT_EFFICIENCY
-    print("fitted once, to the issue's DeepEP rows (H800):")
+    print("fitted once, jointly, to the issue's ten DeepEP rows (H800, marked fit below):")
     print(f"  nic_efficiency    = {nic:.3f}  (shipped {shipped.nic_efficiency:.3f})  <- {FITTED_FACTORS['nic_efficiency']}")
     print(f"  nvlink_efficiency = {nvl:.3f}  (shipped {shipped.nvlink_efficiency:.3f})  <- "
           f"{FITTED_FACTORS['nvlink_efficiency']}")

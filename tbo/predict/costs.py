@@ -91,7 +91,7 @@ def layer_kernels(model: ModelShape, dep: Deployment, hw: Hardware) -> dict[str,
         prep.append(_pass("q_kv_norm", 4.0 * ((ql or 0) + kl)))
         prep.append(_gemm("q_b_proj", ql or h, H * (nope + rope), dt, w))
         if decode:  # absorb W_UK into the query: a BF16 batched GEMM per head
-            prep.append(_gemm("w_kc_bmm", nope, kl, "bf16", 2.0, rows=H))
+            prep.append(_gemm("w_kc_bmm", nope, kl, "bf16", 2.0, rows=H, experts=H))
         else:       # expand the latent to per-head K and V
             prep.append(_gemm("kv_b_proj", kl, H * (nope + v), dt, w))
         prep.append(_pass("rope", 4.0 * H * rope))
@@ -99,7 +99,7 @@ def layer_kernels(model: ModelShape, dep: Deployment, hw: Hardware) -> dict[str,
         if decode:
             attn = Kernel("mla_decode", flops_per_token=2.0 * H * ctx * (kl + rope) + 2.0 * H * ctx * kl,
                           bytes_per_token=ctx * (kl + rope) * dep.kv_bytes, attention=True)
-            core = [attn, _gemm("w_vc_bmm", kl, v, "bf16", 2.0, rows=H)]
+            core = [attn, _gemm("w_vc_bmm", kl, v, "bf16", 2.0, rows=H, experts=H)]
         else:
             attn = Kernel("mla_prefill", flops_per_token=2.0 * H * ctx_seen * (nope + rope + v),
                           bytes_per_token=2.0 * H * (2 * (nope + rope) + 2 * v), attention=True)

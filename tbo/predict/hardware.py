@@ -140,9 +140,10 @@ class Efficiency(BaseModel):
 
 DEFAULT_EFFICIENCY = Efficiency()
 
-#: The factors benchmarks/published.py fits, and the published rows it fits them to (its output lists them too).
+#: The factors benchmarks/published.py fits, jointly, to the issue's ten DeepEP V1 rows on H800 (low-latency EP 8,
+#: 32, 128; normal EP 8 intranode and EP 32 internode; dispatch and combine), and the rows that pin each one down.
 FITTED_FACTORS = {
-    "nic_efficiency": "DeepEP V1 low-latency EP32/EP128 and normal internode EP32 (H800, CX7 400 Gb/s)",
-    "nvlink_efficiency": "DeepEP V1 low-latency EP8 and normal intranode EP8 (H800 NVLink)",
-    "message_latency_s": "DeepEP V1 low-latency EP8/EP32/EP128 (128 tokens: the rows where it shows)",
+    "nic_efficiency": "pinned by low-latency EP32/EP128 and normal internode EP32 (H800, CX7 400 Gb/s)",
+    "nvlink_efficiency": "pinned by low-latency EP8 and normal intranode EP8 (H800 NVLink)",
+    "message_latency_s": "pinned by the low-latency rows (128 tokens: where a fixed cost shows)",
 }
