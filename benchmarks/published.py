@@ -1,8 +1,8 @@
-"""Hold `tbo.predict` against published measurements: DeepEP's kernel tables and SGLang's TBO gains.
+"""Hold `tbo.tools.predict` against published measurements: DeepEP's kernel tables and SGLang's TBO gains.
 
 Every figure is predicted from specs alone (hardware presets, the model's config, the deployment) with the same
 efficiency factors. Three of them (NIC and NVLink efficiency, per-message latency) are fitted once here, to the
-DeepEP rows the issue names; the rest are stated from kernel benchmarks (see `tbo.predict.Efficiency`). Rows marked
+DeepEP rows the issue names; the rest are stated from kernel benchmarks (see `tbo.tools.predict.Efficiency`). Rows marked
 ``held-out`` were not fitted to: DeepEP's other EP sizes and SGLang's other figures from the same blog post.
 
 Conventions follow the publishers: DeepEP's low-latency rows are per-transfer latencies (128 tokens, 288 experts,
@@ -22,8 +22,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from tbo.predict import DEFAULT_EFFICIENCY, FITTED_FACTORS, Deployment, Efficiency, get_hardware, predict, traffic
-from tbo.predict.comm import CommRow, expected_reached, fit_link_factors, message_bytes, transfer_seconds
+from tbo.tools.predict import DEFAULT_EFFICIENCY, FITTED_FACTORS, Deployment, Efficiency, get_hardware, predict, traffic
+from tbo.tools.predict.comm import CommRow, expected_reached, fit_link_factors, message_bytes, transfer_seconds
 
 H800 = get_hardware("h800")
 LL = dict(tokens=128, hidden=7168, topk=8, experts=288)
@@ -149,7 +149,7 @@ def main() -> int:
           f"hbm_efficiency={shipped.hbm_efficiency} kernel_overhead={shipped.kernel_overhead_s * 1e6:.1f} us")
     if (abs(nic - shipped.nic_efficiency) > 0.002 or abs(nvl - shipped.nvlink_efficiency) > 0.002
             or abs(lat - H800.message_latency_s) > 0.2e-6):
-        print("WARNING: the shipped factors differ from this fit; update tbo/predict/hardware.py")
+        print("WARNING: the shipped factors differ from this fit; update tbo/tools/predict/hardware.py")
     rows = deepep_rows(shipped, H800) + sglang_rows(shipped)
     widths = [max(len(r.config) for r in rows), 18, 14]
     print(f"\n{'configuration':<{widths[0]}}  {'published':>{widths[1]}}  {'predicted':>{widths[2]}}  rel. error  note")

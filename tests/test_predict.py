@@ -1,4 +1,4 @@
-"""tbo.predict: roofline and message-size arithmetic by hand, presets' validation, physics the predictions must obey,
+"""tbo.tools.predict: roofline and message-size arithmetic by hand, presets' validation, physics the predictions must obey,
 the CLI's line format and plot, and predicted costs driving recommend/find_threshold/SplitPolicy."""
 
 import itertools
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tbo.cli import main
-from tbo.predict import (DEFAULT_EFFICIENCY, HARDWARE, MODELS, Deployment, Efficiency, Hardware, ModelShape,
+from tbo.tools.cli import main
+from tbo.tools.predict import (DEFAULT_EFFICIENCY, HARDWARE, MODELS, Deployment, Efficiency, Hardware, ModelShape,
                          expected_reached, get_hardware, get_model, predict, split_policy, traffic, transfer_seconds)
-from tbo.predict.costs import Kernel, _op_cost
-from tbo.simulate import CostModel, compare, find_threshold, recommend, simulate, summary
+from tbo.tools.predict.costs import Kernel, _op_cost
+from tbo.tools.simulate import CostModel, compare, find_threshold, recommend, simulate, summary
 from tbo.split import SplitPolicy
 
 ROOT = Path(__file__).resolve().parents[1]

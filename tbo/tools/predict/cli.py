@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..simulate import simulate, split_tokens, summary
-from .comm import traffic, transfer_seconds
-from .costs import Prediction, predict
-from .hardware import HARDWARE, DEFAULT_EFFICIENCY, get_hardware
-from .model import MODELS, Deployment
+from tbo.tools.simulate import simulate, split_tokens, summary
+from tbo.tools.predict.comm import traffic, transfer_seconds
+from tbo.tools.predict.costs import Prediction, predict
+from tbo.tools.predict.hardware import HARDWARE, DEFAULT_EFFICIENCY, get_hardware
+from tbo.tools.predict.model import MODELS, Deployment
 
 __all__ = ["add_parser", "breakdown"]
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .hardware import _first_error
+from tbo.tools.predict.hardware import _first_error
 
 __all__ = ["ModelShape", "Deployment", "MODELS", "get_model"]
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..simulate import (Comparison, Cost, CostModel, Recommendation, TransferCost, compare, find_threshold,
-                        recommend)
-from ..split import SplitPolicy
-from ..strategies import DENSE_OPS, deepseek_decode, deepseek_prefill, qwen3_moe_decode, qwen3_moe_prefill
-from ..strategy import OperationsStrategy
-from .comm import Traffic, traffic
-from .hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, get_hardware
-from .model import Deployment, ModelShape, get_model
+from tbo.core.strategy import OperationsStrategy
+from tbo.split import SplitPolicy
+from tbo.strategies import DENSE_OPS, deepseek_decode, deepseek_prefill, qwen3_moe_decode, qwen3_moe_prefill
+from tbo.tools.simulate import (Comparison, Cost, CostModel, Recommendation, TransferCost, compare, find_threshold,
+                                recommend)
+from tbo.tools.predict.comm import Traffic, traffic
+from tbo.tools.predict.hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, get_hardware
+from tbo.tools.predict.model import Deployment, ModelShape, get_model
 
 __all__ = ["Kernel", "Prediction", "predict", "layer_kernels", "split_policy"]
 

@@ -5,7 +5,7 @@ per op, DeepEP transfers from message sizes) for the built-in strategies, so `si
 `find_threshold` and `tune` answer for that cluster; `split_policy` gives the `SplitPolicy` thresholds.
 ``benchmarks/published.py`` holds the predictions against DeepEP's and SGLang's published measurements.
 
-    >>> from tbo.predict import Deployment, predict
+    >>> from tbo.tools.predict import Deployment, predict
     >>> p = predict("h800", "deepseek-v3", Deployment(ep=32, tokens_per_device=256, context=4096))
     >>> p.compare().speedup > 1
     True
@@ -13,10 +13,10 @@ per op, DeepEP transfers from message sizes) for the built-in strategies, so `si
 This is a tool: the library never imports it.
 """
 
-from .comm import Traffic, expected_reached, traffic, transfer_seconds
-from .costs import Kernel, Prediction, layer_kernels, predict, split_policy
-from .hardware import DEFAULT_EFFICIENCY, FITTED_FACTORS, HARDWARE, Efficiency, Hardware, get_hardware
-from .model import MODELS, Deployment, ModelShape, get_model
+from tbo.tools.predict.comm import Traffic, expected_reached, traffic, transfer_seconds
+from tbo.tools.predict.costs import Kernel, Prediction, layer_kernels, predict, split_policy
+from tbo.tools.predict.hardware import DEFAULT_EFFICIENCY, FITTED_FACTORS, HARDWARE, Efficiency, Hardware, get_hardware
+from tbo.tools.predict.model import MODELS, Deployment, ModelShape, get_model
 
 __all__ = [
     "DEFAULT_EFFICIENCY", "Deployment", "Efficiency", "FITTED_FACTORS", "HARDWARE", "Hardware", "Kernel", "MODELS",

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
-from .hardware import Efficiency, Hardware
+from tbo.tools.predict.hardware import Efficiency, Hardware
 
 __all__ = ["expected_reached", "Traffic", "traffic", "transfer_seconds", "CommRow", "fit_link_factors"]
 
