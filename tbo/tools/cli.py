@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("--layers", type=int, default=2, help="layers of the strategy to chain (default 2)")
     lint.add_argument("--low-latency", action="store_true", help="check DeepEP's two-transfers-in-flight limit")
     lint.set_defaults(func=_cmd_lint)
+    from tbo.tools.predict.cli import add_parser as add_predict_parser
+
+    add_predict_parser(sub)
     return parser
 
 

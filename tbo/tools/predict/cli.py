@@ -1,0 +1,169 @@
+"""``tbo predict comm|step|sweep``: the prediction from the command line, one ``key: value`` line per figure."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tbo.tools.simulate import simulate, split_tokens, summary
+from tbo.tools.predict.comm import traffic, transfer_seconds
+from tbo.tools.predict.costs import Prediction, predict
+from tbo.tools.predict.hardware import HARDWARE, DEFAULT_EFFICIENCY, get_hardware
+from tbo.tools.predict.model import MODELS, Deployment
+
+__all__ = ["add_parser", "breakdown"]
+
+KERNELS = ("low_latency", "normal", "v2")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _cmd_comm(args: argparse.Namespace) -> int:
+    hw = get_hardware(args.hardware)
+    for kind in ("dispatch", "combine"):
+        t = traffic(kind, args.kernel, args.hidden, args.topk, args.ep, hw.gpus_per_node, args.experts,
+                    args.groups, args.topk_groups, args.dispatch_dtype)
+        print(f"{kind}_us: {transfer_seconds(t, args.tokens, hw, DEFAULT_EFFICIENCY) * 1e6:.3f}")
+    for kind in ("dispatch", "combine"):
+        t = traffic(kind, args.kernel, args.hidden, args.topk, args.ep, hw.gpus_per_node, args.experts,
+                    args.groups, args.topk_groups, args.dispatch_dtype)
+        print(f"{kind}_bytes: nic {t.nic_bytes * args.tokens:.0f}, nvlink {t.nvlink_bytes * args.tokens:.0f}")
+    return 0
+
+
+def _deployment(args: argparse.Namespace, ep: int | None = None, tokens: int | None = None) -> Deployment:
+    return Deployment(ep=ep or args.ep, tokens_per_device=tokens or args.tokens_per_device, context=args.context,
+                      mode=args.mode, kernel=args.kernel, comm_sms=args.comm_sms, expert_slots=args.expert_slots,
+                      weight_dtype=args.weight_dtype, kv_bytes=args.kv_bytes, balancedness=args.balancedness)
+
+
+def breakdown(p: Prediction, tokens: int) -> list[str]:
+    """Per-stage compute (waits excluded) and per-transfer times for one MoE layer, simulated single-batch and
+    overlapped on the real strategy: where the time goes, not the layer's step (see ``per_layer_us``)."""
+    single = simulate(p.layer, p.costs, [tokens], 0).trace
+    parts = split_tokens(tokens)
+    tbo = simulate(p.layer, p.costs, parts).trace
+    lines = []
+    for stage, names in enumerate(p.layer.stage_names):
+        one = sum(s.duration for s in single.lane("compute") if s.stage == stage)
+        one -= sum(s.duration for s in single.lane("wait") if s.stage == stage)
+        per_mb = [sum(s.duration for s in tbo.lane("compute") if s.stage == stage and s.mb == mb)
+                  - sum(s.duration for s in tbo.lane("wait") if s.stage == stage and s.mb == mb)
+                  for mb in range(len(parts))]
+        lines.append(f"stage {stage} [{', '.join(names)}]: single_us: {one * 1e6:.1f} | tbo_us: "
+                     + " + ".join(f"{x * 1e6:.1f}" for x in per_mb))
+    for kind in p.costs.transfers:
+        one = p.costs.transfer(kind, tokens)[1] + p.costs.latency_s
+        split = [p.costs.transfer(kind, n)[1] + p.costs.latency_s for n in parts]
+        lines.append(f"transfer {kind}: single_us: {one * 1e6:.1f} | tbo_us: "
+                     + " + ".join(f"{x * 1e6:.1f}" for x in split))
+    return lines
+
+
+def _cmd_step(args: argparse.Namespace) -> int:
+    p = predict(args.hardware, args.model, _deployment(args))
+    c = p.compare()
+    tbo = summary(c.tbo.trace)
+    print(f"single_ms: {c.single.step_s * 1e3:.4f}")
+    print(f"tbo_ms: {c.tbo.step_s * 1e3:.4f}")
+    print(f"speedup: {c.speedup:.4f}")
+    print(f"bound_ms: {c.lower_bound_s * 1e3:.4f}")
+    print(f"tbo_exposed_comm_ms: {tbo.exposed_s * 1e3:.4f}")
+    print(f"per_layer_us: single {c.single.step_s / p.model.num_layers * 1e6:.1f}, "
+          f"tbo {c.tbo.step_s / p.model.num_layers * 1e6:.1f}")
+    dep = p.deployment
+    print(f"# {p.model.name} on {p.hardware.name}: {dep.mode}, EP{dep.ep}, {dep.tokens_per_device} tokens/device, "
+          f"context {dep.context}, {dep.resolved_kernel} kernels, {p.model.num_layers} layers "
+          f"(layers only: no embedding, LM head or sampling); one MoE layer ({p.layer.name}):")
+    for line in breakdown(p, dep.tokens_per_device):
+        print(line)
+    print(p.recommend().reason)
+    if args.costs_out:
+        Path(args.costs_out).write_text(p.costs.model_dump_json(indent=1))
+        print(f"wrote {args.costs_out} (use: tbo simulate STRATEGY.json --costs {args.costs_out})")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for ep in args.ep:
+        for n in args.tokens:
+            s = predict(args.hardware, args.model, _deployment(args, ep=ep, tokens=n)).compare().speedup
+            curves.setdefault(ep, []).append((n, s))
+            print(f"ep: {ep} tokens_per_device: {n} speedup: {s:.4f}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - matplotlib is an optional extra
+        raise ImportError("tbo predict sweep needs matplotlib: pip install 'tbo[plot]'") from exc
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for ep, pts in curves.items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"EP {ep}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"{'prompt ' if args.mode == 'prefill' else ''}tokens per device")
+    ax.set_ylabel("predicted TBO speedup (single / TBO step)")
+    ax.set_title(f"{args.model} on {args.hardware}, {args.mode}, context {args.context}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    plt.close(fig)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _deployment_args(p: argparse.ArgumentParser, many: bool = False) -> None:
+    p.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
+    p.add_argument("--model", required=True, help=f"{', '.join(MODELS)} or a Hugging Face config.json")
+    if many:
+        p.add_argument("--ep", type=_positive, nargs="+", required=True, help="EP sizes, one line each")
+        p.add_argument("--tokens", type=_positive, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024],
+                       help="tokens per device to sweep")
+    else:
+        p.add_argument("--ep", type=_positive, required=True, help="expert-parallel size (GPUs)")
+        p.add_argument("--tokens-per-device", type=_positive, required=True,
+                       help="tokens one GPU runs per step (prefill: prompt tokens)")
+    p.add_argument("--mode", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--context", type=_positive, required=True, help="KV length (decode) or prompt length (prefill)")
+    p.add_argument("--kernel", choices=KERNELS, default=None, help="DeepEP kernels (default: by mode)")
+    p.add_argument("--comm-sms", type=int, default=None, help="SMs the normal/V2 kernels hold (default 20 / 12-6)")
+    p.add_argument("--expert-slots", type=_positive, default=None, help="expert copies, e.g. 288 with EPLB")
+    p.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element (2: BF16, 1: FP8)")
+    p.add_argument("--balancedness", type=float, default=1.0, help="mean/max expert load per GPU (1: balanced)")
+
+
+def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Register ``tbo predict`` and its subcommands on the ``tbo`` command's subparsers."""
+    top = sub.add_parser("predict", help="predict TBO's gain from hardware and model specs (no traces needed)")
+    cmds = top.add_subparsers(dest="predict_command", required=True)
+    comm = cmds.add_parser("comm", help="DeepEP dispatch and combine times from message sizes")
+    comm.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
+    comm.add_argument("--ep", type=_positive, required=True)
+    comm.add_argument("--tokens", type=_positive, required=True, help="tokens one GPU sends")
+    comm.add_argument("--hidden", type=_positive, required=True)
+    comm.add_argument("--topk", type=_positive, required=True)
+    comm.add_argument("--kernel", choices=KERNELS, default="low_latency")
+    comm.add_argument("--experts", type=_positive, default=256, help="routed experts (normal/V2 deduplicate by them)")
+    comm.add_argument("--groups", type=_positive, default=1, help="expert groups (group-limited routing)")
+    comm.add_argument("--topk-groups", type=_positive, default=1, help="groups a token may use")
+    comm.add_argument("--dispatch-dtype", choices=("fp8", "bf16"), default="fp8")
+    comm.set_defaults(func=_cmd_comm)
+    step = cmds.add_parser("step", help="single-batch vs TBO step time for a deployment, with a per-stage breakdown")
+    _deployment_args(step)
+    step.add_argument("--costs-out", help="write the predicted CostModel JSON (for tbo simulate)")
+    step.set_defaults(func=_cmd_step)
+    sweep = cmds.add_parser("sweep", help="plot speedup against tokens per device, one line per EP size (PNG)")
+    _deployment_args(sweep, many=True)
+    sweep.add_argument("--out", default="tbo_predict_sweep.png", help="PNG path")
+    sweep.set_defaults(func=_cmd_sweep)

@@ -1,0 +1,318 @@
+"""tbo.tools.predict: roofline and message-size arithmetic by hand, presets' validation, physics the predictions must obey,
+the CLI's line format and plot, and predicted costs driving recommend/find_threshold/SplitPolicy."""
+
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tbo.tools.cli import main
+from tbo.tools.predict import (DEFAULT_EFFICIENCY, HARDWARE, MODELS, Deployment, Efficiency, Hardware, ModelShape,
+                         expected_reached, get_hardware, get_model, predict, split_policy, traffic, transfer_seconds)
+from tbo.tools.predict.costs import Kernel, _op_cost
+from tbo.tools.simulate import CostModel, compare, find_threshold, recommend, simulate, summary
+from tbo.split import SplitPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOAT = r"(-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
+UNIT = Hardware(name="unit", bf16_flops=1e12, fp8_flops=2e12, hbm_bandwidth=1e9, num_sms=100,
+                nvlink_bandwidth=100.0, nic_bandwidth=10.0, message_latency_s=1e-6)
+IDEAL = Efficiency(gemm_mfu=1.0, attention_mfu=1.0, hbm_efficiency=1.0, kernel_overhead_s=0.0, nic_efficiency=1.0,
+                   nvlink_efficiency=1.0)
+
+
+def decode(ep=32, tokens=128, context=4096, **kw):
+    return Deployment(ep=ep, tokens_per_device=tokens, context=context, mode="decode", **kw)
+
+
+# ---- roofline arithmetic ---------------------------------------------------------------------------------------------
+def test_kernel_roofline_by_hand():
+    # a 1000 x 2000 FP8 GEMM: 4e6 FLOPs per token at 2e12 -> 2 us/token; weights 2e6 B at 1e9 B/s -> 2 ms fixed
+    k = Kernel("gemm", flops_per_token=4e6, bytes_fixed=2e6, bytes_per_token=5000, dtype="fp8")
+    assert k.seconds(1, UNIT, IDEAL) == pytest.approx(max(2e-6, (2e6 + 5000) / 1e9))
+    assert k.seconds(10_000, UNIT, IDEAL) == pytest.approx(max(2e-2, (2e6 + 5e7) / 1e9))
+    # memory- until compute-bound: 2e-6 t = 2e-3 + 5e-6 t never holds (bytes grow faster) -> no breakpoint
+    assert k.breakpoint(UNIT, IDEAL) is None
+    k2 = Kernel("gemm", flops_per_token=4e7, bytes_fixed=2e6, bytes_per_token=0, dtype="fp8")
+    assert k2.breakpoint(UNIT, IDEAL) == pytest.approx(2e-3 / 2e-5)  # 100 tokens
+    eff = IDEAL.model_copy(update={"gemm_mfu": 0.5, "kernel_overhead_s": 1e-6})
+    assert k2.seconds(1000, UNIT, eff) == pytest.approx(1e-6 + 4e10 / (2e12 * 0.5))
+    # half the SMs: the compute-bound part doubles, the memory-bound part does not
+    assert k2.seconds(1000, UNIT, IDEAL, sm_fraction=0.5) == pytest.approx(2 * 2e-2)
+    assert k2.seconds(1, UNIT, IDEAL, sm_fraction=0.5) == pytest.approx(2e-3)
+    attn = Kernel("attn", flops_per_token=1e9, attention=True)  # BF16 peak, attention MFU
+    assert attn.seconds(1, UNIT, eff.model_copy(update={"attention_mfu": 0.25})) == pytest.approx(1e-6 + 1e9 / 2.5e11)
+
+
+def test_op_table_is_exact_between_and_beyond_breakpoints():
+    kernels = [Kernel("a", flops_per_token=4e7, bytes_fixed=2e6, dtype="fp8"),
+               Kernel("b", flops_per_token=1e6, bytes_fixed=1e5, bytes_per_token=100, dtype="bf16"),
+               Kernel("c", bytes_per_token=3000)]
+    cost = _op_cost(kernels, UNIT, DEFAULT_EFFICIENCY)
+    assert cost.kind == "table"
+    for t in (1, 2, 3, 7, 50, 99, 100, 101, 333, 1000, 4096, 100_000):
+        assert cost(t) == pytest.approx(sum(k.seconds(t, UNIT, DEFAULT_EFFICIENCY) for k in kernels), rel=1e-9)
+
+
+def test_layer_costs_read_the_weights_once_per_call():
+    # DeepSeek-V3 decode on H800: every op's fixed part is the bytes of its weights (plus launches); the attention
+    # projections alone read q_a/kv_a, q_b (FP8) and w_kc (BF16)
+    p = predict("h800", "deepseek-v3", decode(ep=32, tokens=1))
+    m, hw, eff = p.model, p.hardware, p.efficiency
+    weights = (m.hidden * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim) + m.q_lora_rank * m.num_heads
+               * (m.qk_nope_dim + m.qk_rope_dim) + 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank)
+    fixed = sum(k.bytes_fixed for k in p.kernels["attn_prepare"])
+    assert fixed == pytest.approx(weights)
+    experts = sum(k.bytes_fixed for k in p.kernels["experts"])
+    assert experts == pytest.approx(256 // 32 * m.expert_params)  # 8 local FP8 experts
+    t0 = p.costs.op("experts", 1)
+    assert t0 >= experts / (hw.hbm_bandwidth * eff.hbm_efficiency)
+
+
+# ---- communication arithmetic ---------------------------------------------------------------------------------------
+def test_low_latency_traffic_by_hand():
+    t = traffic("dispatch", "low_latency", 7168, 8, ep=32)
+    msg = 7168 + 7168 / 128 * 4 + 16
+    assert t.nic_bytes == pytest.approx(8 * msg * 24 / 32)
+    assert t.nvlink_bytes == pytest.approx(8 * msg * 7 / 32)
+    hw, eff = get_hardware("h800"), DEFAULT_EFFICIENCY
+    expect = hw.message_latency_s + 128 * t.nic_bytes / (eff.nic_efficiency * hw.nic_bandwidth)
+    assert transfer_seconds(t, 128, hw, eff) == pytest.approx(expect)
+    c = traffic("combine", "low_latency", 7168, 8, ep=8)
+    assert c.nic_bytes == 0 and c.nvlink_bytes == pytest.approx(8 * 2 * 7168 * 7 / 8)
+
+
+def _brute_reached(experts, units, topk, groups, topk_groups):
+    per_unit, per_group, total, n = experts // units, experts // groups, 0.0, 0
+    for chosen in itertools.combinations(range(groups), topk_groups):
+        pool = [e for g in chosen for e in range(g * per_group, (g + 1) * per_group)]
+        for picks in itertools.combinations(pool, topk):
+            total += len({e // per_unit for e in picks})
+            n += 1
+    return total / n
+
+
+@pytest.mark.parametrize("experts,units,topk,groups,topk_groups", [
+    (16, 4, 3, 1, 1), (16, 4, 3, 4, 2), (16, 8, 3, 4, 2), (16, 2, 4, 8, 3), (12, 6, 2, 3, 2)])
+def test_expected_reached_matches_enumeration(experts, units, topk, groups, topk_groups):
+    assert expected_reached(experts, units, topk, groups, topk_groups) == pytest.approx(
+        _brute_reached(experts, units, topk, groups, topk_groups))
+
+
+def test_normal_kernels_send_once_per_node():
+    t = traffic("dispatch", "normal", 7168, 8, ep=32, num_experts=256, num_groups=8, topk_groups=4)
+    nodes = expected_reached(256, 4, 8, 8, 4)
+    assert t.nic_bytes == pytest.approx(nodes * (7168 + 7168 / 32) * 3 / 4)
+    ll = traffic("dispatch", "low_latency", 7168, 8, ep=32)
+    assert t.nic_bytes < ll.nic_bytes  # deduplicated by node
+
+
+# ---- presets ------------------------------------------------------------------------------------------------------
+def test_presets_and_unknown_names():
+    assert set(HARDWARE) == {"h800", "h100", "h200", "b200"}
+    assert get_hardware("H800") is HARDWARE["h800"]
+    assert {"deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b"} <= set(MODELS)
+    with pytest.raises(ValueError, match=r"unknown hardware 'h900'; known: b200, h100, h200, h800"):
+        get_hardware("h900")
+    with pytest.raises(ValueError, match=r"unknown model 'llama'.*deepseek-v3"):
+        get_model("llama")
+    ds = MODELS["deepseek-v3"]
+    assert (ds.num_layers, ds.num_dense_layers, ds.hidden, ds.num_experts, ds.topk, ds.num_shared_experts) == \
+        (61, 3, 7168, 256, 8, 1)
+    assert (ds.q_lora_rank, ds.kv_lora_rank, ds.qk_rope_dim, ds.num_heads, ds.qk_nope_dim, ds.v_head_dim) == \
+        (1536, 512, 64, 128, 128, 128)
+
+
+def test_bad_values_name_the_field(tmp_path):
+    with pytest.raises(ValidationError, match="bf16_flops"):
+        Hardware(name="x", bf16_flops=-1, fp8_flops=1, hbm_bandwidth=1, num_sms=1, nvlink_bandwidth=1,
+                 nic_bandwidth=1, message_latency_s=0)
+    with pytest.raises(ValidationError, match="ep"):
+        Deployment(ep=0, tokens_per_device=1, context=1)
+    with pytest.raises(ValidationError, match="mode"):
+        Deployment(ep=8, tokens_per_device=1, context=1, mode="train")
+    with pytest.raises(ValidationError, match="nic_efficiency"):
+        Efficiency(nic_efficiency=1.5)
+    with pytest.raises(ValidationError, match="topk=9 exceeds num_experts=8"):
+        ModelShape(name="m", num_layers=2, hidden=8, attention="gqa", num_heads=2, num_kv_heads=1, head_dim=4,
+                   moe_intermediate=8, num_experts=8, topk=9)
+    bad = tmp_path / "gpu.json"
+    bad.write_text(json.dumps({**HARDWARE["h800"].model_dump(), "nic_bandwidth": 0}))
+    with pytest.raises(ValueError, match="field 'nic_bandwidth'"):
+        get_hardware(str(bad))
+    with pytest.raises(ValueError, match=r"expert slots \(256\) must be a multiple of ep=24.*264"):
+        predict("h800", "deepseek-v3", decode(ep=24))
+
+
+def test_from_hf_config(tmp_path):
+    ds = {"num_hidden_layers": 61, "first_k_dense_replace": 3, "hidden_size": 7168, "intermediate_size": 18432,
+          "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+          "v_head_dim": 128, "num_attention_heads": 128, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+          "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "model_type": "deepseek_v3"}
+    shape = ModelShape.from_hf_config(ds, name="deepseek-v3")
+    assert shape == MODELS["deepseek-v3"]
+    qwen = {"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+            "head_dim": 128, "num_experts": 128, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+            "intermediate_size": 6144, "mlp_only_layers": []}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(qwen))
+    assert get_model(str(tmp_path)).model_copy(update={"name": "qwen3-30b-a3b"}) == \
+        MODELS["qwen3-30b-a3b"].model_copy(update={"dense_intermediate": 6144})
+    with pytest.raises(ValueError, match="lacks key 'moe_intermediate_size'"):
+        ModelShape.from_hf_config({k: v for k, v in ds.items() if k != "moe_intermediate_size"})
+    with pytest.raises(ValueError, match="not an MoE config"):
+        ModelShape.from_hf_config({"num_hidden_layers": 2, "hidden_size": 8})
+
+
+# ---- physics -----------------------------------------------------------------------------------------------------
+def test_more_ep_means_more_comm():
+    hw, eff = get_hardware("h800"), DEFAULT_EFFICIENCY
+    times = [transfer_seconds(traffic("dispatch", "low_latency", 7168, 8, ep), 128, hw, eff) for ep in
+             (8, 16, 32, 64, 128, 256)]
+    assert times == sorted(times)
+    comm = []
+    for ep in (16, 32, 64, 128):
+        c = predict("h800", "deepseek-v3", decode(ep=ep, tokens=128)).compare()
+        comm.append(summary(c.single.trace).comm_s)
+    assert comm == sorted(comm) and comm[0] < comm[-1]
+
+
+def test_faster_nic_means_less_exposed_comm():
+    base = get_hardware("h800")
+    exposed, single = [], []
+    for gbps in (25, 50, 100, 200):
+        hw = base.model_copy(update={"nic_bandwidth": gbps * 1e9})
+        c = predict(hw, "deepseek-v3", decode(ep=64, tokens=256)).compare()
+        exposed.append(summary(c.tbo.trace).exposed_s)
+        single.append(c.single.step_s)
+    assert exposed == sorted(exposed, reverse=True) and exposed[0] > exposed[-1]
+    assert single == sorted(single, reverse=True)
+
+
+@pytest.mark.parametrize("hw,model,dep", [
+    ("h800", "deepseek-v3", decode(ep=8, tokens=16)),
+    ("h800", "deepseek-v3", decode(ep=32, tokens=256)),
+    ("h200", "qwen3-235b-a22b", decode(ep=16, tokens=512, context=8192)),
+    ("b200", "qwen3-30b-a3b", Deployment(ep=8, tokens_per_device=4096, context=2048, mode="prefill")),
+    ("h100", "deepseek-v3", Deployment(ep=64, tokens_per_device=8192, context=4096, mode="prefill", kernel="v2")),
+])
+def test_never_below_max_compute_comm(hw, model, dep):
+    p = predict(hw, model, dep)
+    c = p.compare()
+    s = summary(c.tbo.trace)
+    link = sum(p.costs.transfer(sp.name, c.tbo.trace.tokens[sp.mb])[1] for sp in c.tbo.trace.lane("comm"))
+    assert c.tbo.step_s >= max(s.compute_s, link) * (1 - 1e-9)
+    assert c.tbo.step_s >= c.lower_bound_s * (1 - 1e-9)
+    assert math.isfinite(c.speedup) and c.speedup > 0
+
+
+def test_splitting_decode_reads_every_weight_twice():
+    p = predict("h800", "deepseek-v3", decode(ep=32, tokens=8))
+    c = p.compare()
+    extra = summary(c.tbo.trace).compute_s - summary(c.single.trace).compute_s
+    moe_weights = sum(k.bytes_fixed for ks in p.kernels.values() for k in ks if k.name != "mlp_gate_up"
+                      and not k.name.startswith("mlp_"))
+    hbm = p.hardware.hbm_bandwidth * p.efficiency.hbm_efficiency
+    assert extra >= p.model.num_moe_layers * moe_weights / hbm
+    assert c.speedup < 1  # at 8 tokens per device the second weight read costs more than TBO hides
+
+
+def test_tbo_gains_nothing_without_comm():
+    hw = get_hardware("h800").model_copy(update={"nic_bandwidth": 1e18, "nvlink_bandwidth": 1e18,
+                                                 "message_latency_s": 0.0})
+    assert predict(hw, "deepseek-v3", decode(ep=32, tokens=256)).compare().speedup <= 1.0
+
+
+def test_other_hardware_and_models_are_sensible():
+    def step(hw, model="deepseek-v3", dep=None):
+        return predict(hw, model, dep or decode(ep=32, tokens=128)).compare().single.step_s
+    assert step("b200") < step("h200") < step("h100")  # decode: HBM bandwidth sets the pace
+    assert step("h100") == pytest.approx(step("h800"), rel=0.05)  # same HBM and NIC; only NVLink differs
+    big, small = step("h800", "qwen3-235b-a22b"), step("h800", "qwen3-30b-a3b")
+    assert small < big
+    q = predict("h800", "qwen3-30b-a3b", decode(ep=8, tokens=64))
+    assert q.layer.name == "qwen3_moe_decode" and "shared_experts" not in q.costs.ops
+    pf = predict("h800", "deepseek-v3", Deployment(ep=32, tokens_per_device=8192, context=4096, mode="prefill"))
+    assert pf.layer.name == "deepseek_prefill" and pf.layer.deep_gemm_num_sms == 132 - 20
+    experts_single = pf.costs.op("experts", 4096)
+    experts_overlapped = pf.costs.op("experts", 4096, mb=1, overlapped=True)
+    assert experts_overlapped == pytest.approx(experts_single * 132 / 112, rel=0.02)  # compute-bound on 112 SMs
+
+
+# ---- recommend / find_threshold / SplitPolicy ------------------------------------------------------------------------
+def test_predicted_costs_drive_recommend_and_threshold():
+    p = predict("h800", "deepseek-v3", decode(ep=32, tokens=256))
+    assert isinstance(p.costs, CostModel)
+    n = find_threshold(p.strategy, p.costs, "decode", max_tokens=1024)
+    assert n is not None and 2 <= n <= 1024
+    assert recommend(p.strategy, p.costs, n).split and not recommend(p.strategy, p.costs, n - 1).split
+    policy = split_policy("h800", "deepseek-v3", decode=decode(ep=32, tokens=256), max_tokens=1024)
+    assert isinstance(policy, SplitPolicy) and policy.decode_token_threshold == n
+    # the costs survive JSON, as costs.json for `tbo simulate`
+    again = CostModel.model_validate_json(p.costs.model_dump_json())
+    assert compare(p.strategy, again, 256).tbo.step_s == pytest.approx(p.compare().tbo.step_s)
+    assert simulate(p.layer, again, [128]).step_s > 0
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------------
+def test_cli_comm_lines(capsys):
+    assert main(["predict", "comm", "--hardware", "h800", "--ep", "32", "--tokens", "128", "--hidden", "7168",
+                 "--topk", "8", "--kernel", "low_latency"]) == 0
+    out = capsys.readouterr().out
+    d = float(re.search(rf"^dispatch_us: {FLOAT}$", out, re.M).group(1))
+    c = float(re.search(rf"^combine_us: {FLOAT}$", out, re.M).group(1))
+    assert 0 < d < c  # combine sends BF16, dispatch FP8
+
+
+def test_cli_step_lines(capsys, tmp_path):
+    costs = tmp_path / "costs.json"
+    assert main(["predict", "step", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "32", "--mode",
+                 "decode", "--tokens-per-device", "256", "--context", "4096", "--costs-out", str(costs)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    vals = {k: float(re.fullmatch(rf"{k}: {FLOAT}", lines[i]).group(1))
+            for i, k in enumerate(("single_ms", "tbo_ms", "speedup"))}
+    assert vals["speedup"] == pytest.approx(vals["single_ms"] / vals["tbo_ms"], rel=1e-3)
+    assert re.search(r"^stage 3 \[dispatch_b, experts, combine_a\]: single_us: ", out, re.M)
+    assert re.search(r"^transfer combine: single_us: ", out, re.M)
+    assert CostModel.model_validate_json(costs.read_text()).transfers
+
+
+def test_cli_errors(capsys):
+    assert main(["predict", "step", "--hardware", "h900", "--model", "deepseek-v3", "--ep", "32",
+                 "--tokens-per-device", "256", "--context", "4096"]) == 2
+    assert "unknown hardware 'h900'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["predict", "comm", "--hardware", "h800", "--ep", "0", "--tokens", "1", "--hidden", "8", "--topk", "1"])
+    assert "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_cli_sweep_writes_png(tmp_path, capsys):
+    out = tmp_path / "sweep.png"
+    assert main(["predict", "sweep", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "16", "64",
+                 "--tokens", "32", "256", "--context", "2048", "--out", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    rows = re.findall(rf"^ep: (\d+) tokens_per_device: (\d+) speedup: {FLOAT}$", capsys.readouterr().out, re.M)
+    assert [(int(a), int(b)) for a, b, _ in rows] == [(16, 32), (16, 256), (64, 32), (64, 256)]
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------------------
+def test_published_benchmark_runs_and_reports():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published.py")], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    rows = re.findall(r"^(DeepEP|SGLang) .*  (\d+\.\d{3})   (.*)$", out, re.M)
+    assert len(rows) == 26 and all(math.isfinite(float(e)) for _, e, _ in rows)
+    assert sum(1 for _, _, note in rows if note == "fit") == 10
+    assert "WARNING" not in out  # the shipped factors are what the fit gives
+    last = out.strip().splitlines()[-1]
+    worst = float(re.fullmatch(rf"max error: {FLOAT}", last).group(1))
+    assert math.isfinite(worst) and worst == pytest.approx(max(float(e) for _, e, _ in rows), abs=1e-3)
