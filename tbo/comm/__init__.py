@@ -1,13 +1,16 @@
-"""Expert-parallel communication: dispatch_a/b and combine_a/b over local, torch.distributed, emulated and DeepEP
-transports, and timeout-bounded waits. (The expert runners for each layout are in `tbo.experts`.)"""
+"""Expert-parallel communication: dispatch_a/b and combine_a/b over local, torch.distributed, emulated, copy-engine
+and DeepEP transports, and timeout-bounded waits. (The expert runners for each layout are in `tbo.experts`.)"""
 
 from tbo.comm.alltoall import AllToAllBackend, LocalBackend, TorchDistributedBackend
+from tbo.comm.copy_engine import CopyEngineLink
 from tbo.comm.types import CombineState, DispatchFormat, DispatchOutput, DispatchState, EPBackend
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 
 __all__ = [
     "AllToAllBackend",
     "CombineState",
+    "CopyEngineLink",
+    "CopyEngineLink",
     "DEFAULT_TIMEOUT_S",
     "DispatchFormat",
     "DispatchOutput",

@@ -4,6 +4,17 @@
 and lays the rows out in the requested `DispatchFormat`. ``combine_a`` launches the results back along the reverse
 route; ``combine_b`` waits and reduces over the top-k slots. The local backend is the same code with an identity
 transport, which is why it is the reference for equivalence.
+
+What a CUDA graph can capture (no host sync, no data-dependent shape), per backend and format:
+
+* `LocalBackend`, MASKED with a fixed ``masked_capacity``: **capture-safe**. Routing is a stable sort and a
+  scatter into ``[num_experts, capacity, H]``; combine is a gather and the slot sum. Expert ids are range-checked
+  by a device-side assertion, and an expert receiving more rows than ``capacity`` is one too (a ValueError on the
+  CPU). A capacity of at least the step's token count can never overflow (top-k picks distinct experts).
+* `LocalBackend`, MASKED without a capacity, EXPANDED and NORMAL: not capture-safe. Their outputs are sized by
+  routed counts read on the host (``nonzero``, ``.tolist()``); eager use on a GPU works.
+* `TorchDistributedBackend`, every format: not capture-safe (split sizes cross ranks on the host first).
+* DeepEP low-latency (`tbo.comm.deepep.DeepEPLowLatencyBackend`): the multi-GPU capture-safe backend.
 """
 
 from __future__ import annotations
@@ -13,8 +24,9 @@ from typing import Any
 
 import torch
 
-from tbo.comm.layout import (ExpandedRoute, NormalRoute, check_routing, expanded_route, expert_major_perm, from_masked,
-                     normal_route, to_masked, weighted_sum)
+from tbo.comm.layout import (ExpandedRoute, NormalRoute, StaticMaskedRoute, check_routing, device_check,
+                             expanded_route, expert_major_perm, from_masked, normal_route, slot_sum,
+                             static_masked_route, to_masked, weighted_sum)
 from tbo.comm.transport import LocalTransport, TorchDistributedTransport, Transport
 from tbo.comm.types import CombineState, DispatchFormat, DispatchOutput, DispatchState
 from tbo.comm.wait import DEFAULT_TIMEOUT_S
@@ -32,6 +44,12 @@ class _ExpandedHandle:
 
 
 @dataclass(frozen=True)
+class _StaticMaskedHandle:
+    route: StaticMaskedRoute
+    topk_weights: torch.Tensor
+
+
+@dataclass(frozen=True)
 class _NormalHandle:
     route: NormalRoute
     recv_counts: torch.Tensor  # [W]
@@ -45,6 +63,9 @@ class AllToAllBackend:
                  masked_capacity: int | None = None) -> None:
         if num_experts < 1 or num_experts % transport.num_ranks:
             raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={transport.num_ranks}")
+        if masked_capacity is not None and masked_capacity < 1:
+            raise ValueError(f"masked_capacity={masked_capacity} must be a positive row count (or None: sized by "
+                             "the largest expert's rows, read on the host)")
         self.transport = transport
         self.format = DispatchFormat(format)
         self.masked_capacity = masked_capacity
@@ -52,6 +73,13 @@ class AllToAllBackend:
         self.num_ranks = transport.num_ranks
         self.num_experts = num_experts
         self.num_local_experts = num_experts // transport.num_ranks
+
+    @property
+    def capture_safe(self) -> bool:
+        """True when dispatch and combine do no host sync and have fixed shapes (a CUDA graph can capture them):
+        MASKED with a fixed ``masked_capacity`` on one rank."""
+        return (self.format is DispatchFormat.MASKED and self.masked_capacity is not None
+                and isinstance(self.transport, LocalTransport) and self.num_ranks == 1)
 
     @property
     def in_flight(self) -> list[Any]:
@@ -68,7 +96,9 @@ class AllToAllBackend:
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchState:
-        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a")
+        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a", sync_free=self.capture_safe)
+        if self.capture_safe:
+            return self._dispatch_a_static(hidden, topk_idx, topk_weights)
         if self.format is DispatchFormat.NORMAL:
             return self._dispatch_a_normal(hidden, topk_idx, topk_weights)
         route = expanded_route(topk_idx, self.num_ranks, self.num_local_experts)
@@ -95,8 +125,26 @@ class AllToAllBackend:
         return DispatchState(pending, nbytes, {"route": route, "recv_counts": recv_counts,
                                                "num_tokens": hidden.shape[0]})
 
+    def _dispatch_a_static(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                           topk_weights: torch.Tensor) -> DispatchState:
+        """MASKED on one rank with fixed shapes: scatter each (token, slot) pair's row into its expert's slab."""
+        cap, e = int(self.masked_capacity), self.num_local_experts  # type: ignore[arg-type]
+        route = static_masked_route(topk_idx, e, cap)
+        device_check(route.counts.max() <= cap, f"dispatch_a: an expert received more than the masked capacity {cap} "
+                     "rows (size it to at least the step's tokens)")
+        t, k = topk_idx.shape
+        pair_rows = hidden.unsqueeze(1).expand(t, k, hidden.shape[1]).reshape(t * k, hidden.shape[1])
+        buf = hidden.new_zeros((route.scratch + 1, hidden.shape[1]))
+        buf.index_put_((route.dest,), pair_rows)  # unrouted and overflowing pairs land on the scratch row
+        masked = buf[: route.scratch].view(e, cap, hidden.shape[1])
+        return DispatchState(masked, pair_rows.nbytes, {"route": route, "topk_weights": topk_weights})
+
     def dispatch_b(self, state: DispatchState) -> DispatchOutput:
         info = state.info
+        if isinstance(info.get("route"), StaticMaskedRoute):
+            route = info["route"]
+            return DispatchOutput(DispatchFormat.MASKED, state.pending, route.counts,
+                                  _StaticMaskedHandle(route, info["topk_weights"]))
         if self.format is DispatchFormat.NORMAL:
             rows, idx, weights = (self.transport.finish(p) for p in state.pending)
             counts = torch.stack([(idx == e).sum() for e in range(self.num_local_experts)]) if idx.numel() else (
@@ -116,6 +164,8 @@ class AllToAllBackend:
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> CombineState:
         if isinstance(handle, _NormalHandle):
             return self._combine_a_normal(expert_out, handle)
+        if isinstance(handle, _StaticMaskedHandle):
+            return self._combine_a_static(expert_out, handle)
         if not isinstance(handle, _ExpandedHandle):
             raise TypeError(f"combine_a: handle must come from this backend's dispatch_b, got {type(handle).__name__}")
         if self.format is DispatchFormat.MASKED:
@@ -132,6 +182,17 @@ class AllToAllBackend:
                                        handle.route.send_counts.sum(1).tolist(), "combine_b (rows)")
         return CombineState(pending, rows.nbytes, {"handle": handle})
 
+    def _combine_a_static(self, expert_out: torch.Tensor, handle: _StaticMaskedHandle) -> CombineState:
+        route = handle.route
+        want = (self.num_local_experts, route.capacity)
+        if expert_out.dim() != 3 or tuple(expert_out.shape[:2]) != want:
+            raise ValueError(f"combine_a: MASKED expert output must be [{want[0]}, {want[1]}, H] (experts, capacity, "
+                             f"hidden), got {tuple(expert_out.shape)}")
+        flat = expert_out.reshape(route.scratch, expert_out.shape[2])
+        flat = torch.cat([flat, flat.new_zeros((1, flat.shape[1]))])  # the scratch row reads back as zeros
+        pair_rows = flat[route.dest]
+        return CombineState(pair_rows, pair_rows.nbytes, {"handle": handle})
+
     def _combine_a_normal(self, expert_out: torch.Tensor, handle: _NormalHandle) -> CombineState:
         expected = int(handle.recv_counts.sum())
         if expert_out.dim() != 2 or expert_out.shape[0] != expected:
@@ -142,6 +203,8 @@ class AllToAllBackend:
 
     def combine_b(self, state: CombineState) -> torch.Tensor:
         handle = state.info["handle"]
+        if isinstance(handle, _StaticMaskedHandle):
+            return slot_sum(state.pending, handle.topk_weights)
         rows = self.transport.finish(state.pending)
         if isinstance(handle, _NormalHandle):
             out = rows.new_zeros((handle.num_tokens, rows.shape[1]))
@@ -150,7 +213,11 @@ class AllToAllBackend:
 
 
 class LocalBackend(AllToAllBackend):
-    """One process, every expert local, no communication: the equivalence reference."""
+    """One process, every expert local, no communication: the equivalence reference.
+
+    With ``format=MASKED`` and a fixed ``masked_capacity`` its dispatch and combine are capture-safe (see the
+    module docstring): the decode step a `tbo.cuda_graph.GraphRunner` captures on one GPU.
+    """
 
     def __init__(self, num_experts: int, format: DispatchFormat = DispatchFormat.EXPANDED,
                  masked_capacity: int | None = None) -> None:

@@ -3,6 +3,9 @@
 Keeping this in one place is what makes the distributed backends bit-identical to the local reference: every
 backend orders an expert's rows the same way, by (source rank, token, top-k slot), and every combine reduces over
 the top-k slots in the same order.
+
+`static_masked_route` is the one route computed with fixed shapes only (sort, scatter, gather; no ``nonzero``, no
+host read): what a CUDA graph can capture. The others read counts on the host to size their outputs.
 """
 
 from __future__ import annotations
@@ -20,13 +23,36 @@ __all__ = [
     "to_masked",
     "from_masked",
     "weighted_sum",
+    "slot_sum",
     "check_routing",
+    "device_check",
+    "StaticMaskedRoute",
+    "static_masked_route",
 ]
 
 
+def device_check(ok: torch.Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` unless the boolean scalar ``ok`` holds, without a host sync off the CPU.
+
+    On the CPU the value is read (no device to wait for) and the error is an ordinary ValueError. Elsewhere the check
+    is a device-side assertion (``torch._assert_async``): it never blocks the host and a CUDA graph can capture it;
+    a failure surfaces as a device assert at the next synchronisation, with ``message`` in it.
+    """
+    if ok.device.type == "cpu":
+        if not bool(ok):
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok, message)
+
+
 def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                  op: str) -> None:
-    """Reject inputs that would silently misroute, naming the tensor and what was expected."""
+                  op: str, sync_free: bool = False) -> None:
+    """Reject inputs that would silently misroute, naming the tensor and what was expected.
+
+    Shapes, dtypes and devices are checked on the host (they are metadata, free to read). The expert ids' range is
+    a value: with ``sync_free`` it is checked by `device_check` (a device-side assertion off the CPU), so that
+    capture-safe backends never read a device tensor on the host; otherwise it is read and reported exactly.
+    """
     if hidden.dim() != 2:
         raise ValueError(f"{op}: hidden must be [num_tokens, hidden], got shape {tuple(hidden.shape)}")
     t = hidden.shape[0]
@@ -45,7 +71,13 @@ def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
             f"{op}: hidden, topk_idx and topk_weights are on different devices "
             f"({hidden.device}, {topk_idx.device}, {topk_weights.device})"
         )
-    if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):
+    if not topk_idx.numel():
+        return
+    if sync_free and topk_idx.device.type != "cpu":
+        device_check(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
+                     f"{op}: topk_idx values must be in [-1, {num_experts})")
+        return
+    if int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts:
         raise ValueError(f"{op}: topk_idx values must be in [-1, {num_experts}), got "
                          f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
 
@@ -127,9 +159,55 @@ def weighted_sum(rows: torch.Tensor, pair_ids: torch.Tensor, topk_weights: torch
     t, k = topk_weights.shape
     y = rows.new_zeros((t * k, rows.shape[1]))
     y[pair_ids] = rows
-    y = y.view(t, k, rows.shape[1]).float()
+    return slot_sum(y, topk_weights)
+
+
+def slot_sum(pair_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k w[t, k] * y[t * top_k + k]`` for ``pair_rows[T * top_k, H]`` (zero rows for unrouted
+    slots): summed in slot order, in float32, cast back. Every combine ends here, which keeps them bit-identical."""
+    t, k = topk_weights.shape
+    y = pair_rows.view(t, k, pair_rows.shape[1]).float()
     w = topk_weights.float()
     out = y[:, 0] * w[:, 0:1]
     for slot in range(1, k):
         out = out + y[:, slot] * w[:, slot : slot + 1]
-    return out.to(rows.dtype)
+    return out.to(pair_rows.dtype)
+
+
+@dataclass(frozen=True)
+class StaticMaskedRoute:
+    """Where each (token, slot) pair goes in a ``[num_experts, capacity, H]`` masked buffer, all of fixed shape.
+
+    ``dest[p]`` is pair ``p``'s row in the flattened buffer, or ``num_experts * capacity`` (a scratch row past the
+    end) for an unrouted slot or a row beyond its expert's capacity. Within an expert, rows keep (token, slot)
+    order: the same layout `expanded_route` + `to_masked` produce, so both paths feed the experts the same matrices.
+    """
+
+    dest: torch.Tensor  #: [T * top_k] flat row in the buffer, or the scratch row
+    counts: torch.Tensor  #: [num_experts] rows routed to each expert (before the capacity cut)
+    capacity: int
+    num_tokens: int
+    top_k: int
+
+    @property
+    def scratch(self) -> int:
+        return self.counts.shape[0] * self.capacity
+
+
+def static_masked_route(topk_idx: torch.Tensor, num_experts: int, capacity: int) -> StaticMaskedRoute:
+    """The masked layout of one rank's routing, computed with fixed shapes only (capture-safe).
+
+    A stable sort by expert gives each pair its rank among the pairs of its expert; no count is read on the host.
+    """
+    t, k = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))  # unrouted slots sort last
+    per_key = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device).scatter_add_(
+        0, key, torch.ones_like(key))
+    starts = torch.cumsum(per_key, 0) - per_key
+    sorted_key, order = torch.sort(key, stable=True)
+    rank_sorted = torch.arange(flat.shape[0], device=flat.device) - starts[sorted_key]
+    pos = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+    fits = (key < num_experts) & (pos < capacity)
+    dest = torch.where(fits, key * capacity + pos, torch.full_like(pos, num_experts * capacity))
+    return StaticMaskedRoute(dest, per_key[:num_experts], capacity, t, k)

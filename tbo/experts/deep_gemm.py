@@ -48,10 +48,15 @@ class DeepGemmSwiGLUExperts:
 
     ``w_gate``/``w_up`` are ``[L, H, I]`` and ``w_down`` ``[L, I, H]`` (the reference model's layout); they are
     transposed to NT layout and quantised once, here.
+
+    ``expected_m`` is the masked GEMM's hint of rows per expert (it picks tile sizes). It is a host integer, so it
+    is never read from the device counts: that would block the CPU and break CUDA-graph capture of the DeepEP
+    low-latency path. None uses the capacity (the worst case); pass e.g. ``ceil(tokens * top_k / experts)``.
     """
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16) -> None:
+                 out_dtype: torch.dtype = torch.bfloat16, expected_m: int | None = None) -> None:
+        self.expected_m = expected_m
         self.intermediate = w_gate.shape[-1]
         self.w13 = quantize_per_block(torch.cat([w_gate, w_up], dim=-1).transpose(1, 2).contiguous())  # [L, 2I, H]
         self.w2 = quantize_per_block(w_down.transpose(1, 2).contiguous())  # [L, H, I]
@@ -82,7 +87,7 @@ class DeepGemmSwiGLUExperts:
         masked, _ = self._kernels()
         groups, capacity, hidden = d.hidden.shape
         masked_m = d.tokens_per_expert.to(torch.int32)
-        expected_m = max(1, int(masked_m.max())) if masked_m.numel() else 1
+        expected_m = max(1, self.expected_m if self.expected_m is not None else capacity)
         gate_up = torch.empty(groups, capacity, 2 * self.intermediate, dtype=self.out_dtype, device=d.hidden.device)
         masked(self._lhs(d), self.w13, gate_up, masked_m, expected_m)
         out = torch.empty(groups, capacity, hidden, dtype=self.out_dtype, device=d.hidden.device)

@@ -2,6 +2,10 @@
 
 An expert is ``fn(local_expert, rows) -> rows``. The runners group rows by local expert and call it once per expert
 with that expert's rows, in arrival order, so every backend feeds every expert the very same matrix.
+
+MASKED off the CPU is capture-safe: each expert runs on its whole ``[capacity, H]`` slab and rows beyond its count
+are zeroed (what a masked grouped GEMM does), so no count is read on the host. On the CPU, where reading the counts
+costs no device sync, each expert runs on exactly its rows; for a batch-invariant expert both give the same rows.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ def _run_masked(hidden: torch.Tensor, counts: Sequence[int], fn: ExpertFn) -> to
     return out
 
 
+def _run_masked_static(hidden: torch.Tensor, counts: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
+    """Every expert on its whole slab, rows at or beyond its count zeroed: fixed shapes, no host read."""
+    num_experts, capacity = hidden.shape[0], hidden.shape[1]
+    valid = (torch.arange(capacity, device=hidden.device) < counts.to(hidden.device).unsqueeze(1)).unsqueeze(-1)
+    zero = hidden.new_zeros(())
+    return torch.stack([torch.where(valid[e], fn(e, hidden[e]).to(hidden.dtype), zero) for e in range(num_experts)])
+
+
 def _run_normal(d: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
     assert d.topk_idx is not None and d.topk_weights is not None
     out = torch.zeros(d.hidden.shape, dtype=torch.float32, device=d.hidden.device)
@@ -57,9 +69,10 @@ def run_experts(dispatched: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
     if dispatched.scales is not None:  # FP8 rows: the plain-torch runner computes in float32
         dispatched = replace(dispatched, hidden=dequantize_per_token_group(dispatched.hidden, dispatched.scales),
                              scales=None)
-    counts = dispatched.tokens_per_expert.tolist()
-    if dispatched.format is DispatchFormat.EXPANDED:
-        return _run_grouped(dispatched.hidden, counts, fn)
     if dispatched.format is DispatchFormat.MASKED:
-        return _run_masked(dispatched.hidden, counts, fn)
+        if dispatched.hidden.device.type != "cpu":
+            return _run_masked_static(dispatched.hidden, dispatched.tokens_per_expert, fn)
+        return _run_masked(dispatched.hidden, dispatched.tokens_per_expert.tolist(), fn)
+    if dispatched.format is DispatchFormat.EXPANDED:
+        return _run_grouped(dispatched.hidden, dispatched.tokens_per_expert.tolist(), fn)
     return _run_normal(dispatched, fn)

@@ -7,7 +7,8 @@ sharpens this: it reports each transfer's bytes, its completion when known (an `
 the exact time the ``_b`` blocked. The simulator produces the same `Trace`, so the same
 exporters (Perfetto JSON, PNG) and the same `summary` serve both.
 
-Times are seconds from ``perf_counter``; on a GPU, ``Tracer(cuda=True)`` times ops with CUDA events instead.
+Times are seconds from ``perf_counter``; on a GPU, ``Tracer(cuda=True)`` times ops and device transfers with CUDA
+events and maps host-timed spans onto the same clock (seconds since one origin), so all lanes line up.
 """
 
 from __future__ import annotations
@@ -96,38 +97,130 @@ def summary(trace: Trace) -> TraceSummary:
     return TraceSummary(step, compute, _union(trace.lane("comm")), waits)
 
 
+class _HostClock:
+    """Host time: ``perf_counter`` seconds. Every stamp is already a time."""
+
+    cuda = False
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def host(self, t: float) -> float:
+        return t
+
+    def resolve(self, stamp: Any) -> float:
+        if _is_time(stamp):
+            return float(stamp)
+        raise ValueError("a device event reached a host-clock Tracer: trace GPU work (e.g. a CopyEngineLink on "
+                         "CUDA) with Tracer(cuda=True)")
+
+    def sync(self) -> None:
+        pass
+
+    def calibrate(self) -> None:
+        pass
+
+
+class _CudaClock:
+    """GPU time from CUDA events, and host stamps mapped onto it: both are seconds since one origin.
+
+    The origin is an event recorded on an idle device and waited for, paired with the host time right after: an
+    event's time is its ``elapsed_time`` from the origin, a host stamp ``t`` is ``t - origin_host``. Recalibrated
+    after each `Tracer.finish` (which synchronises anyway), so a step never pays a synchronisation for it.
+    ``event_factory``/``synchronize`` default to CUDA's.
+    """
+
+    cuda = True
+
+    def __init__(self, event_factory: Any = None, synchronize: Any = None) -> None:
+        if event_factory is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError("Tracer(cuda=True) needs a CUDA device; use Tracer() to trace on the host")
+            event_factory, synchronize = (lambda: torch.cuda.Event(enable_timing=True)), torch.cuda.synchronize
+        self._event, self._synchronize = event_factory, synchronize
+        self.calibrate()
+
+    def calibrate(self) -> None:
+        self._synchronize()
+        origin = self._event()
+        origin.record()
+        origin.synchronize()
+        self.origin, self.origin_host = origin, time.perf_counter()
+
+    def stamp(self) -> Any:
+        event = self._event()
+        event.record()
+        return event
+
+    def host(self, t: float) -> float:
+        return t - self.origin_host
+
+    def resolve(self, stamp: Any) -> float:
+        if _is_time(stamp):
+            return self.host(float(stamp))
+        return self.origin.elapsed_time(stamp) / 1e3
+
+    def sync(self) -> None:
+        self._synchronize()
+
+
+def _is_time(stamp: Any) -> bool:
+    return isinstance(stamp, (int, float))
+
+
 class Tracer(Observer):
-    """Records ops (from the executor) and transfers (from comm ops, or `traced` backends) into a `Trace`."""
+    """Records ops (from the executor) and transfers (from comm ops, or `traced` backends) into a `Trace`.
+
+    Host tracer (default): every time is a ``perf_counter`` second. ``cuda=True``: ops are timed by CUDA events on
+    the current stream, transfers of a `tbo.comm.copy_engine.CopyEngineLink` by its events on its copy stream, and
+    host-timed transfers and waits (an `EmulatedLink`, a host wait) are mapped onto the same clock: every span is
+    seconds since one origin (see `_CudaClock`), so a step's spans line up and its length is the GPU's. Event
+    times are read in `finish`, which synchronises the device.
+    """
 
     def __init__(self, cuda: bool = False, label: str = "") -> None:
         self.trace = Trace(label=label)
         self.cuda = cuda
-        self._clock = time.perf_counter
+        self._time: Any = _CudaClock() if cuda else _HostClock()
         self._open: dict[int, tuple[int, str, Any]] = {}
-        self._events: list[tuple[Span, Any, Any]] = []
+        self._unresolved: list[tuple[Span, Any, Any, str]] = []  # (span, start stamp, end stamp, which to set)
         self._current = (0, 0)
-        self._pending_comm: dict[tuple[int, str], deque[Span]] = defaultdict(deque)
+        #: per (microbatch, kind), transfers launched and not yet waited, and whether their completion is known
+        self._pending_comm: dict[tuple[int, str], deque[tuple[Span, bool]]] = defaultdict(deque)
         self._reported = False  # did a traced backend report the current op's transfer itself?
         self._generic: list[tuple[Span, tuple[str, str]]] = []  # comm ops whose transfers only the op shows
+
+    def _clock(self) -> float:
+        """Now, as a host time on this tracer's clock."""
+        return self._time.host(time.perf_counter())
+
+    def _place(self, span: Span, start: Any, end: Any, which: str = "both") -> Span:
+        """Give ``span`` its times from stamps: now when they are host times, in `finish` when they are events."""
+        if which == "both" and _is_time(start) and _is_time(end):
+            span.start, span.end = self._time.resolve(start), self._time.resolve(end)
+        elif which == "end" and _is_time(end):
+            span.end = max(span.start, self._time.resolve(end))
+        else:
+            if not self._time.cuda:
+                self._time.resolve(start if which == "both" and not _is_time(start) else end)  # raises
+            self._unresolved.append((span, start, end, which))
+        return span
 
     # ---- executor callbacks -------------------------------------------------------------------------------------
     def on_op_start(self, mb: int, stage: int, name: str) -> None:
         self._current = (mb, stage)
         self._reported = False
-        self._open[mb] = (stage, name, self._now_or_event())
+        self._open[mb] = (stage, name, self._time.stamp())
 
     def on_op_end(self, mb: int, stage: int, name: str) -> None:
         stage, name, start = self._open.pop(mb)
-        span = Span("compute", mb, stage, name, 0.0, 0.0)
-        if self.cuda:
-            end = self._now_or_event()
-            self._events.append((span, start, end))
-        else:
-            span.start, span.end = start, self._clock()
+        span = self._place(Span("compute", mb, stage, name, 0.0, 0.0), start, self._time.stamp())
         self.trace.spans.append(span)
         role = comm_role(name)
         if role is not None and not self._reported:  # e.g. AFD send/recv: the op itself is the launch or the wait
-            if self.cuda:
+            if self._time.cuda:
                 self._generic.append((span, role))
             else:
                 self._comm_from_op(span, role)
@@ -138,58 +231,74 @@ class Tracer(Observer):
         if role[0] == "launch":
             self._launch(role[1], 0, None, at=op.end)
         else:
-            self._wait(role[1], op.start, op.end)
-
-    def _now_or_event(self) -> Any:
-        if not self.cuda:
-            return self._clock()
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+            self._wait(role[1], op.start, op.end, resolved=True)
 
     def finish(self) -> Trace:
-        """Resolve CUDA event timings (a no-op on CPU) and return the trace."""
-        if self._events:
-            import torch
-
-            torch.cuda.synchronize()
-            first = self._events[0][1]
-            for span, start, end in self._events:
-                span.start = first.elapsed_time(start) / 1e3
-                span.end = first.elapsed_time(end) / 1e3
-            self._events.clear()
+        """Resolve event timings (synchronising the device; a no-op on a host tracer) and return the trace."""
+        if self._unresolved:
+            self._time.sync()
+            for span, start, end, which in self._unresolved:
+                if which == "both":
+                    span.start = self._time.resolve(start)
+                    span.end = self._time.resolve(end)
+                else:
+                    span.end = max(span.start, self._time.resolve(end))
+            self._unresolved.clear()
+            self.trace.spans[:] = [s for s in self.trace.spans if s.lane != "wait" or s.end > s.start]
         for span, role in self._generic:
             self._comm_from_op(span, role)
         self._generic.clear()
+        self._time.calibrate()
         return self.trace
 
     # ---- backend callbacks --------------------------------------------------------------------------------------
     def on_comm_launch(self, kind: str, nbytes: int, complete: float | None) -> None:
-        """A traced backend launched a ``kind`` transfer in the current op (``complete``: when the link finishes)."""
+        """A traced backend launched a ``kind`` transfer in the current op (``complete``: when the link finishes,
+        a host time)."""
         self._reported = True
-        self._launch(kind, nbytes, complete, at=self._clock())
+        self._launch(kind, nbytes, None if complete is None else self._time.resolve(complete), at=self._clock())
 
-    def on_comm_wait(self, kind: str, start: float, end: float) -> None:
-        """A traced backend blocked from ``start`` to ``end`` waiting for the oldest ``kind`` transfer."""
+    def on_comm_span(self, kind: str, nbytes: int, start: Any, end: Any) -> None:
+        """A traced backend launched a ``kind`` transfer whose start and end it stamped (CUDA events on its copy
+        stream, or host times)."""
+        self._reported = True
+        mb, stage = self._current
+        span = self._place(Span("comm", mb, stage, kind, 0.0, 0.0, nbytes), start, end)
+        self._pending_comm[(mb, kind)].append((span, True))
+        self.trace.spans.append(span)
+
+    def on_comm_wait(self, kind: str, start: Any, end: Any) -> None:
+        """A traced backend waited from ``start`` to ``end`` for the oldest ``kind`` transfer (host times, or CUDA
+        events around a stream wait: then it is how long the stream stalled)."""
         self._reported = True
         self._wait(kind, start, end)
 
     def _launch(self, kind: str, nbytes: int, complete: float | None, at: float) -> None:
+        """A transfer launched at ``at`` (on this tracer's clock), completing at ``complete`` if known."""
         mb, stage = self._current
         span = Span("comm", mb, stage, kind, at, complete if complete is not None else at, nbytes)
-        self._pending_comm[(mb, kind)].append(span)
+        self._pending_comm[(mb, kind)].append((span, complete is not None))
         self.trace.spans.append(span)
 
-    def _wait(self, kind: str, start: float, end: float) -> None:
+    def _wait(self, kind: str, start: Any, end: Any, resolved: bool = False) -> None:
+        """A wait from ``start`` to ``end``: stamps, or (``resolved``) times already on this tracer's clock."""
         mb, stage = self._current
         queue = self._pending_comm[(mb, kind)]
-        span = queue.popleft() if queue else None  # transfers of one kind complete in launch order per microbatch
-        if span is not None and span.end <= span.start:  # completion unknown: it was done by the time the wait ended
-            span.end = max(span.start, end)
-        if end > start:
-            self.trace.spans.append(Span("wait", mb, stage, f"{kind}_wait", start, end))
+        pending = queue.popleft() if queue else None  # transfers of one kind complete in launch order per microbatch
+        wait = Span("wait", mb, stage, f"{kind}_wait", 0.0, 0.0)
+        deferred = not resolved and not (_is_time(start) and _is_time(end))  # events: timed in finish()
+        if resolved:
+            wait.start, wait.end = start, end
+        else:
+            self._place(wait, start, end)
+        if pending is not None and not pending[1]:  # completion unknown: it was done by the time the wait ended
+            span = pending[0]
+            if resolved:
+                span.end = max(span.start, end)
+            else:
+                self._place(span, None, end, "end")
+        if deferred or wait.end > wait.start:  # a deferred zero-length wait is dropped in finish()
+            self.trace.spans.append(wait)
 
 
 class _Traced(BackendWrapper):
@@ -200,9 +309,13 @@ class _Traced(BackendWrapper):
         self.tracer = tracer
 
     def _launch(self, kind: str, state: Any) -> Any:
-        transfer = getattr(state, "transfer", None)  # an EmulatedLink knows when its transfer completes
-        self.tracer.on_comm_launch(kind, getattr(transfer, "nbytes", getattr(state, "nbytes", 0)),
-                                   getattr(transfer, "complete", None))
+        transfer = getattr(state, "transfer", None)
+        nbytes = getattr(transfer, "nbytes", getattr(state, "nbytes", 0))
+        if transfer is not None and hasattr(transfer, "end"):  # a CopyEngineLink stamps its copies
+            if transfer.start is not None:  # None: untimed (captured in a graph); the op itself then shows it
+                self.tracer.on_comm_span(kind, nbytes, transfer.start, transfer.end)
+        else:  # an EmulatedLink knows when its transfer completes; others complete when waited
+            self.tracer.on_comm_launch(kind, nbytes, getattr(transfer, "complete", None))
         return state
 
     def _wait(self, kind: str, state: Any, fn: Any) -> Any:
