@@ -1,0 +1,92 @@
+"""Capture-safe MASKED decode: the fixed-shape route equals the counted one, and nothing reads the device on the host.
+
+The ``meta`` device has shapes and no data: any ``.item()``, ``.tolist()``, ``nonzero`` or data-dependent shape
+raises there. A step that runs on meta tensors is therefore free of host syncs, which is what CUDA-graph capture
+needs; the GPU tests run the same step under ``torch.cuda.set_sync_debug_mode("error")`` and inside a graph.
+"""
+
+import pytest
+import torch
+
+from tbo.comm import DispatchFormat, LocalBackend, run_experts
+from tbo.comm.layout import expanded_route, expert_major_perm, static_masked_route, to_masked
+from tbo.testing.moe import SwiGLUExperts, make_routing
+
+H, I, E = 16, 24, 8
+
+
+def moe(backend, x, idx, w, fn):
+    d = backend.dispatch_b(backend.dispatch_a(x, idx, w))
+    return d, backend.combine_b(backend.combine_a(run_experts(d, fn), d.handle))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [0, 1, 13, 40])
+def test_static_masked_equals_counted_masked_bit_exact(top_k, tokens):
+    experts = SwiGLUExperts.build(E, H, I, seed=top_k)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+    idx, w = make_routing(tokens, E, top_k, seed=tokens + top_k, skew=2.0, drop=0.2)
+    static = LocalBackend(E, DispatchFormat.MASKED, masked_capacity=max(tokens, 1))
+    counted = LocalBackend(E, DispatchFormat.MASKED)  # capacity None: sized by the largest count, read on the host
+    assert static.capture_safe and not counted.capture_safe
+    ds, out_s = moe(static, x, idx, w, experts.local(0, E))
+    dc, out_c = moe(counted, x, idx, w, experts.local(0, E))
+    assert torch.equal(ds.tokens_per_expert, dc.tokens_per_expert)
+    cap = dc.hidden.shape[1]
+    assert torch.equal(ds.hidden[:, :cap], dc.hidden)  # the same matrices reach the experts
+    assert not ds.hidden[:, cap:].any()
+    assert torch.equal(out_s, out_c)
+    _, out_e = moe(LocalBackend(E), x, idx, w, experts.local(0, E))
+    assert torch.equal(out_s, out_e)
+
+
+def test_static_route_layout_is_the_counted_layout():
+    idx, _ = make_routing(30, E, 3, seed=7, drop=0.1)
+    route = static_masked_route(idx, E, 30)
+    counted = expanded_route(idx, 1, E)
+    assert torch.equal(route.counts, counted.send_counts[0])
+    # pair p sits at row dest[p] of the flat buffer; to_masked puts the counted route's rows in the same places
+    pair_ids = torch.arange(idx.numel(), dtype=torch.float32).unsqueeze(1)
+    flat = torch.zeros(route.scratch + 1, 1).index_put_((route.dest,), pair_ids)[: route.scratch].view(E, 30, 1)
+    rows = pair_ids[counted.pair_ids][expert_major_perm(counted.send_counts)]
+    assert torch.equal(flat, to_masked(rows, counted.send_counts[0], 30))
+    assert int((route.dest == route.scratch).sum()) == int((idx < 0).sum())  # dropped slots go to scratch
+
+
+def test_capacity_overflow_is_a_clear_error_on_cpu_and_drops_nothing_silently_in_range():
+    b = LocalBackend(4, DispatchFormat.MASKED, masked_capacity=3)
+    x = torch.randn(5, H)
+    with pytest.raises(ValueError, match="more than the masked capacity 3 rows"):
+        b.dispatch_a(x, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1))
+    with pytest.raises(ValueError, match="masked_capacity=0 must be a positive row count"):
+        LocalBackend(4, DispatchFormat.MASKED, masked_capacity=0)
+
+
+def test_capture_safe_only_for_fixed_capacity_masked():
+    assert LocalBackend(E, DispatchFormat.MASKED, masked_capacity=8).capture_safe
+    for fmt in (DispatchFormat.EXPANDED, DispatchFormat.NORMAL):
+        assert not LocalBackend(E, fmt, masked_capacity=8).capture_safe
+    assert not LocalBackend(E, DispatchFormat.MASKED).capture_safe
+
+
+def _meta_moe(backend, tokens=12, top_k=2):
+    experts = SwiGLUExperts.build(E, H, I)
+    fn = SwiGLUExperts(*(w.to("meta") for w in (experts.w_gate, experts.w_up, experts.w_down))).local(0, E)
+    x = torch.empty(tokens, H, device="meta")
+    idx = torch.empty(tokens, top_k, dtype=torch.long, device="meta")
+    w = torch.empty(tokens, top_k, device="meta")
+    return moe(backend, x, idx, w, fn)
+
+
+def test_masked_moe_runs_on_meta_tensors():
+    d, out = _meta_moe(LocalBackend(E, DispatchFormat.MASKED, masked_capacity=12))
+    assert out.device.type == "meta" and out.shape == (12, H)
+    assert d.hidden.shape == (E, 12, H) and d.tokens_per_expert.shape == (E,)
+
+
+@pytest.mark.parametrize("fmt,capacity", [(DispatchFormat.EXPANDED, None), (DispatchFormat.NORMAL, None),
+                                          (DispatchFormat.MASKED, None)])
+def test_meta_catches_the_formats_that_read_the_host(fmt, capacity):
+    """The proof is only worth something if meta does catch host reads: the counted formats must fail there."""
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _meta_moe(LocalBackend(E, fmt, masked_capacity=capacity))

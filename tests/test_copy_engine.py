@@ -1,0 +1,218 @@
+"""`CopyEngineLink`: results equal the wrapped backend's, bytes are accounted as configured, transfers in flight are
+drained, and traces show the comm lane. CPU tests run its synchronous path; GPU tests its streams and events."""
+
+import time
+
+import pytest
+import torch
+
+from tbo.comm import CopyEngineLink, DispatchFormat, LocalBackend, run_experts
+from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+from tbo.split import ForwardMode, SplitPolicy
+from tbo.testing.moe import SwiGLUExperts, make_routing
+from tbo.trace import Tracer, summary, traced
+
+H, I, E = 16, 24, 8
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def backend(fmt, capacity=64):
+    return LocalBackend(E, fmt, masked_capacity=capacity if fmt is DispatchFormat.MASKED else None)
+
+
+def moe(b, x, idx, w, fn):
+    d = b.dispatch_b(b.dispatch_a(x, idx, w))
+    return b.combine_b(b.combine_a(run_experts(d, fn), d.handle))
+
+
+def inputs(tokens=13, top_k=2, device="cpu", dtype=torch.float32):
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    idx, w = make_routing(tokens, E, top_k, seed=2, drop=0.1)
+    return x, idx.to(device), w.to(device)
+
+
+@pytest.mark.parametrize("fmt", list(DispatchFormat))
+def test_results_equal_the_wrapped_backend(fmt):
+    fn = SwiGLUExperts.build(E, H, I, seed=3).local(0, E)
+    x, idx, w = inputs()
+    assert torch.equal(moe(CopyEngineLink(backend(fmt)), x, idx, w, fn), moe(backend(fmt), x, idx, w, fn))
+
+
+def test_bytes_per_token_as_configured():
+    x, idx, w = inputs(tokens=10, top_k=2)
+    link = CopyEngineLink(backend(DispatchFormat.EXPANDED))
+    s = link.dispatch_a(x, idx, w)
+    assert s.nbytes == 10 * 2 * H * 4  # default: top_k * hidden * element size per token
+    d = link.dispatch_b(s)
+    c = link.combine_a(run_experts(d, lambda e, r: r), d.handle)
+    assert c.nbytes == 10 * 2 * H * 4
+    link.combine_b(c)
+    fp8 = CopyEngineLink(backend(DispatchFormat.EXPANDED), dispatch_bytes_per_token=8 * 7168,
+                         combine_bytes_per_token=8 * 7168 * 2)
+    s = fp8.dispatch_a(x, idx, w)
+    assert s.nbytes == 10 * 57344
+    d = fp8.dispatch_b(s)
+    c = fp8.combine_a(run_experts(d, lambda e, r: r), d.handle)
+    assert c.nbytes == 10 * 114688
+    fp8.combine_b(c)
+    tiny = CopyEngineLink(backend(DispatchFormat.EXPANDED), dispatch_bytes_per_token=1)
+    payload = x.nbytes + idx.nbytes + w.nbytes
+    assert tiny.dispatch_a(x, idx, w).nbytes == payload  # the real payload always travels
+
+
+def test_in_flight_drain_and_misuse():
+    x, idx, w = inputs()
+    link = CopyEngineLink(backend(DispatchFormat.MASKED))
+    a = link.dispatch_a(x, idx, w)
+    b = link.dispatch_a(x[:5], idx[:5], w[:5])  # two microbatches in flight
+    assert len(link.in_flight) == 2 and "dispatch" in link.in_flight[0]
+    link.dispatch_b(a)
+    with pytest.raises(RuntimeError, match="already received"):
+        link.dispatch_b(a)
+    assert link.drain() == 1 and link.in_flight == []
+    assert b.transfer.held == () and b.transfer.received == ()  # drained: nothing is held any more
+    d = LocalBackend(E).dispatch_b(LocalBackend(E).dispatch_a(x, idx, w))
+    with pytest.raises(TypeError, match="handle must come from this CopyEngineLink"):
+        link.combine_a(run_experts(d, lambda e, r: r), d.handle)
+    with pytest.raises(ValueError, match="dispatch_bytes_per_token=-1"):
+        CopyEngineLink(LocalBackend(E), dispatch_bytes_per_token=-1)
+
+
+def test_meta_tensors_pass_through_without_host_reads():
+    link = CopyEngineLink(backend(DispatchFormat.MASKED, capacity=12))
+    assert link.capture_safe
+    x = torch.empty(12, H, device="meta")
+    idx = torch.empty(12, 2, dtype=torch.long, device="meta")
+    d = link.dispatch_b(link.dispatch_a(x, idx, torch.empty(12, 2, device="meta")))
+    out = link.combine_b(link.combine_a(torch.empty(E, 12, H, device="meta"), d.handle))
+    assert out.shape == (12, H) and out.device.type == "meta"
+
+
+def _decode(model, tokens=12):
+    ids = torch.arange(tokens)
+    meta = AttentionMetadata.build(range(tokens), [1] * tokens, [0] * tokens)
+    plan = SplitPolicy().plan(ForwardMode.DECODE, tokens)
+    return ids, meta, plan
+
+
+def test_traced_link_shows_the_comm_lane():
+    tracer = Tracer()
+    link = CopyEngineLink(backend(DispatchFormat.MASKED), dispatch_bytes_per_token=1000)
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(num_layers=2), traced(link, tracer))
+    ids, meta, plan = _decode(model)
+    model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", plan, observer=tracer)
+    trace = tracer.finish()
+    comm = trace.lane("comm")
+    assert sorted({s.name for s in comm}) == ["combine", "dispatch"]
+    assert len(comm) == 2 * 2 * 1  # one MoE layer, two microbatches, dispatch and combine
+    assert {s.nbytes for s in comm if s.name == "dispatch"} == {6000}
+    ops = trace.lane("compute")
+    for s in comm:  # off CUDA the copy runs inside dispatch_a / combine_a: its span lies inside that op's
+        assert any(o.name == f"{s.name}_a" and o.start <= s.start and s.end <= o.end for o in ops)
+
+
+class HostEvent:
+    """An event with CUDA's interface that records host time: lets the tracer's clock merging run on a CPU."""
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_event_and_host_stamps_share_one_clock():
+    """Ops timed by events and transfers/waits timed on the host land on one timeline (seconds since the origin).
+
+    Before: ops were event milliseconds from the first op and transfers perf_counter seconds, so a 27 ms step read
+    as 35 seconds."""
+    from tbo.comm.emulated import EmulatedLink
+    from tbo.trace import _CudaClock
+
+    tracer = Tracer()
+    tracer._time = _CudaClock(HostEvent, lambda: None)
+    tracer.cuda = True
+    link = EmulatedLink(backend(DispatchFormat.MASKED), latency_s=2e-4, bandwidth_bytes_per_s=1e9)
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(num_layers=2), traced(link, tracer))
+    ids, meta, plan = _decode(model)
+    t0 = time.perf_counter()
+    model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", plan, observer=tracer)
+    t1 = time.perf_counter()
+    origin = tracer._time.origin_host
+    trace = tracer.finish()
+    lo, hi = t0 - origin, t1 - origin
+    assert trace.lane("comm") and trace.lane("compute")
+    for s in trace.spans:
+        assert lo <= s.start <= s.end <= hi, s
+    assert summary(trace).step_s <= hi - lo
+
+
+def test_events_in_a_host_tracer_are_refused():
+    tracer = Tracer()
+    with pytest.raises(ValueError, match="Tracer\\(cuda=True\\)"):
+        tracer.on_comm_span(0, "dispatch", 10, HostEvent(), HostEvent())
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fmt", list(DispatchFormat))
+def test_gpu_results_equal_local_backend(fmt):
+    experts = SwiGLUExperts.build(E, H, I, seed=3)
+    dev = SwiGLUExperts(*(t.cuda() for t in (experts.w_gate, experts.w_up, experts.w_down))).local(0, E)
+    x, idx, w = inputs(tokens=64, device="cuda")
+    link = CopyEngineLink(backend(fmt), dispatch_bytes_per_token=57344, combine_bytes_per_token=114688)
+    got = moe(link, x, idx, w, dev)
+    want = moe(backend(fmt), x, idx, w, dev)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert link.in_flight == []
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_two_in_flight_and_compute_between():
+    """TBO's pattern: A and B both in flight, compute launched between _a and _b; results equal one at a time."""
+    fn = SwiGLUExperts.build(E, H, I, seed=4)
+    dev = SwiGLUExperts(*(t.cuda() for t in (fn.w_gate, fn.w_up, fn.w_down))).local(0, E)
+    xa, ia, wa = inputs(tokens=96, device="cuda")
+    xb, ib, wb = xa[:40] * 2, ia[:40], wa[:40]
+    link = CopyEngineLink(backend(DispatchFormat.MASKED, capacity=96), dispatch_bytes_per_token=57344)
+    link.record_transfers = True
+    sa, sb = link.dispatch_a(xa, ia, wa), link.dispatch_a(xb, ib, wb)
+    busy = xa @ torch.randn(H, 4096, device="cuda")  # compute on the compute stream while both copies run
+    da, db = link.dispatch_b(sa), link.dispatch_b(sb)
+    ca = link.combine_a(run_experts(da, dev), da.handle)
+    cb = link.combine_a(run_experts(db, dev), db.handle)
+    out_a, out_b = link.combine_b(ca), link.combine_b(cb)
+    ref = backend(DispatchFormat.MASKED, capacity=96)
+    assert torch.equal(out_a, moe(ref, xa, ia, wa, dev)) and torch.equal(out_b, moe(ref, xb, ib, wb, dev))
+    assert busy.shape == (96, 4096)
+    stats = link.stats()
+    assert stats["transfers"] == 4 and stats["bytes"] >= 96 * 57344 and stats["comm_s"] > 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_link_inside_a_cuda_graph():
+    fn = SwiGLUExperts.build(E, H, I, seed=5)
+    dev = SwiGLUExperts(*(t.cuda() for t in (fn.w_gate, fn.w_up, fn.w_down))).local(0, E)
+    x, idx, w = inputs(tokens=32, device="cuda")
+    link = CopyEngineLink(backend(DispatchFormat.MASKED, capacity=32), dispatch_bytes_per_token=4096)
+    static_x = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe(link, static_x, idx, w, dev)  # warm-up: streams, staging buffers
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(link, static_x, idx, w, dev)
+    for scale in (1.0, -0.5):
+        static_x.copy_(x * scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe(backend(DispatchFormat.MASKED, capacity=32), x * scale, idx, w, dev))
