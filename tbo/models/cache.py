@@ -1,20 +1,25 @@
-"""The per-sequence KV cache and the attention metadata of a (micro)batch.
+"""KV caches and the attention metadata of a (micro)batch.
 
 Decode steps really read the cache: each layer appends a sequence's new keys and values and attends over everything
 cached for it. With a two-chunk split, the second chunk's attention runs after the first chunk's (the first
 microbatch leads), so it finds the first chunk's keys already cached: its ``prefix_len`` covers them.
+
+Two caches: `KVCache` grows per sequence (host metadata, `AttentionMetadata`: the reference), and `StaticKVCache`
+is one preallocated ``[layers, slots, max_len, heads, dim]`` buffer written in place, read over a fixed ``max_len``
+with a length mask, driven by `StaticAttentionMetadata` (positions and slots as device tensors). Graph replay needs
+the latter: fixed addresses, fixed shapes, no host reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from tbo.split.plan import MicrobatchSlice
 
-__all__ = ["KVCache", "AttentionMetadata"]
+__all__ = ["KVCache", "AttentionMetadata", "StaticKVCache", "StaticAttentionMetadata"]
 
 
 class KVCache:
@@ -65,9 +70,10 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
 
-    def positions(self) -> torch.Tensor:
-        return torch.cat([torch.arange(p, p + n) for p, n in zip(self.prefix_lens, self.extend_lens)]) if (
-            self.seq_ids) else torch.zeros(0, dtype=torch.long)
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Each token's absolute position, on ``device`` (built on the host, copied once)."""
+        pos = [p + i for p, n in zip(self.prefix_lens, self.extend_lens) for i in range(n)]
+        return torch.tensor(pos, dtype=torch.long, device=device)
 
     @classmethod
     def build(cls, seq_ids: Sequence[int], extend_lens: Sequence[int], prefix_lens: Sequence[int]
@@ -82,3 +88,154 @@ class AttentionMetadata:
         if prefix:
             prefix[0] += mb.prefix_offset
         return AttentionMetadata(self.seq_ids[lo:hi], mb.extend_lens, tuple(prefix))
+
+
+class StaticKVCache:
+    """Keys and values of ``num_slots`` sequences, ``max_len`` positions each, for every layer, preallocated.
+
+    A step writes each token's keys and values in place at ``[layer, slot, position]`` and attends over the slot's
+    whole ``max_len`` with a length mask: addresses and shapes never change, so a captured graph can replay the
+    step. Slot ``num_slots`` is a scratch slot for padding rows (what `scratch_slot` names): writes there are
+    harmless. Which positions hold a sequence's tokens is the caller's business (the position of each new token).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        if min(num_layers, num_slots, max_len, num_heads, head_dim) < 1:
+            raise ValueError(f"StaticKVCache sizes must be positive, got layers={num_layers}, slots={num_slots}, "
+                             f"max_len={max_len}, heads={num_heads}, head_dim={head_dim}")
+        shape = (num_layers, num_slots + 1, max_len, num_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_len = num_slots, max_len
+
+    @classmethod
+    def for_model(cls, config: "object", num_slots: int, max_len: int,
+                  device: torch.device | str | None = None) -> "StaticKVCache":
+        """Sized for a `ModelConfig` (its layers, heads, head dim and dtype)."""
+        c: Any = config
+        return cls(c.num_layers, num_slots, max_len, c.num_heads, c.head_dim, c.torch_dtype, device)
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Keys and values of tokens ``[T, heads, dim]`` at ``(slots[t], positions[t])``, in place."""
+        self.k[layer].index_put_((slots, positions), k)
+        self.v[layer].index_put_((slots, positions), v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ``[S, max_len, heads, dim]`` of each of ``slots``."""
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+    def load(self, cache: KVCache, seq_slots: Sequence[int]) -> "StaticKVCache":
+        """Copy a growing cache's sequences (sequence ``i`` into slot ``seq_slots[i]``): what decode continues from."""
+        for (layer, seq), k in cache._k.items():
+            n = k.shape[0]
+            if n > self.max_len:
+                raise ValueError(f"sequence {seq} holds {n} tokens, more than max_len={self.max_len}")
+            self.k[layer, seq_slots[seq], :n] = k.to(self.k)
+            self.v[layer, seq_slots[seq], :n] = cache._v[(layer, seq)].to(self.v)
+        return self
+
+    def clone(self) -> "StaticKVCache":
+        other = object.__new__(StaticKVCache)
+        other.k, other.v = self.k.clone(), self.v.clone()
+        other.num_slots, other.max_len = self.num_slots, self.max_len
+        return other
+
+
+@dataclass(frozen=True)
+class StaticAttentionMetadata:
+    """A step's attention metadata as device tensors, for a `StaticKVCache`.
+
+    Per token: its position and its cache slot. Per sequence: its slot (``seq_slots``), and each token's sequence
+    and row within it (``token_seq``, ``token_row``; ``max_query`` rows at most): attention runs per sequence over
+    its slot. Decode (`decode`) is the identity view, one token per sequence, built on the device with no host
+    information at all: what a captured decode step takes as input. `build` makes the general (prefill) view from
+    host lists. Padding rows use the scratch slot at position 0.
+    """
+
+    position_ids: torch.Tensor  #: [T]
+    slots: torch.Tensor  #: [T]
+    seq_slots: torch.Tensor  #: [S]
+    token_seq: torch.Tensor  #: [T]
+    token_row: torch.Tensor  #: [T]
+    max_query: int
+    scratch_slot: int
+    host: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None  #: (slots, extend, prefix) lists
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.host is None
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return self.position_ids if device is None else self.position_ids.to(device)
+
+    @classmethod
+    def decode(cls, positions: torch.Tensor, slots: torch.Tensor, scratch_slot: int) -> "StaticAttentionMetadata":
+        """One token per sequence: token ``t`` of sequence slot ``slots[t]`` at ``positions[t]``."""
+        if positions.shape != slots.shape or positions.dim() != 1:
+            raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be the same "
+                             "1-D shape (one entry per token)")
+        t = positions.shape[0]
+        rows = torch.arange(t, device=positions.device)
+        return cls(positions, slots, slots, rows, torch.zeros_like(rows), 1, scratch_slot)
+
+    @classmethod
+    def build(cls, seq_slots: Sequence[int], extend_lens: Sequence[int], prefix_lens: Sequence[int],
+              scratch_slot: int, device: torch.device | str | None = None) -> "StaticAttentionMetadata":
+        """Sequences with ``extend_lens`` new tokens after ``prefix_lens`` cached ones (prefill, mixed steps)."""
+        if not len(seq_slots) == len(extend_lens) == len(prefix_lens):
+            raise ValueError("seq_slots, extend_lens and prefix_lens must have one entry per sequence")
+        keep = [i for i, n in enumerate(extend_lens) if n]  # a sequence with no new token attends nothing
+        pos = [prefix_lens[i] + r for i in keep for r in range(extend_lens[i])]
+        slot = [seq_slots[i] for i in keep for _ in range(extend_lens[i])]
+        seq = [j for j, i in enumerate(keep) for _ in range(extend_lens[i])]
+        row = [r for i in keep for r in range(extend_lens[i])]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(tensor(pos), tensor(slot), tensor([seq_slots[i] for i in keep]), tensor(seq), tensor(row),
+                   max((extend_lens[i] for i in keep), default=1), scratch_slot,
+                   (tuple(seq_slots), tuple(extend_lens), tuple(prefix_lens)))
+
+    def for_microbatch(self, mb: MicrobatchSlice) -> "StaticAttentionMetadata":
+        """This microbatch's share, padded to its padded token count with scratch-slot rows."""
+        if self.host is not None:
+            slots, _, prefix = self.host
+            lo, hi = mb.requests_start, mb.requests_end
+            prefix_mb = list(prefix[lo:hi])
+            if prefix_mb:
+                prefix_mb[0] += mb.prefix_offset
+            meta = StaticAttentionMetadata.build(slots[lo:hi], mb.extend_lens, prefix_mb, self.scratch_slot,
+                                                 self.position_ids.device)
+        else:
+            sl = slice(mb.tokens_start, mb.tokens_end)
+            meta = StaticAttentionMetadata.decode(self.position_ids[sl], self.slots[sl], self.scratch_slot)
+        return meta.padded(mb.tokens_len)
+
+    def padded(self, num_tokens: int) -> "StaticAttentionMetadata":
+        """Padding rows to ``num_tokens``: each its own one-token sequence in the scratch slot at position 0."""
+        missing = num_tokens - self.num_tokens
+        if missing <= 0:
+            return self
+        dev = self.position_ids.device
+        zeros = torch.zeros(missing, dtype=torch.long, device=dev)
+        scratch = torch.full((missing,), self.scratch_slot, dtype=torch.long, device=dev)
+        s = self.seq_slots.shape[0]
+        return StaticAttentionMetadata(
+            torch.cat([self.position_ids, zeros]), torch.cat([self.slots, scratch]),
+            torch.cat([self.seq_slots, scratch]), torch.cat([self.token_seq, torch.arange(s, s + missing, device=dev)]),
+            torch.cat([self.token_row, zeros]), self.max_query, self.scratch_slot, self.host)

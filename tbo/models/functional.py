@@ -3,6 +3,11 @@
 Each has a batch-invariant form, in which one token's result never depends on the other tokens in the batch
 (per-row matmuls, attention per query over exactly its visible keys); that is what lets an overlapped run of two
 microbatches equal the single-batch forward bit for bit.
+
+Everything is created on the input's device. Attention has three forms: `attend` (one sequence, the reference),
+`attend_padded` (all sequences of a step in one padded, length-masked call: the fast mode over the growing cache),
+and `attend_static` (keys from a preallocated cache over a fixed ``max_len`` with a position mask: fixed shapes, no
+host reads, what a CUDA graph can capture).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "pointwise", "rms_norm", "rope", "swiglu", "attend"]
+__all__ = ["linear", "pointwise", "rms_norm", "rope", "swiglu", "attend", "attend_padded", "attend_static"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 #: Rows are padded to a multiple of this many elements for pointwise math in batch-invariant mode (see `pointwise`).
 _LANES = 64
@@ -41,16 +48,22 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm; bf16/fp16 inputs are normalised in float32 (their mean of squares would lose most of its bits)."""
+    if x.dtype in _LOW_PRECISION:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, batch_invariant: bool = True) -> torch.Tensor:
     """Rotary embedding of ``x[T, heads, dim]`` at absolute ``positions[T]`` (rotate-half convention)."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) / half)
-    angles = (positions.double().unsqueeze(1) * inv_freq).to(x.dtype)  # [T, half]
-    cos = pointwise(torch.cos, angles, batch_invariant).unsqueeze(1)
-    sin = pointwise(torch.sin, angles, batch_invariant).unsqueeze(1)
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    # angles in float32 at least: a bf16 angle at position 2000 is off by up to 8 radians
+    angle_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    angles = (positions.to(x.device).double().unsqueeze(1) * inv_freq).to(angle_dtype)  # [T, half]
+    cos = pointwise(torch.cos, angles, batch_invariant).to(x.dtype).unsqueeze(1)
+    sin = pointwise(torch.sin, angles, batch_invariant).to(x.dtype).unsqueeze(1)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -67,7 +80,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, b
     n, d = q.shape[0], q.shape[-1]
     scale = d**-0.5
     if not batch_invariant:
-        mask = torch.ones(n, k.shape[0], dtype=torch.bool).tril(prefix_len)
+        mask = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).tril(prefix_len)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=mask, scale=scale)
         return out.transpose(0, 1)
@@ -78,3 +91,50 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, b
         probs = scores.softmax(-1)
         rows.append((probs.unsqueeze(-1) * v[:visible].transpose(0, 1)).sum(1))  # [h, d]
     return torch.stack(rows) if rows else q.new_zeros(q.shape)
+
+
+def attend_padded(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], extend_lens: list[int],
+                  prefix_lens: list[int]) -> torch.Tensor:
+    """Causal attention of every sequence of a step in one call: the fast (not batch-invariant) mode's path.
+
+    ``q[T, h, d]`` holds the sequences' new tokens back to back (``extend_lens``, none empty); ``keys[s]`` and
+    ``values[s]`` are sequence ``s``'s whole cache (``prefix_lens[s] + extend_lens[s]`` rows). Queries and keys are
+    padded to the longest sequence and masked by position, so a step of S sequences is one attention call, not S.
+    """
+    device, num = q.device, len(extend_lens)
+    nq, nk = max(extend_lens), max(k.shape[0] for k in keys)
+    seq_of = torch.repeat_interleave(torch.arange(num), torch.tensor(extend_lens))
+    row_of = torch.cat([torch.arange(n) for n in extend_lens])
+    seq_of, row_of = seq_of.to(device), row_of.to(device)
+    q_pad = q.new_zeros((num, nq, *q.shape[1:])).index_put_((seq_of, row_of), q)
+    k_pad = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [S, nk, h, d]
+    v_pad = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+    # query i of sequence s sits at position prefix_s + i and sees keys [0, prefix_s + i]; padded keys lie beyond
+    query_pos = torch.tensor(prefix_lens, device=device).unsqueeze(1) + torch.arange(nq, device=device)
+    mask = torch.arange(nk, device=device) <= query_pos.unsqueeze(-1)  # [S, nq, nk]
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k_pad.transpose(1, 2), v_pad.transpose(1, 2),
+                                         attn_mask=mask.unsqueeze(1), scale=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)[seq_of, row_of]
+
+
+def attend_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_pos: torch.Tensor,
+                  batch_invariant: bool) -> torch.Tensor:
+    """Attention of queries ``q[S, n, h, d]`` over a fixed ``max_len`` of cached keys ``[S, max_len, h, d]``.
+
+    Query ``(s, i)`` at position ``query_pos[s, i]`` sees keys ``[0, query_pos]`` (the length mask); every shape is
+    fixed by the cache, not by the data. Batch-invariant: each query's scores are an elementwise product summed
+    over ``d`` and a softmax over the fixed ``max_len``, the same arithmetic whatever else is in the batch.
+    """
+    max_len = k_cache.shape[1]
+    visible = torch.arange(max_len, device=q.device) <= query_pos.unsqueeze(-1)  # [S, n, max_len]
+    scale = q.shape[-1] ** -0.5
+    if not batch_invariant:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                             attn_mask=visible.unsqueeze(1), scale=scale)
+        return out.transpose(1, 2)
+    k = k_cache.transpose(1, 2).unsqueeze(2)  # [S, h, 1, L, d]
+    scores = (q.transpose(1, 2).unsqueeze(3) * k).sum(-1) * scale  # [S, h, n, L]
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probs = scores.softmax(-1)
+    out = (probs.unsqueeze(-1) * v_cache.transpose(1, 2).unsqueeze(2)).sum(3)  # [S, h, n, d]
+    return out.transpose(1, 2)
