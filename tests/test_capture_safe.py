@@ -8,7 +8,8 @@ needs; the GPU tests run the same step under ``torch.cuda.set_sync_debug_mode("e
 import pytest
 import torch
 
-from tbo.comm import DispatchFormat, LocalBackend, run_experts
+from tbo.comm import DispatchFormat, LocalBackend
+from tbo.experts import run_experts
 from tbo.comm.layout import expanded_route, expert_major_perm, static_masked_route, to_masked
 from tbo.testing.moe import SwiGLUExperts, make_routing
 

@@ -6,11 +6,12 @@ import time
 import pytest
 import torch
 
-from tbo.comm import CopyEngineLink, DispatchFormat, LocalBackend, run_experts
+from tbo.comm import CopyEngineLink, DispatchFormat, LocalBackend
+from tbo.experts import run_experts
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy
 from tbo.testing.moe import SwiGLUExperts, make_routing
-from tbo.trace import Tracer, summary, traced
+from tbo.tools.trace import Tracer, summary, traced
 
 H, I, E = 16, 24, 8
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -130,7 +131,7 @@ def test_event_and_host_stamps_share_one_clock():
     Before: ops were event milliseconds from the first op and transfers perf_counter seconds, so a 27 ms step read
     as 35 seconds."""
     from tbo.comm.emulated import EmulatedLink
-    from tbo.trace import _CudaClock
+    from tbo.tools.trace import _CudaClock
 
     tracer = Tracer()
     tracer._time = _CudaClock(HostEvent, lambda: None)
@@ -153,7 +154,7 @@ def test_event_and_host_stamps_share_one_clock():
 def test_events_in_a_host_tracer_are_refused():
     tracer = Tracer()
     with pytest.raises(ValueError, match="Tracer\\(cuda=True\\)"):
-        tracer.on_comm_span(0, "dispatch", 10, HostEvent(), HostEvent())
+        tracer.on_comm_span("dispatch", 10, HostEvent(), HostEvent())
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ by re-running the step on the static buffers); capture and replay with CUDA grap
 import pytest
 import torch
 
-from tbo.cuda_graph import EagerCapturer, GraphRunner
+from tbo.runtime.cuda_graph import EagerCapturer, GraphRunner
 from tbo.split import SplitPolicy, merge_outputs, split_inputs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

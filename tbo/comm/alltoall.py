@@ -216,7 +216,7 @@ class LocalBackend(AllToAllBackend):
     """One process, every expert local, no communication: the equivalence reference.
 
     With ``format=MASKED`` and a fixed ``masked_capacity`` its dispatch and combine are capture-safe (see the
-    module docstring): the decode step a `tbo.cuda_graph.GraphRunner` captures on one GPU.
+    module docstring): the decode step a `tbo.runtime.cuda_graph.GraphRunner` captures on one GPU.
     """
 
     def __init__(self, num_experts: int, format: DispatchFormat = DispatchFormat.EXPANDED,

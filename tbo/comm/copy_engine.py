@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .types import DispatchOutput
+from tbo.comm.types import BackendWrapper, DispatchOutput
 
 __all__ = ["CopyEngineLink", "CopyTransfer"]
 
@@ -108,7 +108,7 @@ class _Buffers:
     filler_dst: list[torch.Tensor] = field(default_factory=list)
 
 
-class CopyEngineLink:
+class CopyEngineLink(BackendWrapper):
     """An `EPBackend` wrapper whose dispatch and combine travel device -> pinned host -> device on a side stream.
 
     ``dispatch_bytes_per_token`` / ``combine_bytes_per_token``: bytes one token puts on the wire in each direction;
@@ -123,12 +123,10 @@ class CopyEngineLink:
                             ("combine_bytes_per_token", combine_bytes_per_token)):
             if value is not None and value < 0:
                 raise ValueError(f"{name}={value} must be >= 0 bytes (or None: top_k * hidden * element size)")
-        self.inner = inner
+        super().__init__(inner)
         self.dispatch_bytes_per_token = dispatch_bytes_per_token
         self.combine_bytes_per_token = combine_bytes_per_token
         self.timing = timing
-        self.rank, self.num_ranks = inner.rank, inner.num_ranks
-        self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
         self._streams: dict[Any, Any] = {} if stream is None else {stream.device: stream}
         self._buffers: dict[Any, _Buffers] = {}
         self._in_flight: dict[int, CopyTransfer] = {}
@@ -151,7 +149,7 @@ class CopyEngineLink:
     # ---- the contract every backend keeps -----------------------------------------------------------------------
     @property
     def in_flight(self) -> list[Any]:
-        return [str(t) for t in self._in_flight.values()] + list(getattr(self.inner, "in_flight", []))
+        return [str(t) for t in self._in_flight.values()] + list(self.inner.in_flight)
 
     def drain(self) -> int:
         """Wait out every transfer whose ``_b`` never came (after a failed step), then the inner backend's."""
@@ -161,7 +159,7 @@ class CopyEngineLink:
                 t.done.synchronize()
             t.held, t.received = (), ()
         self._in_flight.clear()
-        return len(pending) + (self.inner.drain() if hasattr(self.inner, "drain") else 0)
+        return len(pending) + self.inner.drain()
 
     def reset_stats(self) -> None:
         self.transfers = []

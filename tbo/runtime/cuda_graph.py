@@ -24,8 +24,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from .split.index import ForwardMode
-from .split.plan import SplitPlan, SplitPolicy
+from tbo.split.index import ForwardMode
+from tbo.split.plan import SplitPlan, SplitPolicy
 
 __all__ = ["GraphRunner", "Capturer", "CudaGraphCapturer", "EagerCapturer", "StepFn", "RunInfo"]
 
