@@ -12,7 +12,7 @@ the latter: fixed addresses, fixed shapes, no host reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -170,6 +170,9 @@ class StaticAttentionMetadata:
     max_query: int
     scratch_slot: int
     host: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None  #: (slots, extend, prefix) lists
+    #: per-microbatch views already made: a captured prefill step must not build tensors from host lists
+    _views: dict[MicrobatchSlice, "StaticAttentionMetadata"] = field(default_factory=dict, compare=False,
+                                                                     repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -212,7 +215,16 @@ class StaticAttentionMetadata:
                    (tuple(seq_slots), tuple(extend_lens), tuple(prefix_lens)))
 
     def for_microbatch(self, mb: MicrobatchSlice) -> "StaticAttentionMetadata":
-        """This microbatch's share, padded to its padded token count with scratch-slot rows."""
+        """This microbatch's share, padded to its padded token count with scratch-slot rows.
+
+        Made once per microbatch and kept: a general (host-built) view copies host lists to the device, which a
+        CUDA graph cannot capture, so the warm-up run before a capture makes it and the capture reuses it.
+        """
+        if mb not in self._views:
+            self._views[mb] = self._for_microbatch(mb)
+        return self._views[mb]
+
+    def _for_microbatch(self, mb: MicrobatchSlice) -> "StaticAttentionMetadata":
         if self.host is not None:
             slots, _, prefix = self.host
             lo, hi = mb.requests_start, mb.requests_end

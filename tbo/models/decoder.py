@@ -5,12 +5,19 @@ both call the same math helpers, so the op path equals `forward` bit for bit. Op
 microbatch's State (keys listed in `STATE_FLOW`), so any op order that respects the data flow works; the only
 keyword input is ``hidden_states`` to ``comm_prepare_attn``, which ``comm_postprocess_layer`` returns.
 
-Per-step metadata is pinned in the State by the caller: ``attn`` (`AttentionMetadata`) and ``cache`` (`KVCache`).
+Per-step metadata is pinned in the State by the caller: ``attn`` and ``cache``, either `AttentionMetadata` with a
+growing `KVCache` (the reference) or `StaticAttentionMetadata` with a preallocated `StaticKVCache` (fixed shapes,
+no host reads: what a CUDA graph captures; `ReferenceModel.graph_runner` builds one for decode).
+
+Devices: weights are generated from seeded CPU generators and then moved (``device=``), so every device holds the
+same weights; every tensor an op creates is made on its input's device. Attention has three paths: per sequence,
+per query (batch-invariant, the reference), all sequences in one padded call (the fast mode over a `KVCache`), and
+over a fixed ``max_len`` with a length mask (a `StaticKVCache`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -21,10 +28,16 @@ from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.split.plan import MicrobatchSlice, SplitPlan
 from tbo.core.state import State
 from tbo.core.strategy import OperationsStrategy
-from tbo.models.cache import AttentionMetadata, KVCache
+from tbo.models.cache import AttentionMetadata, KVCache, StaticAttentionMetadata, StaticKVCache
 from tbo.models.config import ModelConfig
-from tbo.models.functional import attend, linear, pointwise, rms_norm, rope, swiglu
+from tbo.models.functional import attend, attend_padded, attend_static, linear, pointwise, rms_norm, rope, swiglu
 from tbo.models.layer_ops import DecoderLayerOps
+
+if TYPE_CHECKING:
+    from tbo.runtime.cuda_graph import GraphRunner
+
+Metadata = AttentionMetadata | StaticAttentionMetadata
+Cache = KVCache | StaticKVCache
 
 __all__ = ["DecoderLayer", "ReferenceModel", "STATE_FLOW"]
 
@@ -52,10 +65,23 @@ def _init(g: torch.Generator, *shape: int, scale: float, dtype: torch.dtype) -> 
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
+#: The weight attributes of a layer (a tensor or a tuple of tensors each), what `to` moves.
+_WEIGHTS = ("input_norm", "post_attn_norm", "wq", "wk", "wv", "wo", "mlp_w", "w_router", "experts_w", "shared_w")
+
+
+def _moved(value: Any, device: torch.device | str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(v.to(device) for v in value)
+    return value
+
+
 class DecoderLayer(DecoderLayerOps):
     """One decoder layer. ``kind`` is ``"dense"`` (SwiGLU MLP) or ``"moe"`` (router, shared and routed experts)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: Any) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: Any,
+                 device: torch.device | str | None = None) -> None:
         c, dt = config, config.torch_dtype
         self.config, self.layer_idx, self.backend = c, layer_idx, backend
         self.kind = "dense" if layer_idx < c.first_k_dense else "moe"
@@ -70,6 +96,7 @@ class DecoderLayer(DecoderLayerOps):
             i = c.dense_intermediate
             self.mlp_w = (_init(g, h, i, scale=h**-0.5, dtype=dt), _init(g, h, i, scale=h**-0.5, dtype=dt),
                           _init(g, i, h, scale=i**-0.5, dtype=dt))
+            self.to(device)
             return
         e, i = c.num_experts, c.moe_intermediate
         self.w_router = _init(g, h, e, scale=h**-0.5, dtype=dt)
@@ -81,6 +108,19 @@ class DecoderLayer(DecoderLayerOps):
         if e % backend.num_ranks:
             raise ValueError(f"num_experts={e} is not divisible by the backend's {backend.num_ranks} ranks")
         self._expert_base = backend.rank * backend.num_local_experts
+        self.to(device)
+
+    def to(self, device: torch.device | str | None) -> "DecoderLayer":
+        """Move the weights to ``device`` (None: leave them); returns the layer."""
+        if device is not None:
+            for name in _WEIGHTS:
+                if hasattr(self, name):
+                    setattr(self, name, _moved(getattr(self, name), device))
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.wq.device
 
     def local_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Local expert ``e`` (global ``rank * num_local_experts + e``) on its rows."""
@@ -92,9 +132,9 @@ class DecoderLayer(DecoderLayerOps):
         return f"DecoderLayer({self.layer_idx}, {self.kind})"
 
     # ---- math shared by forward() and the ops -------------------------------------------------------------------
-    def _qkv(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, x: torch.Tensor, meta: Metadata) -> tuple[torch.Tensor, ...]:
         c, t = self.config, x.shape[0]
-        pos = meta.positions()
+        pos = meta.positions(x.device)
         if pos.shape[0] < t:  # padding rows: any position; their outputs are discarded
             pos = torch.cat([pos, pos.new_zeros(t - pos.shape[0])])
         shape = (t, c.num_heads, c.head_dim)
@@ -102,8 +142,23 @@ class DecoderLayer(DecoderLayerOps):
         k = rope(linear(x, self.wk, self.bi).view(shape), pos, c.rope_theta, self.bi)
         return q, k, linear(x, self.wv, self.bi).view(shape)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                   cache: KVCache) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Metadata,
+                   cache: Cache) -> torch.Tensor:
+        if isinstance(cache, StaticKVCache):
+            if not isinstance(meta, StaticAttentionMetadata):
+                raise TypeError(f"a StaticKVCache needs StaticAttentionMetadata, got {type(meta).__name__}")
+            out = self._attention_static(q, k, v, meta, cache)
+        elif isinstance(meta, StaticAttentionMetadata):
+            raise TypeError("StaticAttentionMetadata needs a StaticKVCache, got a growing KVCache")
+        elif self.bi:
+            out = self._attention_reference(q, k, v, meta, cache)
+        else:
+            out = self._attention_batched(q, k, v, meta, cache)
+        return linear(out.flatten(1), self.wo, self.bi)
+
+    def _attention_reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                             cache: KVCache) -> torch.Tensor:
+        """Sequence by sequence, query by query: the batch-invariant reference."""
         out = torch.zeros_like(q)
         start = 0
         for seq, n, prefix in zip(meta.seq_ids, meta.extend_lens, meta.prefix_lens):
@@ -111,7 +166,42 @@ class DecoderLayer(DecoderLayerOps):
                 ks, vs = cache.append(self.layer_idx, seq, k[start : start + n], v[start : start + n], prefix)
                 out[start : start + n] = attend(q[start : start + n], ks, vs, prefix, self.bi)
             start += n
-        return linear(out.flatten(1), self.wo, self.bi)
+        return out
+
+    def _attention_batched(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                           cache: KVCache) -> torch.Tensor:
+        """The fast mode: the cache appends per sequence, then one padded attention call for every sequence."""
+        keys, values, lens, prefixes = [], [], [], []
+        start = 0
+        for seq, n, prefix in zip(meta.seq_ids, meta.extend_lens, meta.prefix_lens):
+            if n:
+                ks, vs = cache.append(self.layer_idx, seq, k[start : start + n], v[start : start + n], prefix)
+                keys.append(ks)
+                values.append(vs)
+                lens.append(n)
+                prefixes.append(prefix)
+            start += n
+        out = torch.zeros_like(q)
+        if keys:  # the real tokens are the first ``start`` rows, sequence after sequence; the rest is padding
+            out[:start] = attend_padded(q[:start], keys, values, lens, prefixes)
+        return out
+
+    def _attention_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StaticAttentionMetadata,
+                          cache: StaticKVCache) -> torch.Tensor:
+        """Write this step's keys in place, attend over each sequence's slot with a length mask: fixed shapes."""
+        t = meta.num_tokens
+        if q.shape[0] != t:
+            raise ValueError(f"layer {self.layer_idx}: {q.shape[0]} tokens but the metadata describes {t}")
+        cache.write(self.layer_idx, meta.slots, meta.position_ids, k, v)
+        k_seq, v_seq = cache.read(self.layer_idx, meta.seq_slots)  # [S, max_len, h, d]
+        if meta.max_query == 1 and meta.is_decode:  # decode: sequence t is token t
+            q_seq, pos = q.unsqueeze(1), meta.position_ids.unsqueeze(1)
+            return attend_static(q_seq, k_seq, v_seq, pos, self.bi).squeeze(1)
+        s = meta.seq_slots.shape[0]
+        q_seq = q.new_zeros((s, meta.max_query, *q.shape[1:])).index_put_((meta.token_seq, meta.token_row), q)
+        pos = torch.zeros((s, meta.max_query), dtype=torch.long, device=q.device).index_put_(
+            (meta.token_seq, meta.token_row), meta.position_ids)
+        return attend_static(q_seq, k_seq, v_seq, pos, self.bi)[meta.token_seq, meta.token_row]
 
     def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -149,7 +239,7 @@ class DecoderLayer(DecoderLayerOps):
         routed = self.backend.combine_b(self.backend.combine_a(out, dispatched.handle))
         return routed + self.shared_experts(x) if self.has_shared_experts else routed
 
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: Metadata, cache: Cache) -> torch.Tensor:
         """The layer without ops: the reference the op path and every strategy must equal."""
         residual = hidden + self._attention(*self._qkv(self.attn_norm(hidden), meta), meta, cache)
         return residual + self.ffn(self.mlp_norm(residual))
@@ -172,9 +262,13 @@ class DecoderLayer(DecoderLayerOps):
 
 
 class ReferenceModel:
-    """Embedding, decoder layers and LM head, with seeded weights; experts run through an `EPBackend`."""
+    """Embedding, decoder layers and LM head, with seeded weights; experts run through an `EPBackend`.
 
-    def __init__(self, config: ModelConfig, backend: Any = None) -> None:
+    ``device``: where the weights live (None: the CPU). They are generated from the seeded CPU generators first and
+    then moved, so a CPU and a GPU build hold the same weights. `to` moves a built model.
+    """
+
+    def __init__(self, config: ModelConfig, backend: Any = None, device: torch.device | str | None = None) -> None:
         self.config = config
         self.backend = backend if backend is not None else LocalBackend(config.num_experts)
         g = torch.Generator().manual_seed(config.seed)
@@ -184,9 +278,36 @@ class ReferenceModel:
         self.lm_head = _init(g, config.hidden_size, config.vocab_size, scale=config.hidden_size**-0.5, dtype=dt)
         self.layers = [DecoderLayer(config, i, self.backend) for i in range(config.num_layers)]
         self._bound: dict[Any, OperationsStrategy] = {}
+        self.to(device)
+
+    def to(self, device: torch.device | str | None) -> "ReferenceModel":
+        """Move every weight to ``device`` (None: leave them); returns the model."""
+        if device is not None:
+            self.embedding, self.final_norm, self.lm_head = (t.to(device) for t in (self.embedding, self.final_norm,
+                                                                                     self.lm_head))
+            for layer in self.layers:
+                layer.to(device)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.device
+
+    def use_backend(self, backend: Any) -> Any:
+        """Route every MoE layer's experts through ``backend`` from now on (e.g. a `traced` wrapper for one traced
+        step) without rebuilding the weights; returns the previous backend. Its topology must match."""
+        old = self.backend
+        for name in ("num_experts", "num_ranks", "rank", "num_local_experts"):
+            if getattr(backend, name) != getattr(old, name):
+                raise ValueError(f"use_backend: the new backend's {name}={getattr(backend, name)} differs from "
+                                 f"{getattr(old, name)}")
+        self.backend = backend
+        for layer in self.layers:
+            layer.backend = backend
+        return old
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embedding[input_ids]
+        return self.embedding[input_ids.to(self.embedding.device)]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(hidden, self.final_norm, self.config.rms_eps), self.lm_head,
@@ -206,7 +327,7 @@ class ReferenceModel:
                 pass
             return bound
 
-    def forward_tbo(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, strategy: Any,
+    def forward_tbo(self, input_ids: torch.Tensor, meta: Metadata, cache: Cache, strategy: Any,
                     plan: SplitPlan | None, **kwargs: Any) -> torch.Tensor:
         """Logits of every token through the ops: overlapped over ``plan``, or as one batch when it is None."""
         if input_ids.shape[0] != meta.num_tokens:
@@ -221,7 +342,7 @@ class ReferenceModel:
                                       plan, pinned=pinned, backend=self.backend, **kwargs)
         return self.head(out["hidden_states"])
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: Metadata, cache: Cache) -> torch.Tensor:
         """Logits of every token, layer by layer, without ops or overlap."""
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
@@ -229,3 +350,32 @@ class ReferenceModel:
         for layer in self.layers:
             hidden = layer.forward(hidden, meta, cache)
         return self.head(hidden)
+
+    # ---- static cache and CUDA graphs ---------------------------------------------------------------------------
+    def static_cache(self, num_slots: int, max_len: int) -> StaticKVCache:
+        """A `StaticKVCache` for this model on its device: ``num_slots`` sequences of up to ``max_len`` tokens."""
+        return StaticKVCache.for_model(self.config, num_slots, max_len, self.device)
+
+    def decode_step(self, cache: StaticKVCache, strategy: Any) -> Any:
+        """A decode step as `tbo.runtime.cuda_graph.GraphRunner` calls it: ``step(inputs, plan) -> logits``, where
+        ``inputs`` holds ``ids``, ``positions`` and ``slots`` (one token per sequence, device tensors)."""
+        self.bind(strategy)  # bound once, now: a bad strategy fails here, not inside a capture
+
+        def step(inputs: Any, plan: SplitPlan | None) -> torch.Tensor:
+            meta = StaticAttentionMetadata.decode(inputs["positions"], inputs["slots"], cache.scratch_slot)
+            return self.forward_tbo(inputs["ids"], meta, cache, strategy, plan)
+
+        return step
+
+    def graph_runner(self, cache: StaticKVCache, strategy: Any, batch_sizes: Sequence[int],
+                     **kwargs: Any) -> "GraphRunner":
+        """A `GraphRunner` over `decode_step`: padding requests write to the cache's scratch slot at position 0.
+
+        Capture needs a capture-safe backend (`LocalBackend` MASKED with a fixed ``masked_capacity`` of at least the
+        largest bucket, or a `CopyEngineLink` over one); ``kwargs`` go to `GraphRunner` (``policy``, ``capture``,
+        ``capturer``, ...).
+        """
+        from tbo.runtime.cuda_graph import GraphRunner
+
+        pad = {"ids": 0, "positions": 0, "slots": cache.scratch_slot, **kwargs.pop("pad_values", {})}
+        return GraphRunner(self.decode_step(cache, strategy), batch_sizes, pad_values=pad, **kwargs)
