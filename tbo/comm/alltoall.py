@@ -8,9 +8,10 @@ transport, which is why it is the reference for equivalence.
 What a CUDA graph can capture (no host sync, no data-dependent shape), per backend and format:
 
 * `LocalBackend`, MASKED with a fixed ``masked_capacity``: **capture-safe**. Routing is a stable sort and a
-  scatter into ``[num_experts, capacity, H]``; combine is a gather and the slot sum. Expert ids are range-checked
-  by a device-side assertion, and an expert receiving more rows than ``capacity`` is one too (a ValueError on the
-  CPU). A capacity of at least the step's token count can never overflow (top-k picks distinct experts).
+  scatter into ``[num_experts, min(capacity, tokens), H]`` (a shape fixed by the step's size); combine is a gather
+  and the slot sum. Expert ids are range-checked by a device-side assertion, and an expert receiving more rows than
+  the capacity is one too (a ValueError on the CPU). A capacity of at least the step's token count can never
+  overflow (top-k picks distinct experts).
 * `LocalBackend`, MASKED without a capacity, EXPANDED and NORMAL: not capture-safe. Their outputs are sized by
   routed counts read on the host (``nonzero``, ``.tolist()``); eager use on a GPU works.
 * `TorchDistributedBackend`, every format: not capture-safe (split sizes cross ranks on the host first).
@@ -128,10 +129,12 @@ class AllToAllBackend:
     def _dispatch_a_static(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
                            topk_weights: torch.Tensor) -> DispatchState:
         """MASKED on one rank with fixed shapes: scatter each (token, slot) pair's row into its expert's slab."""
-        cap, e = int(self.masked_capacity), self.num_local_experts  # type: ignore[arg-type]
+        # an expert never receives more rows than there are tokens (top-k picks distinct experts), so the slabs
+        # hold min(capacity, tokens) rows: still a shape fixed by the step's size, and no padding beyond it
+        cap, e = min(int(self.masked_capacity), hidden.shape[0]), self.num_local_experts  # type: ignore[arg-type]
         route = static_masked_route(topk_idx, e, cap)
         device_check(route.counts.max() <= cap, f"dispatch_a: an expert received more than the masked capacity {cap} "
-                     "rows (size it to at least the step's tokens)")
+                     "rows (size it to at least the step's tokens; a token picks an expert at most once)")
         t, k = topk_idx.shape
         pair_rows = hidden.unsqueeze(1).expand(t, k, hidden.shape[1]).reshape(t * k, hidden.shape[1])
         buf = hidden.new_zeros((route.scratch + 1, hidden.shape[1]))
