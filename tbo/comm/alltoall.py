@@ -151,7 +151,7 @@ class AllToAllBackend:
         if self.format is DispatchFormat.NORMAL:
             rows, idx, weights = (self.transport.finish(p) for p in state.pending)
             counts = torch.stack([(idx == e).sum() for e in range(self.num_local_experts)]) if idx.numel() else (
-                torch.zeros(self.num_local_experts, dtype=torch.long))
+                torch.zeros(self.num_local_experts, dtype=torch.long, device=idx.device))
             handle = _NormalHandle(info["route"], info["recv_counts"], info["num_tokens"])
             return DispatchOutput(DispatchFormat.NORMAL, rows, counts, handle, topk_idx=idx, topk_weights=weights)
         rows = self.transport.finish(state.pending)

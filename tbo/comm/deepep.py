@@ -159,9 +159,15 @@ class _LLCombineState:
 
 
 class DeepEPLowLatencyBackend:
-    """DeepEP low-latency dispatch/combine with receive hooks; the output format is MASKED."""
+    """DeepEP low-latency dispatch/combine with receive hooks; the output format is MASKED.
+
+    The multi-GPU capture-safe backend: fixed ``[local experts, num_max_dispatch_tokens_per_rank * ranks, H]``
+    buffers and no host read here (the expert ids are range-checked on the device), so a CUDA graph can hold a
+    whole decode step with it.
+    """
 
     format = DispatchFormat.MASKED
+    capture_safe = True
 
     def __init__(self, buffer: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, *,
                  use_fp8: bool = False) -> None:
@@ -187,7 +193,7 @@ class DeepEPLowLatencyBackend:
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                    ) -> _LLDispatchState:
-        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a")
+        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a", sync_free=True)
         if hidden.shape[0] > self.max_tokens:
             raise ValueError(f"dispatch_a: {hidden.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank="
                              f"{self.max_tokens}")

@@ -119,7 +119,7 @@ def normal_route(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_ranks: 
     idx = topk_idx.long()
     dest = torch.where(idx >= 0, idx // num_local_experts, torch.full_like(idx, -1))
     in_rank = torch.stack([(dest == r).any(dim=1) for r in range(num_ranks)]) if t else torch.zeros(
-        num_ranks, 0, dtype=torch.bool)  # [W, T]
+        num_ranks, 0, dtype=torch.bool, device=idx.device)  # [W, T]
     dest_ids, token_ids = torch.nonzero(in_rank, as_tuple=True)  # row-major: destination, then token
     local = idx[token_ids] - (dest_ids * num_local_experts).unsqueeze(1)
     mine = dest[token_ids] == dest_ids.unsqueeze(1)
@@ -131,9 +131,10 @@ def expert_major_perm(recv_counts: torch.Tensor) -> torch.Tensor:
     """Rows arrive as (source, local expert); this index reorders them to (local expert, source)."""
     w, l = recv_counts.shape
     starts = (torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)).view(w, l)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_counts[s, e]))
+    dev = recv_counts.device
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_counts[s, e]), device=dev)
               for e in range(l) for s in range(w)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=dev)
 
 
 def to_masked(rows: torch.Tensor, counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
