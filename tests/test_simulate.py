@@ -61,7 +61,7 @@ def test_hand_computed_tbo_loses_to_fragmentation():
 
 
 def test_wait_without_launch_is_reported():
-    bad = OperationsStrategy(operations=["attn", Yield, "dispatch_b"])
+    bad = OperationsStrategy(operations=["attn", Yield, "dispatch_b"], fragment=True)  # built, only to simulate
     with pytest.raises(ValueError, match="dispatch_b waits for a 'dispatch' transfer that was never launched"):
         simulate(bad, costs(1, 1, 1), [2, 2])
 
