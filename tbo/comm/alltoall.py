@@ -68,6 +68,8 @@ class AllToAllBackend:
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchState:
+        """`EPBackend.dispatch_a`: exchange the row counts (small, blocking), then launch the rows. ``topk_idx``
+        comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
         check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a")
         if self.format is DispatchFormat.NORMAL:
             return self._dispatch_a_normal(hidden, topk_idx, topk_weights)
@@ -96,6 +98,7 @@ class AllToAllBackend:
                                                "num_tokens": hidden.shape[0]})
 
     def dispatch_b(self, state: DispatchState) -> DispatchOutput:
+        """`EPBackend.dispatch_b`: wait for the rows (with the transport's deadline) and lay them out."""
         info = state.info
         if self.format is DispatchFormat.NORMAL:
             rows, idx, weights = (self.transport.finish(p) for p in state.pending)
@@ -114,6 +117,7 @@ class AllToAllBackend:
 
     # ---- combine ------------------------------------------------------------------------------------------------
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> CombineState:
+        """`EPBackend.combine_a`: launch the results back along the dispatch's route, reversed."""
         if isinstance(handle, _NormalHandle):
             return self._combine_a_normal(expert_out, handle)
         if not isinstance(handle, _ExpandedHandle):
@@ -141,6 +145,7 @@ class AllToAllBackend:
         return CombineState(pending, expert_out.nbytes, {"handle": handle})
 
     def combine_b(self, state: CombineState) -> torch.Tensor:
+        """`EPBackend.combine_b`: wait for the results and reduce each token's top-k slots by their weights."""
         handle = state.info["handle"]
         rows = self.transport.finish(state.pending)
         if isinstance(handle, _NormalHandle):
