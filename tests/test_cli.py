@@ -10,8 +10,8 @@ from tbo.tools.cli import main
 
 @pytest.fixture
 def strategy_file(tmp_path):
-    s = OperationsStrategy(operations=["attn", Yield, "dispatch_a", Yield, "dispatch_b", "experts", Yield,
-                                       "combine_b"], delta_stages=1, name="mini")
+    s = OperationsStrategy(operations=["attn", Yield, "dispatch_a", Yield, "dispatch_b", "experts", "combine_a",
+                                       Yield, "combine_b"], delta_stages=1, name="mini")
     path = tmp_path / "mini.json"
     path.write_text(s.model_dump_json())
     return path
@@ -21,7 +21,7 @@ def test_show_prints_stages_and_schedule(strategy_file, capsys):
     assert main(["show", str(strategy_file)]) == 0
     out = capsys.readouterr().out
     assert "strategy mini: 4 stages, delta_stages=1" in out
-    assert "stage 2: dispatch_b, experts" in out
+    assert "stage 2: dispatch_b, experts, combine_a" in out
     assert "schedule: 2 microbatches, delta_stages=1, 5 rounds" in out
     lines = out.splitlines()
     row = next(l for l in lines if l.startswith("1 "))

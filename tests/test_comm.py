@@ -87,7 +87,9 @@ def test_masked_capacity_is_enforced():
     [((torch.zeros(4), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2)), "hidden must be"),
      ((torch.zeros(4, 8), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2)), r"topk_idx must be \[4"),
      ((torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 3)), "topk_weights shape"),
-     ((torch.zeros(4, 8), torch.zeros(4, 2), torch.zeros(4, 2)), "integer tensor"),
+     ((torch.zeros(4, 8), torch.zeros(4, 2), torch.zeros(4, 2)), r"integer tensor, got torch.float32$"),
+     ((torch.zeros(4, 8), *torch.topk(torch.rand(4, 8), 2)), "look swapped: the order is "
+      r"\(hidden, topk_idx, topk_weights\), while torch.topk returns \(values, indices\)"),
      ((torch.zeros(4, 8), torch.full((4, 2), 8, dtype=torch.long), torch.zeros(4, 2)), r"\[-1, 8\)"),
      ((torch.zeros(4, 8, device="meta"), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2)),
       "different devices")],

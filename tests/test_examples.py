@@ -63,3 +63,65 @@ def test_hf_generate_example(model, ranks):
     pytest.importorskip("transformers", reason="the hf extra (transformers 5.x) is not installed")
     out = run("hf_generate.py", "--model", model, "--ranks", ranks, "--new-tokens", "8")
     assert max_diff(out) < 1e-5 and "tokens equal: True" in out
+
+
+def test_integrating_example_one_process(tmp_path):
+    """docs/integrating.md's worked example: a user's MoE layer, a cut prefill then decode, equal within 1e-5."""
+    png, saved = tmp_path / "timeline.png", tmp_path / "moe.json"
+    out = run("integrating.py", "--png", str(png), "--save-strategy", str(saved))
+    assert max_diff(out) <= 1e-5
+    assert "prefill 132 tokens, 2 microbatches, request 1 cut 59|61" in out  # the cut falls inside a sequence
+    assert "decode 3 tokens, 2 microbatches" in out and "lint my_moe: 0 errors" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the strategy file shipped for `tbo simulate` is the example's strategy
+    assert saved.read_text() == (ROOT / "examples" / "integrating_moe.json").read_text()
+
+
+@pytest.mark.dist
+def test_integrating_example_two_ranks():
+    out = run("integrating.py", "--ranks", "2")
+    assert max_diff(out) <= 1e-5 and "ranks: 2" in out
+    assert "rank 1: prefill 135 tokens, 2 microbatches, request 1 cut" in out
+
+
+def test_shipped_costs_file_drives_tbo_simulate(capsys):
+    """examples/costs.json is what `tbo simulate --costs` reads: every op it prices is in the example's strategy,
+    every transfer it sizes is one the strategy makes, and the CLI runs on it."""
+    from tbo.core.strategy import OperationsStrategy
+    from tbo.tools.cli import main
+    from tbo.tools.simulate import CostModel
+
+    costs = CostModel.model_validate_json((ROOT / "examples" / "costs.json").read_text())
+    strategy = OperationsStrategy.model_validate_json((ROOT / "examples" / "integrating_moe.json").read_text())
+    names = {name for stage in strategy.stage_names for name in stage}
+    assert set(costs.ops) <= names and {"table", "roofline", "linear", "constant"} <= {c.kind for c in
+                                                                                     costs.ops.values()}
+    assert set(costs.transfers) == {costs.role(n)[1] for n in names if costs.role(n)}
+    for tokens, faster in (("16", False), ("4096", True)):  # fragmentation loses small, overlap wins large
+        assert main(["simulate", str(ROOT / "examples" / "integrating_moe.json"), "--tokens", tokens, "--costs",
+                     str(ROOT / "examples" / "costs.json"), "--layers", "4"]) == 0
+        speedup = float(re.search(r"^speedup: ([\d.]+)x", capsys.readouterr().out, re.M).group(1))
+        assert (speedup > 1) is faster
+
+
+def test_integrating_guide_names_exist():
+    """Every `tbo.…` name and every examples/ file the guide mentions exists, so the guide cannot rot silently."""
+    import importlib
+
+    text = (ROOT / "docs" / "integrating.md").read_text()
+    for path in set(re.findall(r"examples/[\w.]+\.(?:py|json)", text)):
+        assert (ROOT / path).is_file(), path
+    names = set(re.findall(r"`(tbo(?:\.\w+)+)", text))
+    assert len(names) > 10
+    for dotted in sorted(names):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            break
+        else:
+            raise AssertionError(f"{dotted} does not import")

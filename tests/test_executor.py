@@ -216,16 +216,78 @@ def test_operation_error_with_observer_path():
         execute_overlapped_operations([{}, {}], s, observer=[RecordFunctionObserver(), Recorder()])
 
 
-def test_non_dict_output_is_explained():
+def test_non_dict_output_blames_the_op_that_returned_it():
+    def first(state):
+        return {}
+
     def returns_tensor(state):
         return torch.ones(3)
 
     def consumer(state, **kw):
         return None
 
-    s = OperationsStrategy(operations=[returns_tensor, consumer])
-    with pytest.raises(OperationError, match="op 'consumer'.*must return a dict"):
-        execute_operations({}, s)
+    for strategy, stage in ((OperationsStrategy(operations=[first, returns_tensor, consumer]), 0),
+                            (OperationsStrategy(operations=[first, returns_tensor, Yield, consumer]), 0)):
+        for observer in (None, Recorder()):  # the fast path and the observed path say the same
+            with pytest.raises(OperationError, match=rf"microbatch 0, stage {stage}, op 'returns_tensor' failed: "
+                                                     r"TypeError: it returned a Tensor, which the next op, 'consumer' "
+                                                     r"\(stage \d\), cannot take: an op returns a dict") as info:
+                execute_overlapped_operations([{}], strategy, observer=observer)
+            assert (info.value.stage, info.value.op_name) == (stage, "returns_tensor")
+    # across a Yield in an overlapped run: the producer's stage, not the consumer's
+    s = OperationsStrategy(operations=[first, Yield, returns_tensor, Yield, consumer], delta_stages=1)
+    with pytest.raises(OperationError, match="microbatch 0, stage 1, op 'returns_tensor'"):
+        execute_overlapped_operations([{}, {}], s)
+
+
+def test_none_output_then_an_op_with_arguments_says_so():
+    def attn(state, x):
+        state.x = x
+        return None  # forgot to return {"h": ...}
+
+    def route(state, h):
+        return {"h": h}
+
+    s = OperationsStrategy(operations=[attn, Yield, route])
+    with pytest.raises(OperationError, match=r"microbatch 0, stage 1, op 'route' failed: TypeError: .*missing 1 "
+                                             r"required positional argument: 'h'; the previous op, 'attn' \(stage 0\), "
+                                             r"returned nothing \(None\), so it got no arguments"):
+        execute_overlapped_operations([{"x": 1}, {"x": 2}], s)
+
+
+def test_wrong_keys_name_what_the_previous_op_returned():
+    def gate(state, h):
+        return {"h": h, "topk": 2}
+
+    def experts(state, h):
+        return {"h": h}
+
+    with pytest.raises(OperationError, match=r"op 'experts' failed: TypeError: .*unexpected keyword argument 'topk'; "
+                                             r"it got the keyword arguments \['h', 'topk'\] from the previous op, "
+                                             r"'gate' \(stage 0\)"):
+        execute_operations({"h": 1}, [gate, experts])
+    with pytest.raises(OperationError, match=r"op 'gate' failed: .*'x'; it got the keyword arguments \['x'\] from "
+                                             r"the microbatch's inputs"):
+        execute_operations({"x": 1}, [gate, experts])
+
+
+def test_a_type_error_inside_an_op_is_left_alone():
+    def op(state, h):
+        return {"h": h + "text"}  # a TypeError raised by the op's own code
+
+    with pytest.raises(OperationError, match=r"op 'op' failed: TypeError: unsupported operand type\(s\)[^;]*$"):
+        execute_operations({"h": 1}, [op])
+
+
+def test_last_op_returning_none_is_the_result_and_states_hold_the_output():
+    """Documented, not an error: the executor returns what the last op returned; a run may write its results into
+    States the caller passed. The seam, which needs a dict, raises naming the last op."""
+    def compute(state, x):
+        state.result = x * 2
+
+    states = [State(), State()]
+    assert execute_overlapped_operations([{"x": 1}, {"x": 2}], [compute], states=states) == [None, None]
+    assert [st.result for st in states] == [2, 4]
 
 
 def test_unbound_strategy_rejected():
@@ -282,3 +344,27 @@ def test_property_overlapped_equals_sequential(cuts, delta_frac, sizes, num_laye
     overlapped = execute_overlapped_operations(ins, strategy)
     for got, i in zip(overlapped, ins):
         assert torch.equal(got["x"], execute_operations(i, strategy)["x"])
+
+
+def test_seam_names_the_last_op_when_the_result_is_missing():
+    from tbo import SplitPolicy, model_forward_maybe_tbo
+
+    class Layer:
+        def op_mlp(self, state, hidden_states):
+            return {"hidden_states": hidden_states + 1}
+
+        def op_finish(self, state, hidden_states):
+            state.out = hidden_states  # forgot to return it
+
+    layers = [Layer()]
+    strategy = OperationsStrategy(operations=["mlp", Yield, "finish"], delta_stages=1)
+    x = torch.zeros(4, 2)
+    plan = SplitPolicy().plan("decode", 4)
+    for p in (plan, None):
+        with pytest.raises(TypeError, match=r"microbatch 0: the last op, 'finish' \(stage 1\), returned nothing "
+                                            r"\(None\); model_forward_maybe_tbo needs it to return "
+                                            r"\{'hidden_states': tensor\}"):
+            model_forward_maybe_tbo(layers, {"hidden_states": x}, strategy, p)
+    with pytest.raises(ValueError, match=r"returned keys \['hidden_states'\] without 'h'; pass output_key="):
+        model_forward_maybe_tbo(layers[:1], {"hidden_states": x}, OperationsStrategy(operations=["mlp"]), plan,
+                                output_key="h")

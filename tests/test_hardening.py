@@ -24,21 +24,25 @@ def test_builtin_strategies_have_no_errors(name, low_latency):
 
 
 def codes(ops, delta=0, low_latency=False, microbatches=2):
-    return [(f.level, f.code) for f in lint(OperationsStrategy(operations=ops, delta_stages=delta), microbatches,
-                                            low_latency)]
+    strategy = OperationsStrategy(operations=ops, delta_stages=delta, fragment=True)  # lint sees what build refuses
+    return [(f.level, f.code) for f in lint(strategy, microbatches, low_latency)]
 
 
 def test_lint_errors():
-    assert ("error", "wait-without-launch") in codes(["attn", Yield, "dispatch_b"])
-    assert ("error", "never-waited") in codes(["attn", "dispatch_a", Yield, "mlp"])
+    assert codes(["attn", Yield, "dispatch_b"]) == [("error", "wait-without-launch")]  # once, not per microbatch
+    assert codes(["attn", "dispatch_a", Yield, "mlp"]) == [("error", "never-waited")]
     findings = lint(OperationsStrategy(operations=["attn", "dispatch_a", Yield, "mlp", Yield, "dispatch_b"]), 2,
                     low_latency=False)
     assert not [f for f in findings if f.level == "error"]
     # three microbatches each launch before any waits: three low-latency transfers in flight
     ll = codes(["attn", "dispatch_a", Yield, "mlp", Yield, "dispatch_b"], low_latency=True, microbatches=3)
     assert ("error", "too-many-in-flight") in ll
-    err = next(f for f in lint(OperationsStrategy(operations=["attn", Yield, "dispatch_b"])) if f.level == "error")
-    assert (err.microbatch, err.stage, err.op) == (0, 1, "dispatch_b") and "never launched" in err.message
+    fragment = OperationsStrategy(operations=["attn", Yield, "dispatch_b"], fragment=True)
+    err = next(f for f in lint(fragment) if f.level == "error")
+    assert (err.microbatch, err.stage, err.op) == (0, 1, "dispatch_b") and "no earlier op launches" in err.message
+    swapped = lint(OperationsStrategy(operations=["attn", "dispatch_b", Yield, "dispatch_a", "mlp"], fragment=True))
+    assert [(f.code, f.op) for f in swapped] == [("wait-without-launch", "dispatch_b")]  # one bug, one error
+    assert "before operations[3] 'dispatch_a' (stage 1) launches it" in swapped[0].message
 
 
 def test_lint_warnings():
@@ -52,9 +56,15 @@ def test_lint_warnings():
 def test_lint_cli_exit_codes(tmp_path, capsys):
     assert main(["lint", "deepseek_decode", "--low-latency"]) == 0
     bad = tmp_path / "bad.json"
-    bad.write_text(OperationsStrategy(operations=["attn", Yield, "combine_b"]).model_dump_json())
-    assert main(["lint", str(bad)]) == 1
+    bad.write_text(OperationsStrategy(operations=["attn", Yield, "combine_b"], fragment=True).model_dump_json())
+    assert main(["lint", str(bad)]) == 1  # a file the constructor refuses is linted, not a load error
     assert "wait-without-launch" in capsys.readouterr().out
+    swapped = tmp_path / "swapped.json"
+    swapped.write_text('{"operations": ["attn", "dispatch_b", "Yield", "dispatch_a", "mlp"]}')
+    assert main(["lint", str(swapped)]) == 1
+    assert "before operations[3] 'dispatch_a'" in capsys.readouterr().out
+    assert main(["show", str(swapped)]) == 2  # elsewhere it is refused with the same message
+    assert "before operations[3] 'dispatch_a'" in capsys.readouterr().err
 
 
 # ---- fault handling over gloo ----------------------------------------------------------------------------------------

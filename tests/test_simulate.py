@@ -61,7 +61,7 @@ def test_hand_computed_tbo_loses_to_fragmentation():
 
 
 def test_wait_without_launch_is_reported():
-    bad = OperationsStrategy(operations=["attn", Yield, "dispatch_b"])
+    bad = OperationsStrategy(operations=["attn", Yield, "dispatch_b"], fragment=True)  # built, only to simulate
     with pytest.raises(ValueError, match="dispatch_b waits for a 'dispatch' transfer that was never launched"):
         simulate(bad, costs(1, 1, 1), [2, 2])
 
@@ -222,3 +222,33 @@ def test_accuracy_benchmark_scores_decisions_only_where_the_steps_tell():
     assert bench.faster_mode([2.0] * 12, [1.0] * 12, routings=2) == (True, "")
     faster, why = bench.faster_mode([2.0] * 4, [1.0] * 4, routings=2)
     assert faster is None and why.startswith("cannot tell") and not bench.settled([2.0] * 4, [1.0] * 4, 2)
+
+
+def test_png_labels_ops_and_draws_exposed_waits_apart(tmp_path, monkeypatch):
+    """What the PNG shows, read off the figure as it is saved: op names on the bars wide enough to hold them, and
+    each exposed wait as a white, red-hatched bar over its op (not a tint of the compute colour)."""
+    import matplotlib.figure
+
+    trace = Trace([Span("compute", 0, 0, "attn_core", 0.0, 0.010), Span("compute", 0, 1, "dispatch_b", 0.010, 0.020),
+                   Span("wait", 0, 1, "dispatch_wait", 0.011, 0.019), Span("comm", 0, 0, "dispatch", 0.004, 0.019),
+                   Span("compute", 0, 1, "experts", 0.020, 0.030),  # same stage, after the wait: still labelled
+                   Span("compute", 1, 0, "tiny", 0.030, 0.0300001)])
+    seen = {}
+    original = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        seen["texts"] = [t.get_text() for t in ax.texts]
+        seen["hatched"] = [(c.get_hatch(), tuple(c.get_facecolor()[0]), c.get_zorder()) for c in ax.collections
+                           if c.get_hatch()]
+        seen["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        return original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    path = save_png(trace, tmp_path / "t.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # "tiny" is too narrow; dispatch_b waited 8 of its 10 ms, so its bar says "wait"
+    assert sorted(seen["texts"]) == ["attn_core", "dispatch", "experts", "wait"]
+    (hatch, face, zorder), = seen["hatched"]
+    assert hatch == "////" and face == (1.0, 1.0, 1.0, 1.0) and zorder > 2  # white, over the compute bars
+    assert "exposed wait (a _b op blocked)" in seen["legend"]

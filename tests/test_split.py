@@ -174,11 +174,11 @@ def test_property_split_merge_round_trip(lens, pad, seed):
     hidden = torch.randn(total, 3, generator=g)
     ids = torch.randint(0, 100, (total,), generator=g)
     inputs = {"hidden": hidden, "ids": ids, "seq_lens": torch.tensor(lens), "cfg": "shared"}
-    parts = split_inputs(inputs, plan, request_keys=["seq_lens"], shared_keys=["cfg"])
+    parts = split_inputs(inputs, plan, request_keys={"seq_lens": "lengths"}, shared_keys=["cfg"])
     for part, m in zip(parts, plan.microbatches):
         assert part["hidden"].shape[0] == m.tokens_len
         assert torch.all(part["hidden"][m.tokens_unpadded_len:] == 0)
-        assert part["cfg"] == "shared" and part["seq_lens"].shape[0] == m.requests_len
+        assert part["cfg"] == "shared" and part["seq_lens"].tolist() == list(m.extend_lens)
     assert torch.equal(merge_outputs([p["hidden"] for p in parts], plan), hidden)
     assert torch.equal(merge_outputs([p["ids"] for p in parts], plan), ids)
 

@@ -101,7 +101,7 @@ def test_concat_joins_without_yield_and_checks_agreement():
 
 
 def test_json_round_trip():
-    s = OperationsStrategy(operations=["attn", Yield, "dispatch_a", Yield, "combine_b"], delta_stages=2,
+    s = OperationsStrategy(operations=["attn", Yield, "dispatch_a", Yield, "dispatch_b"], delta_stages=2,
                            deep_gemm_num_sms=100, name="demo")
     text = s.model_dump_json()
     assert '"Yield"' in text
@@ -125,10 +125,11 @@ def test_json_validation_errors_are_strategy_errors():
 
 
 def test_describe_lists_stages():
-    s = OperationsStrategy(operations=["attn", "gate", Yield, "dispatch_a"], name="n", deep_gemm_num_sms=3)
+    s = OperationsStrategy(operations=["attn", "gate", Yield, "dispatch_a", "dispatch_b"], name="n",
+                           deep_gemm_num_sms=3)
     text = s.describe()
     assert "strategy n: 2 stages, delta_stages=0, deep_gemm_num_sms=3" in text
-    assert "stage 0: attn, gate" in text and "stage 1: dispatch_a" in text
+    assert "stage 0: attn, gate" in text and "stage 1: dispatch_a, dispatch_b" in text
 
 
 def test_without_drops_ops_and_empty_stages():
@@ -176,3 +177,84 @@ def test_walk_is_the_schedule_with_names_and_roles():
     assert [v.op for v in custom if v.role] == ["mlp"]
     table = s.render_schedule(2, width=30)
     assert "microbatch A" in table and "s1 dispatch_a" in table and len(table.splitlines()) == 2 + 4
+
+
+# ---- transfer ordering, checked when a strategy is built --------------------------------------------------------
+def test_wait_before_launch_is_refused_at_construction_naming_both():
+    with pytest.raises(StrategyError, match=r"strategy swapped: operations\[2\] 'dispatch_b' \(stage 1\) waits for a "
+                                            r"'dispatch' transfer before operations\[3\] 'dispatch_a' \(stage 1\) "
+                                            r"launches it: move the launch before the wait\. Every microbatch"):
+        OperationsStrategy(operations=["attn", Yield, "dispatch_b", "dispatch_a", Yield, "experts"], name="swapped")
+    with pytest.raises(StrategyError, match=r"operations\[0\] 'combine_b' \(stage 0\) waits for a 'combine' "
+                                            r"transfer that no earlier op launches"):
+        OperationsStrategy(operations=["combine_b", Yield, "attn"])
+    with pytest.raises(StrategyError, match=r"operations\[1\] 'dispatch_a' \(stage 0\) launches a 'dispatch' "
+                                            r"transfer that no later op waits for"):
+        OperationsStrategy(operations=["attn", "dispatch_a", Yield, "mlp"])
+    with pytest.raises(StrategyError, match=r"operations\[2\] 'afd_recv' \(stage 1\) waits for a 'afd' transfer "
+                                            r"before operations\[3\] 'afd_send'"):
+        OperationsStrategy(operations=["attn", Yield, "afd_recv", "afd_send"])  # the AFD names pair up too
+    # both problems of one list, in list order, in one message
+    with pytest.raises(StrategyError, match=r"operations\[0\] 'x_b'.*; operations\[2\] 'y_a'"):
+        OperationsStrategy(operations=["x_b", Yield, "y_a"])
+
+
+def test_ordering_checked_on_bind_concat_json_and_raw_lists():
+    class Layer:
+        def op_dispatch_b(self, state):
+            return None
+
+        def op_dispatch_a(self, state):
+            return None
+
+    with pytest.raises(StrategyError, match="waits for a 'dispatch' transfer before"):
+        OperationsStrategy(operations=[Layer().op_dispatch_b, Yield, Layer().op_dispatch_a])  # callables too
+    with pytest.raises(StrategyError, match="waits for a 'dispatch' transfer before"):
+        OperationsStrategy.model_validate_json('{"operations": ["dispatch_b", "Yield", "dispatch_a"]}')
+    from tbo import execute_operations
+    with pytest.raises(StrategyError, match="waits for a 'dispatch' transfer before"):
+        execute_operations({}, [Layer().op_dispatch_b, Layer().op_dispatch_a])
+    launch = OperationsStrategy(operations=["attn", Yield, "combine_a"], fragment=True)
+    wait = OperationsStrategy(operations=["combine_b", Yield, "mlp"], fragment=True)
+    with pytest.raises(StrategyError, match="no later op waits for"):
+        OperationsStrategy.concat([launch, wait, launch])  # the joined run is checked whatever its pieces say
+    joined = OperationsStrategy.concat([launch, wait, launch, wait])
+    assert not joined.fragment and joined.transfer_order.pairs == {3: 2, 9: 8}
+
+
+def test_fragment_survives_bind_json_and_repr():
+    class Layer:
+        def op_attn(self, state):
+            return None
+
+        def op_combine_a(self, state):
+            return None
+
+    piece = OperationsStrategy(operations=["attn", Yield, "combine_a"], fragment=True, name="piece")
+    assert piece.bind(Layer()).fragment and piece.without(["attn"]).fragment
+    assert "fragment=True" in repr(piece)
+    assert OperationsStrategy.model_validate_json(piece.model_dump_json()) == piece
+    assert "fragment" not in OperationsStrategy(operations=["attn"]).model_dump_json()  # old files stay the same
+
+
+def test_transfer_order_is_computed_once_per_strategy():
+    s = OperationsStrategy(operations=["attn", "dispatch_a", Yield, "mlp", "dispatch_b"])
+    assert s.transfer_order is s.transfer_order and s.transfer_order.pairs == {4: 1}
+
+
+def test_builtins_pass_the_construction_check():
+    from tbo import strategies as S
+    for name in S.names():
+        joined = OperationsStrategy.concat([S.get(name)] * 2)  # each layer's pairs stay inside the layer
+        assert not joined.transfer_order.problems, name
+
+
+# ---- Yield, the marker ------------------------------------------------------------------------------------------
+def test_yield_called_is_yield_and_the_string_is_refused_in_python():
+    assert Yield() is Yield
+    assert OperationsStrategy(operations=["a", Yield(), "b"]).num_stages == 2
+    with pytest.raises(StrategyError, match=r"operations\[1\] is the string 'Yield': write the marker tbo.Yield"):
+        OperationsStrategy(operations=["a", "Yield", "b"])
+    assert OperationsStrategy.model_validate({"operations": ["a", "Yield", "b"]}).operations[1] is Yield  # data
+    with pytest.raises(StrategyError, match="does not parse"):
+        OperationsStrategy.model_validate_json("{not json")

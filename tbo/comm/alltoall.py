@@ -97,6 +97,9 @@ class AllToAllBackend:
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchState:
+        """`EPBackend.dispatch_a`: exchange the row counts (small, blocking), then launch the rows; on the
+        capture-safe path (MASKED, fixed capacity, one rank), scatter into fixed-shape slabs with no host read.
+        ``topk_idx`` comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
         check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a", sync_free=self.capture_safe)
         if self.capture_safe:
             return self._dispatch_a_static(hidden, topk_idx, topk_weights)
@@ -143,6 +146,7 @@ class AllToAllBackend:
         return DispatchState(masked, pair_rows.nbytes, {"route": route, "topk_weights": topk_weights})
 
     def dispatch_b(self, state: DispatchState) -> DispatchOutput:
+        """`EPBackend.dispatch_b`: wait for the rows (with the transport's deadline) and lay them out."""
         info = state.info
         if isinstance(info.get("route"), StaticMaskedRoute):
             route = info["route"]
@@ -165,6 +169,7 @@ class AllToAllBackend:
 
     # ---- combine ------------------------------------------------------------------------------------------------
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> CombineState:
+        """`EPBackend.combine_a`: launch the results back along the dispatch's route, reversed."""
         if isinstance(handle, _NormalHandle):
             return self._combine_a_normal(expert_out, handle)
         if isinstance(handle, _StaticMaskedHandle):
@@ -205,6 +210,7 @@ class AllToAllBackend:
         return CombineState(pending, expert_out.nbytes, {"handle": handle})
 
     def combine_b(self, state: CombineState) -> torch.Tensor:
+        """`EPBackend.combine_b`: wait for the results and reduce each token's top-k slots by their weights."""
         handle = state.info["handle"]
         if isinstance(handle, _StaticMaskedHandle):
             return slot_sum(state.pending, handle.topk_weights)

@@ -90,12 +90,15 @@ class DeepEPNormalBackend:
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                    ) -> _NormalDispatchState:
+        """`EPBackend.dispatch_a`: quantise to FP8 if asked and capture an event; the transfer starts in ``_b``.
+        ``topk_idx`` comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
         check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a")
         x = quantize_per_token_group(hidden) if self.use_fp8 else hidden
         nbytes = hidden.nbytes if not self.use_fp8 else x[0].nbytes + x[1].nbytes
         return _NormalDispatchState(x, topk_idx.long(), topk_weights.float(), self.buffer.capture(), nbytes)
 
     def dispatch_b(self, state: _NormalDispatchState) -> DispatchOutput:
+        """`EPBackend.dispatch_b`: layout and dispatch on DeepEP's stream after the captured event, then wait."""
         buf = self.buffer
         per_rank, per_rdma_rank, per_expert, in_rank, event = buf.get_dispatch_layout(
             state.topk_idx, self.num_experts,
@@ -114,6 +117,7 @@ class DeepEPNormalBackend:
                               topk_idx=recv_idx, topk_weights=recv_weights, scales=scales)
 
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> _NormalCombineState:
+        """`EPBackend.combine_a`: capture an event; the combine runs in ``_b``."""
         return _NormalCombineState(expert_out, handle, self.buffer.capture(), expert_out.nbytes)
 
     @property
@@ -125,6 +129,7 @@ class DeepEPNormalBackend:
         return 0
 
     def combine_b(self, state: _NormalCombineState) -> torch.Tensor:
+        """`EPBackend.combine_b`: combine on DeepEP's stream after the captured event, then wait."""
         buf = self.buffer
         combined, _, event = buf.combine(
             state.x, state.handle,
@@ -193,6 +198,8 @@ class DeepEPLowLatencyBackend:
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                    ) -> _LLDispatchState:
+        """`EPBackend.dispatch_a`: issue the low-latency dispatch with a receive hook and return. ``topk_idx`` comes
+        before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
         check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a", sync_free=True)
         if hidden.shape[0] > self.max_tokens:
             raise ValueError(f"dispatch_a: {hidden.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank="
@@ -209,6 +216,7 @@ class DeepEPLowLatencyBackend:
         return state
 
     def dispatch_b(self, state: _LLDispatchState) -> DispatchOutput:
+        """`EPBackend.dispatch_b`: call the receive hook (the data arrives) and return the MASKED layout."""
         self._unreceived.discard(state)
         state.hook()  # the data arrives here
         hidden, scales = _split_fp8(state.recv_x)
@@ -217,6 +225,7 @@ class DeepEPLowLatencyBackend:
         return out
 
     def combine_a(self, expert_out: torch.Tensor, handle: _LLHandle) -> _LLCombineState:
+        """`EPBackend.combine_a`: issue the low-latency combine with a receive hook and return."""
         buf = self.buffer
         combined, _event, hook = buf.low_latency_combine(
             expert_out, handle.topk_idx, handle.topk_weights, handle.handle,
@@ -226,6 +235,7 @@ class DeepEPLowLatencyBackend:
         return state
 
     def combine_b(self, state: _LLCombineState) -> torch.Tensor:
+        """`EPBackend.combine_b`: call the receive hook and return the combined tokens."""
         self._unreceived.discard(state)
         state.hook()
         combined, state.combined, state.hook = state.combined, None, None

@@ -152,20 +152,25 @@ class EmulatedLink(BackendWrapper):
         transfer.wait_end = max(self.clock.now(), transfer.wait_start)
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> _InFlight:
+        """The inner `EPBackend.dispatch_a`, booked on the link (``topk_idx`` before ``topk_weights``, unlike
+        ``torch.topk``)."""
         inner = self.inner.dispatch_a(hidden, topk_idx, topk_weights)
         nbytes = getattr(inner, "nbytes", 0) or hidden.nbytes * topk_idx.shape[1]
         return _InFlight(inner, self._book("dispatch", nbytes))
 
     def dispatch_b(self, state: _InFlight) -> DispatchOutput:
+        """Sleep until the booked transfer completes, then the inner `EPBackend.dispatch_b`."""
         self._wait(state.transfer)
         return self.inner.dispatch_b(state.inner)
 
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> _InFlight:
+        """The inner `EPBackend.combine_a`, booked on the link."""
         inner = self.inner.combine_a(expert_out, handle)
         nbytes = getattr(inner, "nbytes", 0) or expert_out.nbytes
         return _InFlight(inner, self._book("combine", nbytes))
 
     def combine_b(self, state: _InFlight) -> torch.Tensor:
+        """Sleep until the booked transfer completes, then the inner `EPBackend.combine_b`."""
         self._wait(state.transfer)
         return self.inner.combine_b(state.inner)
 

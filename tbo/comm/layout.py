@@ -63,7 +63,10 @@ def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
             f"{op}: topk_weights shape {tuple(topk_weights.shape)} differs from topk_idx {tuple(topk_idx.shape)}"
         )
     if topk_idx.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{op}: topk_idx must be an integer tensor, got {topk_idx.dtype}")
+        swapped = topk_idx.is_floating_point() and not topk_weights.is_floating_point()
+        raise TypeError(f"{op}: topk_idx must be an integer tensor, got {topk_idx.dtype}" + (
+            "; topk_idx and topk_weights look swapped: the order is (hidden, topk_idx, topk_weights), while "
+            "torch.topk returns (values, indices)" if swapped else ""))
     if not topk_weights.is_floating_point():
         raise TypeError(f"{op}: topk_weights must be floating point, got {topk_weights.dtype}")
     if len({hidden.device, topk_idx.device, topk_weights.device}) > 1:

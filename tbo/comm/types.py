@@ -65,20 +65,46 @@ class CombineState:
 @runtime_checkable
 class EPBackend(Protocol):
     """Expert-parallel dispatch and combine. ``combine_b(combine_a(run(dispatch_b(dispatch_a(x)))))`` equals
-    ``sum_k w_k * expert_{e_k}(x)`` per token."""
+    ``sum_k w_k * expert_{e_k}(x)`` per token.
+
+    Experts are numbered globally: rank ``r`` owns global experts ``r * num_local_experts`` to
+    ``(r + 1) * num_local_experts - 1``, and its expert function receives the local index
+    (``global - r * num_local_experts``). Every rank calls the four methods in the same order, once per microbatch
+    and layer, including a rank with no tokens (it dispatches an empty batch): they are collectives.
+    """
 
     rank: int
     num_ranks: int
     num_experts: int
     num_local_experts: int
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any: ...
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        """Launch sending each token's row to the ranks owning its experts, and return at once with the in-flight
+        state (keep it in the microbatch's `State`; pass it to `dispatch_b`).
 
-    def dispatch_b(self, state: Any) -> DispatchOutput: ...
+        ``hidden`` is ``[num_tokens, hidden]``; ``topk_idx`` ``[num_tokens, top_k]`` integer global expert ids, -1 for
+        an empty slot; ``topk_weights`` the same shape, floating point. Note the order: indices first, weights
+        second, the reverse of ``torch.topk``, which returns ``(values, indices)``; write
+        ``weights, idx = torch.topk(scores, k)`` and then ``dispatch_a(hidden, idx, weights)``. Swapped tensors are
+        refused (an integer ``topk_idx`` is required), never misrouted.
+        """
+        ...
 
-    def combine_a(self, expert_out: torch.Tensor, handle: Any) -> Any: ...
+    def dispatch_b(self, state: Any) -> DispatchOutput:
+        """Wait for the dispatch `dispatch_a` launched, and return the rows this rank's experts must process, laid
+        out in the backend's `DispatchFormat`, with the handle `combine_a` needs to send the results back."""
+        ...
 
-    def combine_b(self, state: Any) -> torch.Tensor: ...
+    def combine_a(self, expert_out: torch.Tensor, handle: Any) -> Any:
+        """Launch sending the experts' outputs back to the tokens' ranks, and return at once with the in-flight
+        state. ``expert_out`` has the layout and row order of the `DispatchOutput` it answers (what `run_experts`
+        returns); ``handle`` is that output's ``handle``."""
+        ...
+
+    def combine_b(self, state: Any) -> torch.Tensor:
+        """Wait for the combine, and return ``[num_tokens, hidden]``: per token, the sum over its top-k slots of
+        ``weight * expert output`` (zero for a token whose slots are all -1), in the order `dispatch_a` got them."""
+        ...
 
     @property
     def in_flight(self) -> list[Any]:
@@ -108,13 +134,17 @@ class BackendWrapper:
         return self.inner.drain()
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        """The inner backend's `EPBackend.dispatch_a` (``topk_idx`` before ``topk_weights``, unlike torch.topk)."""
         return self.inner.dispatch_a(hidden, topk_idx, topk_weights)
 
     def dispatch_b(self, state: Any) -> DispatchOutput:
+        """The inner backend's `EPBackend.dispatch_b`."""
         return self.inner.dispatch_b(state)
 
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> Any:
+        """The inner backend's `EPBackend.combine_a`."""
         return self.inner.combine_a(expert_out, handle)
 
     def combine_b(self, state: Any) -> torch.Tensor:
+        """The inner backend's `EPBackend.combine_b`."""
         return self.inner.combine_b(state)

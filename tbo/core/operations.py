@@ -19,7 +19,12 @@ YIELD_NAME = "Yield"
 
 
 class YieldType:
-    """The type of the singleton `Yield`. There is exactly one instance; compare with ``is``."""
+    """The type of the singleton `Yield`. There is exactly one instance; compare with ``is``.
+
+    Write ``Yield`` in a strategy list. ``Yield()`` is the same marker, for code ported from frameworks whose marker
+    is a class (SGLang's ``YieldOperation()``); the string ``"Yield"`` is accepted only in data (JSON), never in a
+    Python list, where it is an error naming its index.
+    """
 
     _instance: "YieldType | None" = None
     __slots__ = ()
@@ -34,6 +39,10 @@ class YieldType:
 
     def __reduce__(self) -> str:  # pickles (e.g. to spawned processes) as the same singleton
         return "Yield"
+
+    def __call__(self) -> "YieldType":
+        """``Yield()`` is ``Yield``: the marker, not an op."""
+        return self
 
 
 Yield = YieldType()
@@ -50,7 +59,8 @@ Operation = Union[str, Callable[..., "dict[str, Any] | None"]]
 
 
 def is_yield(item: object) -> bool:
-    """True for the `Yield` marker and for its string form ``"Yield"`` (as read back from JSON)."""
+    """True for the `Yield` marker and for its string form ``"Yield"`` (as read back from JSON; a strategy built
+    from Python refuses the string, see `YieldType`)."""
     return item is Yield or (isinstance(item, str) and item == YIELD_NAME)
 
 

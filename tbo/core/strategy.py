@@ -2,8 +2,10 @@
 
 A strategy is written once, per model and mode, as a Python list of op names (or callables) with `Yield` markers.
 It is checked at construction, so a malformed list fails where it is written, with its list index, rather than deep
-inside a forward pass. Stages are split once and cached on the object; the executor never re-splits per call.
-String-only strategies round-trip through JSON, which is what ``tbo show`` reads.
+inside a forward pass: its shape (no empty stage, a valid lead) and its transfers (every ``X_b`` after an ``X_a``,
+every ``X_a`` waited; `tbo.core.ordering`), once per strategy object. Stages are split once and cached on the
+object; the executor never re-splits per call. String-only strategies round-trip through JSON, which is what
+``tbo show`` reads.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from tbo.core.errors import StrategyError
-from tbo.core.operations import YIELD_NAME, Operation, Yield, comm_role, is_yield, op_name
+from tbo.core.operations import YIELD_NAME, Operation, Yield, comm_role, op_name
+from tbo.core.ordering import TransferOrder, transfer_order
 from tbo.core.schedule import Schedule, interleave
 
 __all__ = ["OperationsStrategy", "OpVisit"]
@@ -24,13 +27,15 @@ __all__ = ["OperationsStrategy", "OpVisit"]
 
 @dataclass(frozen=True)
 class OpVisit:
-    """One op as the schedule runs it: its microbatch, its stage, its name and its communication role
-    (``("launch" | "wait", kind)``, or None for compute). What the linter, the simulator and the renderers read."""
+    """One op as the schedule runs it: its microbatch, its stage, its name, its communication role
+    (``("launch" | "wait", kind)``, or None for compute) and its ``index`` in ``strategy.operations``. What the
+    linter, the simulator and the renderers read."""
 
     mb: int
     stage: int
     op: str
     role: tuple[str, str] | None
+    index: int
 
 
 def _as_strategy_error(exc: ValidationError) -> StrategyError:
@@ -49,6 +54,10 @@ class OperationsStrategy(BaseModel):
 
     ``delta_stages`` is how many stages each microbatch runs ahead of the next one. ``deep_gemm_num_sms`` limits
     DeepGEMM to that many SMs while the strategy runs, leaving the rest to communication kernels (None: no limit).
+
+    ``fragment=True`` marks a list that is one piece of a longer run, whose transfers may cross its ends (a layer
+    that launches a combine the next layer waits for): its launches and waits need not pair up within it. The run
+    built from the pieces (`concat`) is checked as usual.
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
@@ -57,6 +66,7 @@ class OperationsStrategy(BaseModel):
     delta_stages: int = 0
     deep_gemm_num_sms: int | None = None
     name: str | None = None
+    fragment: bool = False
 
     # ---- construction: our errors, not pydantic's wrappers --------------------------------------------------------
     def __init__(self, **data: Any) -> None:
@@ -67,6 +77,9 @@ class OperationsStrategy(BaseModel):
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> "OperationsStrategy":  # type: ignore[override]
+        """A strategy from data (a dict, as read from JSON or YAML), where ``"Yield"`` stands for the marker."""
+        if isinstance(obj, dict) and isinstance(obj.get("operations"), list):
+            obj = {**obj, "operations": [Yield if item == YIELD_NAME else item for item in obj["operations"]]}
         try:
             return super().model_validate(obj, **kwargs)
         except ValidationError as exc:
@@ -74,17 +87,21 @@ class OperationsStrategy(BaseModel):
 
     @classmethod
     def model_validate_json(cls, json_data: str | bytes, **kwargs: Any) -> "OperationsStrategy":  # type: ignore[override]
+        """A strategy from `model_dump_json`'s text; ``"Yield"`` stands for the marker."""
         try:
-            return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as exc:
-            raise _as_strategy_error(exc) from None
+            data = json.loads(json_data)
+        except ValueError as exc:
+            raise StrategyError(f"strategy JSON does not parse: {exc}") from None
+        if not isinstance(data, dict):
+            raise StrategyError(f"strategy JSON must be an object with 'operations', got {type(data).__name__}")
+        return cls.model_validate(data, **kwargs)
 
     @field_validator("operations", mode="before")
     @classmethod
     def _check_operations(cls, ops: Any) -> tuple[Any, ...]:
         if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
             raise StrategyError(f"operations must be a list of ops and Yield markers, got {type(ops).__name__}")
-        items = tuple(Yield if is_yield(item) else item for item in ops)
+        items = tuple(ops)
         if not items:
             raise StrategyError("operations is empty: a strategy needs at least one op")
         for i, item in enumerate(items):
@@ -96,6 +113,11 @@ class OperationsStrategy(BaseModel):
                 if items[i - 1] is Yield:
                     raise StrategyError(f"operations[{i}] is a second Yield in a row: that stage would be empty")
             elif isinstance(item, str):
+                if item == YIELD_NAME:
+                    raise StrategyError(
+                        f"operations[{i}] is the string {YIELD_NAME!r}: write the marker tbo.Yield (the string stands "
+                        "for it only in data read by model_validate / model_validate_json)"
+                    )
                 if not item.isidentifier():
                     raise StrategyError(f"operations[{i}] = {item!r} is not a valid op name (an identifier)")
             elif not callable(item):
@@ -123,6 +145,17 @@ class OperationsStrategy(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_transfers(self) -> "OperationsStrategy":
+        problems = () if self.fragment else self.transfer_order.problems
+        if problems:
+            raise StrategyError(
+                f"strategy {self.name or '(unnamed)'}: " + "; ".join(str(p) for p in problems) + ". Every "
+                "microbatch runs this list in this order, so the run would fail or leave a transfer in flight. (A "
+                "list that is one piece of a longer run, with transfers crossing its ends, passes fragment=True.)"
+            )
+        return self
+
     # ---- derived, computed once ----------------------------------------------------------------------------------
     @cached_property
     def stages(self) -> tuple[tuple[Operation, ...], ...]:
@@ -142,6 +175,11 @@ class OperationsStrategy(BaseModel):
     def stage_names(self) -> tuple[tuple[str, ...], ...]:
         """Debug names of each stage's ops; used for errors, tracing and `Schedule.render`."""
         return tuple(tuple(op_name(op) for op in stage) for stage in self.stages)
+
+    @cached_property
+    def transfer_order(self) -> TransferOrder:
+        """How this list's launches and waits pair up, and what does not (`tbo.core.ordering`); computed once."""
+        return transfer_order(self.stage_names)
 
     @property
     def num_stages(self) -> int:
@@ -171,10 +209,19 @@ class OperationsStrategy(BaseModel):
              role: Callable[[str], tuple[str, str] | None] = comm_role) -> Iterator[OpVisit]:
         """Every op in execution order, as the executor would run it: the one walk that the linter, the simulator
         and the renderers share. ``role`` classifies op names (the simulator passes its cost model's)."""
-        names = self.stage_names
+        names, firsts = self.stage_names, self._stage_firsts
         for mb, stage in self.schedule(num_microbatches, delta_stages).steps:
-            for name in names[stage]:
-                yield OpVisit(mb, stage, name, role(name))
+            for k, name in enumerate(names[stage]):
+                yield OpVisit(mb, stage, name, role(name), firsts[stage] + k)
+
+    @cached_property
+    def _stage_firsts(self) -> tuple[int, ...]:
+        """The index in ``operations`` of each stage's first op."""
+        firsts, index = [], 0
+        for stage in self.stages:
+            firsts.append(index)
+            index += len(stage) + 1
+        return tuple(firsts)
 
     def render_schedule(self, num_microbatches: int = 2, delta_stages: int | Sequence[int] | None = None,
                         width: int = 44) -> str:
@@ -201,7 +248,7 @@ class OperationsStrategy(BaseModel):
     def _replace(self, **changes: Any) -> "OperationsStrategy":
         """A fresh, validated instance with some fields changed (model_copy would carry over the cached stages)."""
         fields = {"operations": self.operations, "delta_stages": self.delta_stages,
-                  "deep_gemm_num_sms": self.deep_gemm_num_sms, "name": self.name}
+                  "deep_gemm_num_sms": self.deep_gemm_num_sms, "name": self.name, "fragment": self.fragment}
         return type(self)(**{**fields, **changes})
 
     def without(self, names: Iterable[str], name: str | None = None) -> "OperationsStrategy":
@@ -222,14 +269,16 @@ class OperationsStrategy(BaseModel):
                              name=name if name is not None else self.name)
 
     @classmethod
-    def concat(cls, strategies: Iterable["OperationsStrategy"], name: str | None = None) -> "OperationsStrategy":
+    def concat(cls, strategies: Iterable["OperationsStrategy"], name: str | None = None,
+               fragment: bool = False) -> "OperationsStrategy":
         """Join per-layer strategies into one list, the way a model runs its layers back to back.
 
         No Yield is inserted between layers: the last stage of one layer and the first stage of the next run as one
         stage, as in DeepSeek decode where ``output, comm_postprocess_layer`` flows into the next ``attn_prepare``.
         The one joining rule: the whole run has one ``delta_stages`` and one ``deep_gemm_num_sms``, so every layer
         with more than one stage must agree on the lead (a one-stage layer, such as a dense layer, has none of its
-        own and accepts any), and every layer on the SM budget.
+        own and accepts any), and every layer on the SM budget. The joined list's transfers are checked unless
+        ``fragment`` is set, whatever its pieces say: a run must pair up every launch it makes.
         """
         parts = list(strategies)
         if not parts:
@@ -254,6 +303,7 @@ class OperationsStrategy(BaseModel):
             delta_stages=lead.delta_stages,
             deep_gemm_num_sms=parts[0].deep_gemm_num_sms,
             name=name if name is not None else lead.name,
+            fragment=fragment,
         )
 
     # ---- JSON ---------------------------------------------------------------------------------------------------
@@ -270,13 +320,16 @@ class OperationsStrategy(BaseModel):
             "deep_gemm_num_sms": self.deep_gemm_num_sms,
             "operations": [YIELD_NAME if item is Yield else item for item in self.operations],
         }
+        if self.fragment:
+            data["fragment"] = True
         return json.dumps(data, indent=kwargs.get("indent"))
 
     def __repr__(self) -> str:
         shown = ", ".join(repr(it) if it is Yield else repr(op_name(it)) for it in self.operations)
         return (
             f"OperationsStrategy(name={self.name!r}, delta_stages={self.delta_stages}, "
-            f"deep_gemm_num_sms={self.deep_gemm_num_sms}, operations=[{shown}])"
+            f"deep_gemm_num_sms={self.deep_gemm_num_sms}{', fragment=True' if self.fragment else ''}, "
+            f"operations=[{shown}])"
         )
 
     __str__ = describe

@@ -15,7 +15,7 @@ from tbo.core.observer import Observer
 from tbo.runtime.profile import RecordFunctionObserver
 from tbo.runtime.sm_budget import deep_gemm_num_sms
 from tbo.split.plan import MicrobatchSlice, SplitPlan
-from tbo.split.tensors import merge_outputs, split_inputs
+from tbo.split.tensors import RequestRule, merge_outputs, split_inputs
 from tbo.core.state import State
 from tbo.strategies.dense import LayerStrategies, bind_layers
 from tbo.core.strategy import OperationsStrategy
@@ -32,7 +32,7 @@ def model_forward_maybe_tbo(
     plan: SplitPlan | None,
     *,
     pinned: Pinned | None = None,
-    request_keys: Iterable[str] = (),
+    request_keys: Iterable[str] | Mapping[str, RequestRule] = (),
     shared_keys: Iterable[str] = (),
     output_key: str = "hidden_states",
     backend: Drainable | None = None,
@@ -45,6 +45,8 @@ def model_forward_maybe_tbo(
     ``strategy`` is a bound strategy for the whole stack (build it once with `bind_layers`: the fast path), or what
     `bind_layers` takes: one strategy for every layer, one per layer kind, or a function of the layer.
     ``pinned(slice)`` returns step-scoped values to pin in each microbatch's State (``slice`` is None unsplit).
+    ``request_keys`` and ``shared_keys`` say how `split_inputs` splits the non-token inputs: per-request keys with
+    their `RequestRule` (``{"extend_lens": "lengths"}``), so that a plan cutting a sequence splits them correctly.
     ``backend``: the layers' communication backend (an `EPBackend`, an AFD connector). Unless ``guard`` names
     ``drain`` itself, a step that fails drains it before raising, so no transfer still writes into buffers the
     caller is about to free or reuse. ``profile`` adds torch.profiler ranges per stage and op.
@@ -62,11 +64,27 @@ def model_forward_maybe_tbo(
             if pinned is not None:
                 state.pin(**pinned(None))
             out = execute_operations(inputs, bound, state=state, observer=observers, **guard)
-            return {output_key: out[output_key]}
+            return {output_key: _result(out, output_key, bound, 0)}
         parts = split_inputs(inputs, plan, request_keys=request_keys, shared_keys=shared_keys)
         states = plan.make_states()
         if pinned is not None:
             for state, mb in zip(states, plan.microbatches):
                 state.pin(**pinned(mb))
         outs = execute_overlapped_operations(parts, bound, states=states, observer=observers, **guard)
-        return {output_key: merge_outputs([o[output_key] for o in outs], plan)}
+        return {output_key: merge_outputs([_result(o, output_key, bound, k) for k, o in enumerate(outs)], plan)}
+
+
+def _result(out: Any, output_key: str, strategy: OperationsStrategy, mb: int) -> Any:
+    """The step's output tensor from the last op's return value, or an error naming that op.
+
+    The executor hands back whatever the last op returned, None included (a run may leave its results in States
+    the caller passed); this seam needs ``{output_key: tensor}``, so it is where a missing result is an error.
+    """
+    if isinstance(out, Mapping) and output_key in out:
+        return out[output_key]
+    last = f"the last op, {strategy.stage_names[-1][-1]!r} (stage {strategy.num_stages - 1})"
+    if not isinstance(out, Mapping):
+        raise TypeError(f"microbatch {mb}: {last}, returned {'nothing (None)' if out is None else type(out).__name__}"
+                        f"; model_forward_maybe_tbo needs it to return {{{output_key!r}: tensor}}")
+    raise ValueError(f"microbatch {mb}: {last}, returned keys {sorted(out)} without {output_key!r}; pass "
+                     f"output_key= to name the output")

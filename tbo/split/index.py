@@ -3,7 +3,8 @@
 Decode-like batches cut between sequences, half the sequences each. Prefill batches cut between sequences too, at the
 sequence boundary that best balances tokens, unless that boundary is lopsided (a share below
 ``token_distribution_threshold``); then the cut falls inside one sequence at half the tokens ("two-chunk" mode), so
-that one long prefill still splits in the middle.
+that one long prefill still splits in the middle. `boundary_cuts` is the rule for callers that must never cut inside
+a sequence: the same boundaries, or no cut at all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD",
     "compute_split_seq_index",
     "compute_split_token_index",
+    "boundary_cuts",
     "extend_cut",
     "sequence_lens",
 ]
@@ -37,6 +39,24 @@ class ForwardMode(enum.Enum):
     def is_decode_like(self) -> bool:
         """Cut only between sequences, each with the same token count."""
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+    @classmethod
+    def of(cls, mode: "ForwardMode | str") -> "ForwardMode":
+        """``mode`` as a ForwardMode: a member as is, or its name or value in any case (``"extend"``, ``"EXTEND"``).
+
+        Frameworks carry the mode as a string often enough that refusing one would only move the conversion into
+        every caller; anything else is a TypeError, an unknown name a ValueError listing the known ones.
+        """
+        if isinstance(mode, cls):
+            return mode
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a tbo.ForwardMode or its name as a string, got {type(mode).__name__} "
+                            f"{mode!r}")
+        try:
+            return cls[mode.strip().upper()]
+        except KeyError:
+            names = ", ".join(m.name for m in cls)
+            raise ValueError(f"mode {mode!r} is not a tbo.ForwardMode; expected one of {names} (any case)") from None
 
 
 class Cut(NamedTuple):
@@ -103,6 +123,30 @@ def extend_cut(extend_lens: Sequence[int], token_distribution_threshold: float) 
     return Cut(half, seq, starts[seq] < half)
 
 
+def boundary_cuts(extend_lens: Sequence[int], parts: int, token_distribution_threshold: float) -> list[Cut] | None:
+    """``parts - 1`` cuts between sequences only, or None when no such split is balanced enough.
+
+    Cut ``k`` falls at the sequence boundary closest to ``k * total / parts`` tokens (the larger index on a tie: for
+    two parts, the boundary `extend_cut` picks). The split is accepted only if every microbatch gets at least
+    ``2 * token_distribution_threshold / parts`` of the tokens, which for two parts is `extend_cut`'s rule: a share
+    in ``[t, 1 - t]``. A single sequence, or fewer sequences than parts, never splits.
+    """
+    _check_threshold(token_distribution_threshold)
+    n, total = len(extend_lens), sum(extend_lens)
+    if total == 0 or n < parts:
+        return None
+    starts = [0, *accumulate(extend_lens)]
+    cuts = []
+    for k in range(1, parts):
+        best = max(range(1, n), key=lambda i: (-abs(parts * starts[i] - k * total), i))
+        cuts.append(Cut(starts[best], best, False))
+    bounds = [0, *(cut.token_index for cut in cuts), total]
+    sizes = [end - start for start, end in zip(bounds, bounds[1:])]
+    if any(size <= 0 or size * parts < 2 * token_distribution_threshold * total for size in sizes):
+        return None
+    return cuts
+
+
 def _decode_cut(num_seqs: int, token_num_per_seq: int) -> Cut | None:
     seq = num_seqs // 2
     return Cut(seq * token_num_per_seq, seq, False) if seq >= 1 else None
@@ -115,6 +159,7 @@ def _cut(
     token_num_per_seq: int,
     token_distribution_threshold: float,
 ) -> Cut | None:
+    mode = ForwardMode.of(mode)
     if mode is ForwardMode.IDLE:
         return None
     lens = sequence_lens(mode, num_tokens, extend_lens, token_num_per_seq)
@@ -124,7 +169,7 @@ def _cut(
 
 
 def compute_split_seq_index(
-    mode: ForwardMode,
+    mode: ForwardMode | str,
     num_tokens: int,
     extend_lens: Sequence[int] | None = None,
     token_num_per_seq: int = 1,
@@ -138,13 +183,14 @@ def compute_split_seq_index(
 
 def compute_split_token_index(
     split_seq_index: int,
-    mode: ForwardMode,
+    mode: ForwardMode | str,
     extend_lens: Sequence[int] | None = None,
     token_num_per_seq: int = 1,
     *,
     token_distribution_threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD,
 ) -> int:
     """The token offset of the cut for ``split_seq_index``; ``total // 2`` in two-chunk mode."""
+    mode = ForwardMode.of(mode)
     if mode is ForwardMode.IDLE:
         return 0
     if mode.is_decode_like:

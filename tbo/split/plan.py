@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tbo.core.state import State
-from tbo.split.index import DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, Cut, ForwardMode, _decode_cut, extend_cut, sequence_lens
+from tbo.split.index import (DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, Cut, ForwardMode, _decode_cut, boundary_cuts,
+                             extend_cut, sequence_lens)
 
 __all__ = ["MicrobatchSlice", "SplitPlan", "SplitPolicy", "plan_from_cuts"]
 
@@ -80,6 +81,15 @@ class SplitPlan:
         return self.cuts[0].token_index
 
     @property
+    def extend_lens(self) -> tuple[int, ...]:
+        """Each request's tokens in the whole step (the sum of its shares over the microbatches)."""
+        lens = [0] * self.num_requests
+        for mb in self.microbatches:
+            for j, share in enumerate(mb.extend_lens):
+                lens[mb.requests_start + j] += share
+        return tuple(lens)
+
+    @property
     def cut_extend_lens(self) -> tuple[int, int] | None:
         """Two-chunk mode: the cut sequence's extend length in the first and the second microbatch."""
         if not self.cuts[0].inside:
@@ -104,6 +114,7 @@ def plan_from_cuts(
     mode: ForwardMode, lens: Sequence[int], cuts: Sequence[Cut], pad_to_multiple: int = 1
 ) -> SplitPlan:
     """Derive every microbatch's ranges from the cuts of the token stream (``len(cuts) + 1`` microbatches)."""
+    mode = ForwardMode.of(mode)
     starts = [0, *accumulate(lens)]
     total, n = starts[-1], len(lens)
     bounds = [Cut(0, 0, False), *cuts]
@@ -147,6 +158,12 @@ class SplitPolicy(BaseModel):
 
     A decode-only step splits when it has at least ``decode_token_threshold`` tokens; a step with any prefill when it
     has at least ``prefill_token_threshold``. The defaults are the AFD recipe's (decode 2, prefill 12).
+
+    By default a prefill step whose sequence boundaries are all lopsided is cut inside a sequence ("two-chunk"), so
+    that one long prefill still overlaps. That needs attention that reads the cut request's earlier tokens from the
+    KV cache, and per-request inputs split by their meaning (`split_inputs` ``request_keys``). A framework whose
+    attention cannot do that sets ``allow_cut_sequences=False``: cuts fall between sequences only, and a step with
+    no acceptable boundary runs unsplit.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -159,6 +176,10 @@ class SplitPolicy(BaseModel):
         description="below this share on one side of a sequence boundary, cut inside a sequence instead",
     )
     pad_to_multiple: int = Field(default=1, description="pad each microbatch's tokens to a multiple of this")
+    allow_cut_sequences: bool = Field(
+        default=True,
+        description="False: never cut inside a sequence; a step with no balanced sequence boundary runs unsplit",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SplitPolicy":
@@ -178,18 +199,23 @@ class SplitPolicy(BaseModel):
             raise ValueError(f"pad_to_multiple must be >= 1, got {self.pad_to_multiple}")
         return self
 
-    def threshold_for(self, mode: ForwardMode, lens: Sequence[int]) -> int:
-        has_prefill = mode is ForwardMode.EXTEND and any(n > 1 for n in lens)
+    def threshold_for(self, mode: ForwardMode | str, lens: Sequence[int]) -> int:
+        """The token count from which a step of this mode and these sequence lengths splits."""
+        has_prefill = ForwardMode.of(mode) is ForwardMode.EXTEND and any(n > 1 for n in lens)
         return self.prefill_token_threshold if has_prefill else self.decode_token_threshold
 
     def plan(
         self,
-        mode: ForwardMode,
+        mode: ForwardMode | str,
         num_tokens: int,
         extend_lens: Sequence[int] | None = None,
         token_num_per_seq: int = 1,
     ) -> SplitPlan | None:
-        """The split plan for this step, or None: run it unsplit (too small, IDLE, or no non-empty cut exists)."""
+        """The split plan for this step, or None: run it unsplit (too small, IDLE, or no acceptable cut exists).
+
+        ``mode`` is a `ForwardMode` or its name in any case (``"extend"``).
+        """
+        mode = ForwardMode.of(mode)
         if mode is ForwardMode.IDLE:
             return None
         lens = sequence_lens(mode, num_tokens, extend_lens, token_num_per_seq)
@@ -202,6 +228,8 @@ class SplitPolicy(BaseModel):
 
     def _cuts(self, mode: ForwardMode, lens: list[int], token_num_per_seq: int) -> list[Cut] | None:
         n, total, parts = len(lens), sum(lens), self.num_microbatches
+        if not self.allow_cut_sequences and not mode.is_decode_like:
+            return boundary_cuts(lens, parts, self.token_distribution_threshold)
         if parts == 2:
             cut = (_decode_cut(n, token_num_per_seq) if mode.is_decode_like
                    else extend_cut(lens, self.token_distribution_threshold))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -13,11 +14,22 @@ from tbo.core.strategy import OperationsStrategy
 __all__ = ["main", "load_strategy"]
 
 
-def load_strategy(source: str) -> OperationsStrategy:
-    """A strategy from a JSON file path, or a registered strategy's name."""
+def load_strategy(source: str, fragment: bool = False) -> OperationsStrategy:
+    """A strategy from a JSON file path, or a registered strategy's name.
+
+    ``fragment=True`` reads a file without the transfer-ordering check, so that `tbo lint` can report what is wrong
+    with it instead of refusing to load it."""
     path = Path(source)
     if path.is_file():
-        return OperationsStrategy.model_validate_json(path.read_text())
+        if not fragment:
+            return OperationsStrategy.model_validate_json(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as exc:
+            raise StrategyError(f"{source}: strategy JSON does not parse: {exc}") from None
+        if not isinstance(data, dict):
+            raise StrategyError(f"{source}: strategy JSON must be an object with 'operations'")
+        return OperationsStrategy.model_validate({**data, "fragment": True})
     from tbo import strategies
 
     if source in strategies.names():
@@ -68,8 +80,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_lint(args: argparse.Namespace) -> int:
     from tbo.tools.lint import lint
 
-    layer = load_strategy(args.strategy)
-    strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
+    layer = load_strategy(args.strategy, fragment=True)  # ordering problems are findings here, not a load error
+    strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name, fragment=True)
     findings = lint(strategy, args.microbatches, args.low_latency)
     for f in findings:
         print(f)

@@ -376,7 +376,12 @@ def save_chrome_json(trace: Trace, path: str | Path) -> Path:
 
 
 def save_png(trace: Trace, path: str | Path, title: str | None = None) -> Path:
-    """A timeline: both microbatches' ops on a compute lane above their transfers on a communication lane."""
+    """A timeline: both microbatches' ops on a compute lane above their transfers on a communication lane.
+
+    Every bar wide enough for its name is labelled with it (the op, or the transfer's kind). Exposed waits, the time a
+    ``_b`` op sat blocked, are drawn over their op as white bars with red hatching and a red edge, labelled "wait",
+    so that waiting cannot be read as compute; an op that mostly waited keeps only that label.
+    """
     try:
         import matplotlib
 
@@ -385,28 +390,47 @@ def save_png(trace: Trace, path: str | Path, title: str | None = None) -> Path:
     except ImportError as exc:  # pragma: no cover - the plot extra is missing
         raise ImportError("save_png needs matplotlib: pip install 'tbo[plot]'") from exc
     colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
+    wait_style = dict(facecolor="white", edgecolor="#D62728", hatch="////", linewidth=0.8)
     t0 = min((s.start for s in trace.spans), default=0.0)
+    t1 = max((s.end for s in trace.spans), default=t0 + 1e-3)
     fig, ax = plt.subplots(figsize=(14, 3.2))
     rows = {"compute": 1.0, "comm": 0.0}
+    bars: list[tuple[float, float, float, str, str]] = []  # (start ms, width ms, y centre, label, text colour)
+    waits: dict[tuple[int, int], list[Span]] = {}  # (microbatch, stage) -> its waits, each inside its op's bar
+    for s in trace.lane("wait"):
+        waits.setdefault((s.mb, s.stage), []).append(s)
     for s in trace.spans:
+        x, width = (s.start - t0) * 1e3, max(s.duration, 1e-9) * 1e3
         if s.lane == "wait":
-            ax.broken_barh([((s.start - t0) * 1e3, s.duration * 1e3)], (rows["compute"] - 0.4, 0.8),
-                           facecolors="none", edgecolors="red", hatch="///", linewidth=0.5)
+            ax.broken_barh([(x, width)], (rows["compute"] - 0.4, 0.8), zorder=3, **wait_style)
+            bars.append((x, width, rows["compute"], "wait", "#D62728"))
             continue
-        color = colors[s.mb % len(colors)]
-        y = rows[s.lane]
-        ax.broken_barh([((s.start - t0) * 1e3, max(s.duration, 1e-9) * 1e3)], (y - 0.4 + 0.05 * (s.lane == "comm")
-                       * s.mb, 0.8 - 0.1 * (s.lane == "comm")), facecolors=color, edgecolors="white",
-                       linewidth=0.3, alpha=0.9 if s.lane == "compute" else 0.6)
+        y = rows[s.lane] + (0.05 * s.mb if s.lane == "comm" else 0.0)
+        height = 0.8 - (0.1 if s.lane == "comm" else 0.0)
+        ax.broken_barh([(x, width)], (y - 0.4, height), facecolors=colors[s.mb % len(colors)], edgecolors="white",
+                       linewidth=0.3, alpha=0.9 if s.lane == "compute" else 0.6, zorder=2)
+        waited = sum(max(0.0, min(w.end, s.end) - max(w.start, s.start)) for w in waits.get((s.mb, s.stage), ()))
+        mostly_waiting = s.lane == "compute" and waited > s.duration / 2
+        if not mostly_waiting:
+            bars.append((x, width, y, s.name, "white" if s.lane == "compute" else "black"))
+    ax.set_xlim(0, (t1 - t0) * 1e3 * 1.005)
+    ax.set_ylim(-0.6, 1.6)
     ax.set_yticks([0, 1], ["comm", "compute"])
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[mb % len(colors)]) for mb in sorted({s.mb for s in
                                                                                             trace.spans})]
-    ax.legend(handles + [plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="red", hatch="///")],
-              [f"microbatch {chr(65 + i)}" for i in range(len(handles))] + ["exposed wait"],
+    ax.legend(handles + [plt.Rectangle((0, 0), 1, 1, **wait_style)],
+              [f"microbatch {chr(65 + i)}" for i in range(len(handles))] + ["exposed wait (a _b op blocked)"],
               loc="upper right", fontsize=8, ncol=len(handles) + 1)
     ax.set_title(title or trace.label or "tbo timeline")
     fig.tight_layout()
+    # label the bars whose on-screen width fits the name (fontsize 6.5: about 5.5 px per character at 110 dpi)
+    px_per_ms = ax.get_window_extent().width / max(ax.get_xlim()[1], 1e-9)
+    char_px = 0.6 * 6.5 * 110 / 72
+    for x, width, y, label, color in bars:
+        if width * px_per_ms >= (len(label) + 1) * char_px:
+            ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=6.5, color=color, clip_on=True,
+                    zorder=4)
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -56,13 +56,38 @@ class _StageExecutor:
         self.stage += 1
 
     def _error(self, op: Any, received: Any, exc: Exception) -> OperationError:
-        name = op_name(op)
-        if received is not None and not isinstance(received, Mapping):
-            exc = TypeError(
-                f"it received a {type(received).__name__} from the previous op; ops must return a dict "
-                f"(passed on as keyword arguments) or None; only the last op may return anything else ({exc})"
-            )
-        return OperationError(self.mb, self.stage, name, exc)
+        """The failure path only: blame the op that broke the contract, which is not always the one that raised.
+
+        An error raised by the call itself (no frame of the op on the traceback: the output could not be unpacked,
+        or Python could not bind the arguments) is about what the op received, i.e. what the previous op returned.
+        A non-dict is that op's fault; None or the wrong keys are reported at the op called, saying what the
+        previous op handed over.
+        """
+        stage, ops = self.stage, self.stages[self.stage]
+        if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:  # raised inside the op
+            return OperationError(self.mb, stage, op_name(op), exc)
+        pos = next((j for j, o in enumerate(ops) if o is op), 0)  # the first, if one callable sits twice in a stage
+        prev_stage = stage if pos else stage - 1
+        prev = ops[pos - 1] if pos else self.stages[prev_stage][-1] if stage else None
+        if prev is not None and received is not None and not isinstance(received, Mapping):
+            return OperationError(self.mb, prev_stage, op_name(prev), TypeError(
+                f"it returned a {type(received).__name__}, which the next op, {op_name(op)!r} (stage {stage}), "
+                "cannot take: an op returns a dict (passed on as keyword arguments) or None; only the last op may "
+                f"return anything else ({exc})"
+            ))
+        if not isinstance(exc, TypeError):
+            return OperationError(self.mb, stage, op_name(op), exc)
+        if prev is None:
+            source = "the microbatch's inputs"
+        else:
+            source = f"the previous op, {op_name(prev)!r} (stage {prev_stage})"
+        if received is None and prev is not None:
+            note = f"{source}, returned nothing (None), so it got no arguments"
+        elif not received:
+            note = f"{source} gave it no arguments"
+        else:
+            note = f"it got the keyword arguments {sorted(received)} from {source}"
+        return OperationError(self.mb, stage, op_name(op), TypeError(f"{exc}; {note}"))
 
 
 class _ObservedStageExecutor(_StageExecutor):
@@ -144,6 +169,10 @@ def execute_overlapped_operations(
     dump_stacks: bool = False,
 ) -> list[Any]:
     """Run two or more microbatches interleaved; return each one's last op output, in microbatch order.
+
+    The output is whatever the last op returned, None included: a run may leave its results in the ``states`` the
+    caller passed, so the executor does not second-guess it (`model_forward_maybe_tbo`, which needs a dict, raises
+    naming the last op).
 
     ``operations_arr`` is an `OperationsStrategy` (or a flat op list) shared by all microbatches, or one per
     microbatch. Pass bound strategies built once: raw lists are validated and split on every call.
