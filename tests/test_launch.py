@@ -67,3 +67,16 @@ def _fail_then_exit(rank, world):
 def test_launch_keeps_the_failing_ranks_traceback():
     with pytest.raises(RankError, match="rank zero's own error"):
         launch(_fail_then_exit, 2, failure_grace_s=8)
+
+
+def _tensor_result(rank, world):
+    return torch.full((4,), float(rank))
+
+
+@pytest.mark.dist
+def test_launch_copies_tensor_results_instead_of_sharing_them():
+    """A rank's tensors come back as copies. Shared through torch's queue, the parent would fetch each storage's file
+    descriptor from the rank after it returned, and a rank that has exited by then resets the connection."""
+    results = launch(_tensor_result, 2)
+    assert [r.tolist() for r in results] == [[0.0] * 4, [1.0] * 4]
+    assert not any(r.is_shared() for r in results)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -53,7 +54,9 @@ def _child(rank: int, world_size: int, port: int, backend: str, timeout_s: float
 
     try:
         _init(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # plain pickle copies tensors into the message: torch's queue would share their storage by a file
+        # descriptor that the parent fetches from this process later, and this process may have exited by then
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -115,7 +118,7 @@ def launch(
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:g}s")
             try:
                 rank, ok, value = results.get(timeout=min(deadline - now, 0.5))
-                (out if ok else failures)[rank] = value
+                (out if ok else failures)[rank] = pickle.loads(value) if ok else value
             except queue.Empty:
                 for r, p in enumerate(procs):  # a rank that exited without a result (killed, os._exit, crash)
                     if r not in out and r not in failures and p.exitcode is not None:
