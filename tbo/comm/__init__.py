@@ -1,8 +1,10 @@
 """Expert-parallel communication: dispatch_a/b and combine_a/b over local, torch.distributed, emulated, copy-engine
-and DeepEP transports, and timeout-bounded waits. (The expert runners for each layout are in `tbo.experts`.)"""
+and DeepEP transports (DeepEP V1 and V2, chosen by `deepep_backend`), and timeout-bounded waits. (The expert runners
+for each layout are in `tbo.experts`.)"""
 
 from tbo.comm.alltoall import AllToAllBackend, LocalBackend, TorchDistributedBackend
 from tbo.comm.copy_engine import CopyEngineLink
+from tbo.comm.deepep_select import deepep_backend
 from tbo.comm.types import CombineState, DispatchFormat, DispatchOutput, DispatchState, EPBackend
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 
@@ -18,5 +20,6 @@ __all__ = [
     "EPBackend",
     "LocalBackend",
     "TorchDistributedBackend",
+    "deepep_backend",
     "wait_work",
 ]

@@ -11,7 +11,9 @@ They follow DeepEP's own rules, because TBO only works if they do:
   (DeepEP double-buffers), so the dispatch output must be dropped before the next-but-one call.
 
 ``deep_ep`` is imported only by `create`; a buffer built elsewhere (or the CPU stand-in in `tbo.testing`) can be
-passed in directly. Keyword arguments the installed version does not accept are left out, detected by signature.
+passed in directly. Written against DeepEP V1 (``deep_ep.Buffer``, 1.x, still exported by 2.x as
+``deep_ep.buffers.legacy``); DeepEP V2's ``ElasticBuffer`` is `tbo.comm.deepep_elastic`. Keyword arguments the
+installed version does not accept are left out, detected by signature.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import inspect
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -42,6 +45,17 @@ def supported_kwargs(fn: Callable, **kwargs: Any) -> dict[str, Any]:
     """The subset of ``kwargs`` that ``fn`` accepts (all of them if it takes ``**kwargs``)."""
     names, var_kw = _parameters(getattr(fn, "__func__", fn))
     return kwargs if var_kw else {k: v for k, v in kwargs.items() if k in names}
+
+
+def _v1_buffer(deep_ep: ModuleType | None, purpose: str) -> Any:
+    """``deep_ep.Buffer`` (V1), or an ImportError saying how to get it."""
+    module = deep_ep if deep_ep is not None else require("deep_ep", purpose)
+    buffer_cls = getattr(module, "Buffer", None)
+    if buffer_cls is None:
+        raise ImportError(f"{purpose} needs DeepEP V1's deep_ep.Buffer, but this deep_ep "
+                          f"{getattr(module, '__version__', '?')} was built without it (DISABLE_LEGACY=1); use "
+                          "DeepEPElasticBackend (V2)")
+    return buffer_cls
 
 
 def _split_fp8(recv: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -82,11 +96,11 @@ class DeepEPNormalBackend:
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
 
     @classmethod
-    def create(cls, group: Any, num_experts: int, num_nvl_bytes: int, num_rdma_bytes: int = 0,
-               **kwargs: Any) -> "DeepEPNormalBackend":
-        """Build a ``deep_ep.Buffer`` for ``group`` (needs deep_ep) and wrap it."""
-        deep_ep = require("deep_ep", "DeepEPNormalBackend")
-        return cls(deep_ep.Buffer(group, num_nvl_bytes, num_rdma_bytes), num_experts, **kwargs)
+    def create(cls, group: Any, num_experts: int, num_nvl_bytes: int, num_rdma_bytes: int = 0, *,
+               deep_ep: ModuleType | None = None, **kwargs: Any) -> "DeepEPNormalBackend":
+        """Build a ``deep_ep.Buffer`` for ``group`` (needs deep_ep, or the module passed as ``deep_ep``), wrap it."""
+        buffer_cls = _v1_buffer(deep_ep, "DeepEPNormalBackend")
+        return cls(buffer_cls(group, num_nvl_bytes, num_rdma_bytes), num_experts, **kwargs)
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                    ) -> _NormalDispatchState:
@@ -186,14 +200,15 @@ class DeepEPLowLatencyBackend:
         self._unreceived: weakref.WeakSet = weakref.WeakSet()  # states whose hook has not run: drain() runs it
 
     @classmethod
-    def create(cls, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
-               **kwargs: Any) -> "DeepEPLowLatencyBackend":
-        """Build a low-latency ``deep_ep.Buffer`` sized for this model (needs deep_ep) and wrap it."""
-        deep_ep = require("deep_ep", "DeepEPLowLatencyBackend")
+    def create(cls, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int, *,
+               deep_ep: ModuleType | None = None, **kwargs: Any) -> "DeepEPLowLatencyBackend":
+        """Build a low-latency ``deep_ep.Buffer`` sized for this model (needs deep_ep, or the module passed as
+        ``deep_ep``) and wrap it."""
+        buffer_cls = _v1_buffer(deep_ep, "DeepEPLowLatencyBackend")
         num_ranks = group.size()
-        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                             num_experts)
-        buffer = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
+        rdma = buffer_cls.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                         num_experts)
+        buffer = buffer_cls(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
         return cls(buffer, num_experts, num_max_dispatch_tokens_per_rank, **kwargs)
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor

@@ -1,7 +1,9 @@
 """SM budgets for GPU kernels that share the device with communication: set for a scope, restored on exit.
 
 In prefill TBO, DeepEP's communication kernels occupy some SMs while the other microbatch's GEMMs run; DeepGEMM must
-be told to leave them free, and the old value must come back afterwards even when the forward raises.
+be told to leave them free, and the old value must come back afterwards even when the forward raises. DeepEP V1
+sets its SM count globally (``Buffer.set_num_sms``); V2 takes it per call, from
+``ElasticBuffer.get_theoretical_num_sms``, and has no zero-SM mode, so decode needs a budget with V2 as well.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 from tbo.util.optional import require, try_import
 
-__all__ = ["deep_gemm_num_sms", "deep_ep_num_sms", "save_restore"]
+__all__ = ["deep_gemm_num_sms", "deep_ep_num_sms", "deep_ep_elastic_num_sms", "gemm_num_sms_beside", "save_restore"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,39 @@ def deep_ep_num_sms(num_sms: int | None, buffer_cls: Any = None) -> Iterator[Non
         yield
         return
     if buffer_cls is None:
-        buffer_cls = require("deep_ep", "deep_ep_num_sms").Buffer
+        buffer_cls = getattr(require("deep_ep", "deep_ep_num_sms"), "Buffer", None)
+        if buffer_cls is None:
+            raise ImportError("deep_ep_num_sms sets V1's Buffer.num_sms, but this deep_ep was built without V1 "
+                              "(DISABLE_LEGACY); DeepEP V2 takes num_sms per call: see deep_ep_elastic_num_sms")
     with save_restore(lambda: buffer_cls.num_sms, buffer_cls.set_num_sms, num_sms):
         yield
+
+
+def deep_ep_elastic_num_sms(buffer: Any, num_experts: int, num_topk: int) -> int:
+    """The SMs DeepEP V2's dispatch and combine kernels take: ``buffer.get_theoretical_num_sms(num_experts,
+    num_topk)``, checked to be a positive even count (what V2 returns, and what its kernels need)."""
+    num_sms = int(buffer.get_theoretical_num_sms(num_experts, num_topk))
+    if num_sms < 2 or num_sms % 2:
+        raise ValueError(f"get_theoretical_num_sms({num_experts}, {num_topk}) returned {num_sms}; DeepEP needs a "
+                         "positive even SM count")
+    return num_sms
+
+
+def gemm_num_sms_beside(comm_num_sms: int | None, device_sms: int | None = None) -> int | None:
+    """The SMs left for DeepGEMM while communication kernels hold ``comm_num_sms``.
+
+    ``device_sms`` defaults to the current CUDA device's count. None (no budget) when communication takes no SMs
+    (None or 0: DeepEP V1's low-latency hooks) or, without ``device_sms``, when there is no GPU to ask.
+    """
+    if not comm_num_sms:
+        return None
+    if device_sms is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if not 0 < comm_num_sms < device_sms:
+        raise ValueError(f"communication takes {comm_num_sms} SMs of the device's {device_sms}: none would be left "
+                         "for the GEMMs")
+    return device_sms - comm_num_sms

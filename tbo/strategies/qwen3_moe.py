@@ -12,9 +12,11 @@ from tbo.strategies.deepseek import deepseek_decode, deepseek_prefill
 __all__ = ["qwen3_moe_decode", "qwen3_moe_prefill"]
 
 
-def qwen3_moe_decode() -> OperationsStrategy:
-    return deepseek_decode().without(["shared_experts"], name="qwen3_moe_decode")
+def qwen3_moe_decode(comm_num_sms: int | None = None, device_sms: int | None = None) -> OperationsStrategy:
+    """`deepseek_decode` without the shared expert; the SM budget arguments are the same."""
+    return deepseek_decode(comm_num_sms, device_sms).without(["shared_experts"], name="qwen3_moe_decode")
 
 
-def qwen3_moe_prefill() -> OperationsStrategy:
-    return deepseek_prefill().without(["shared_experts"], name="qwen3_moe_prefill")
+def qwen3_moe_prefill(comm_num_sms: int | None = None, device_sms: int | None = None) -> OperationsStrategy:
+    """`deepseek_prefill` without the shared expert; the SM budget arguments are the same."""
+    return deepseek_prefill(comm_num_sms, device_sms).without(["shared_experts"], name="qwen3_moe_prefill")

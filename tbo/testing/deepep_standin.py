@@ -18,7 +18,7 @@ Violations raise `DeepEPContractError`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ from tbo.comm.layout import normal_route
 from tbo.comm.transport import TorchDistributedTransport
 from tbo.comm.wait import DEFAULT_TIMEOUT_S
 
-__all__ = ["Buffer", "EventOverlap", "DeepEPContractError"]
+__all__ = ["Buffer", "Config", "EventOverlap", "DeepEPContractError", "check_call_order"]
 
 _OPS = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
 
@@ -66,8 +66,58 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+def check_call_order(transport: TorchDistributedTransport, ops: Sequence[str], op: str, seq: int,
+                     agreed: Sequence[tuple[str, int]] = ()) -> None:
+    """Every rank must be making the same call: exchange (op, call number, ``agreed`` values) and compare.
+
+    DeepEP's kernels pair each rank's call with its peers' calls of the same number; if one rank makes another call
+    (or the same call with another ``num_experts``, say) the real library hangs or exchanges garbage. Raises
+    `DeepEPContractError` on every rank, naming what differs.
+    """
+    w, rank = transport.num_ranks, transport.rank
+    mine = [ops.index(op), seq, *(v for _, v in agreed)]
+    peers = transport.exchange(torch.tensor(mine * w, dtype=torch.int64), f"deep_ep {op} (call order check)")
+    for peer, theirs in enumerate(peers.view(w, len(mine)).tolist()):
+        if theirs[:2] != mine[:2]:
+            raise DeepEPContractError(
+                f"call order differs across ranks: rank {rank} made call #{seq} {op} while rank {peer} "
+                f"made call #{theirs[1]} {ops[theirs[0]]}")
+        for (name, value), other in zip(agreed, theirs[2:]):
+            if other != value:
+                raise DeepEPContractError(f"call #{seq} {op}: rank {rank} passed {name}={value} while rank {peer} "
+                                          f"passed {name}={other}; every rank must pass the same")
+
+
 def _poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**31))
+
+
+@dataclass
+class Config:
+    """``deep_ep.Config``: normal-mode kernel settings, and the buffer sizes they need.
+
+    The sizes are the stand-in's own (chunked receive queues of ``hidden_bytes`` rows per peer), not DeepEP's
+    formula; what matters here is that a caller sizes its buffer through these calls, as with real DeepEP.
+    """
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_sms % 2:
+            raise DeepEPContractError(f"Config(num_sms={self.num_sms}): the SM count must be even")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        channels = self.num_sms // 2
+        return channels * min(num_ranks, 8) * self.num_max_nvl_chunked_recv_tokens * hidden_bytes
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        if num_ranks <= 8:  # one NVLink domain: no RDMA
+            return 0
+        return (self.num_sms // 2) * (num_ranks // 8) * self.num_max_rdma_chunked_recv_tokens * hidden_bytes * 2
 
 
 @dataclass
@@ -130,6 +180,14 @@ class Buffer:
         return EventOverlap(_Event())
 
     @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         return 2 * num_max_dispatch_tokens_per_rank * hidden * 2 * num_experts
@@ -139,13 +197,7 @@ class Buffer:
         """Every rank must be making the same call: exchange (op, call number) and compare."""
         seq = self._calls.seq
         self._calls.seq += 1
-        header = torch.tensor([_OPS.index(op), seq] * self.group_size, dtype=torch.int64)
-        peers = self._t.exchange(header, f"deep_ep {op} (call order check)").view(self.group_size, 2)
-        for peer, (peer_op, peer_seq) in enumerate(peers.tolist()):
-            if (peer_op, peer_seq) != (_OPS.index(op), seq):
-                raise DeepEPContractError(
-                    f"call order differs across ranks: rank {self.rank} made call #{seq} {op} while rank {peer} "
-                    f"made call #{peer_seq} {_OPS[peer_op]}")
+        check_call_order(self._t, _OPS, op, seq)
         return seq
 
     @staticmethod
