@@ -1,40 +1,108 @@
-"""The DeepGEMM expert runner against the deep_gemm CPU stand-in (its argument contracts), both name generations."""
+"""The DeepGEMM expert runner (FP8 and BF16) against the deep_gemm CPU stand-in (its argument contracts), across the
+name generations."""
 
 import pytest
 import torch
 
-from tbo.comm import DispatchFormat, LocalBackend
+from tbo.comm import DispatchFormat, DispatchOutput, LocalBackend
 from tbo.experts import run_experts
 from tbo.experts.deep_gemm import DeepGemmSwiGLUExperts
-from tbo.experts.deep_gemm import DEEP_GEMM_NAMES, resolve_deep_gemm
-from tbo.experts.fp8 import dequantize_per_block, quantize_per_block
+from tbo.experts.deep_gemm import DEEP_GEMM_NAMES, contiguous_alignment, resolve_deep_gemm
+from tbo.experts.fp8 import dequantize_per_block, quantize_per_block, quantize_per_token_group
 from tbo.testing import deep_gemm_standin
 from tbo.testing.moe import SwiGLUExperts, make_routing
 
 H, I, E = 128, 128, 4
 
 
-@pytest.mark.parametrize("old_names", [False, True])
+def _through(runner, fmt, x, idx, w):
+    backend = LocalBackend(E, fmt)
+    d = backend.dispatch_b(backend.dispatch_a(x, idx, w))
+    return backend.combine_b(backend.combine_a(runner(d), d.handle))
+
+
+def _reference(experts, fmt, x, idx, w):
+    backend = LocalBackend(E, fmt)
+    d = backend.dispatch_b(backend.dispatch_a(x, idx, w))
+    return backend.combine_b(backend.combine_a(run_experts(d, experts.local(0, E)), d.handle))
+
+
+def _batch(n=20):
+    x = torch.randn(n, H, generator=torch.Generator().manual_seed(2))
+    idx, w = make_routing(n, E, 2, seed=3)
+    return x, idx, w
+
+
+@pytest.mark.parametrize("generation", ["fp8_fp4", "fp8", "legacy"])
 @pytest.mark.parametrize("fmt", [DispatchFormat.MASKED, DispatchFormat.EXPANDED])
-def test_deep_gemm_runner_matches_plain_torch(monkeypatch, old_names, fmt):
-    deep_gemm_standin.install(monkeypatch, old_names=old_names)
+def test_deep_gemm_runner_matches_plain_torch(monkeypatch, generation, fmt):
+    mod = deep_gemm_standin.install(monkeypatch, generation=generation)
     experts = SwiGLUExperts.build(E, H, I, seed=1)
     runner = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, out_dtype=torch.float32)
-    backend = LocalBackend(E, fmt)
-    x = torch.randn(20, H, generator=torch.Generator().manual_seed(2))
-    idx, w = make_routing(20, E, 2, seed=3)
-    d = backend.dispatch_b(backend.dispatch_a(x, idx, w))
-    got = backend.combine_b(backend.combine_a(runner(d), d.handle))
-    d2 = backend.dispatch_b(backend.dispatch_a(x, idx, w))
-    want = backend.combine_b(backend.combine_a(run_experts(d2, experts.local(0, E)), d2.handle))
+    x, idx, w = _batch()
+    got, want = _through(runner, fmt, x, idx, w), _reference(experts, fmt, x, idx, w)
     # FP8 activations and weights: a few percent, relative to the output's scale
+    assert (got - want).norm() / want.norm() < 0.08
+    layout = "masked" if fmt is DispatchFormat.MASKED else "contiguous"
+    assert mod.calls == [DEEP_GEMM_NAMES[layout][{"fp8_fp4": 0, "fp8": 1, "legacy": -1}[generation]]] * 2
+
+
+@pytest.mark.parametrize("generation", ["fp8_fp4", "fp8"])
+@pytest.mark.parametrize("fmt", [DispatchFormat.MASKED, DispatchFormat.EXPANDED])
+def test_bf16_path_runs_the_bf16_gemms_without_fp8(monkeypatch, generation, fmt):
+    mod = deep_gemm_standin.install(monkeypatch, generation=generation)
+    experts = SwiGLUExperts.build(E, H, I, seed=1)
+    x, idx, w = _batch()
+    want = _reference(experts, fmt, x, idx, w)
+    bf16 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, precision="bf16")
+    assert bf16.w13.dtype == torch.bfloat16 and bf16.w2.dtype == torch.bfloat16  # not quantised
+    got = _through(bf16, fmt, x.to(torch.bfloat16), idx, w).float()
+    layout = "masked" if fmt is DispatchFormat.MASKED else "contiguous"
+    assert mod.calls == [f"m_grouped_bf16_gemm_nt_{layout}"] * 2  # no FP8 kernel ran
+    bf16_err = ((got - want).norm() / want.norm()).item()
+    fp8 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, out_dtype=torch.float32)
+    fp8_err = ((_through(fp8, fmt, x, idx, w) - want).norm() / want.norm()).item()
+    assert bf16_err < 0.02 and bf16_err < fp8_err / 2, (bf16_err, fp8_err)  # BF16 rounding only, well under FP8's
+
+
+def test_bf16_path_takes_fp8_dispatched_rows(monkeypatch):
+    deep_gemm_standin.install(monkeypatch)
+    experts = SwiGLUExperts.build(E, H, I, seed=1)
+    x, idx, w = _batch()
+    backend = LocalBackend(E, DispatchFormat.MASKED)
+    d = backend.dispatch_b(backend.dispatch_a(x, idx, w))
+    q, s = quantize_per_token_group(d.hidden)
+    fp8_rows = DispatchOutput(d.format, q, d.tokens_per_expert, d.handle, scales=s)  # as DeepEP FP8 dispatch gives
+    bf16 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, precision="bf16")
+    got = backend.combine_b(backend.combine_a(bf16(fp8_rows).float(), d.handle))
+    want = _reference(experts, DispatchFormat.MASKED, x, idx, w)
     assert (got - want).norm() / want.norm() < 0.08
 
 
+def test_bf16_path_needs_deep_gemm_with_bf16_gemms(monkeypatch):
+    deep_gemm_standin.install(monkeypatch, generation="legacy")
+    experts = SwiGLUExperts.build(E, H, I, seed=1)
+    bf16 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, precision="bf16")
+    with pytest.raises(ImportError, match="has none of m_grouped_bf16_gemm_nt_masked.*DeepGEMM >= 2.0; "
+                                          "precision='fp8'"):
+        _through(bf16, DispatchFormat.MASKED, *_batch())
+    with pytest.raises(ValueError, match="BF16 grouped GEMMs write bfloat16"):
+        DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, torch.float32, precision="bf16")
+    with pytest.raises(ValueError, match="precision must be 'fp8' or 'bf16'"):
+        DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, precision="fp4")
+
+
 def test_name_fallback_chain(monkeypatch):
+    assert DEEP_GEMM_NAMES["masked"][0] == "m_grouped_fp8_fp4_gemm_nt_masked"  # newest first
+    assert set(DEEP_GEMM_NAMES["masked"]) >= {"m_grouped_fp8_gemm_nt_masked", "fp8_m_grouped_gemm_nt_masked"}
+    mod = deep_gemm_standin.install(monkeypatch)  # today's: canonical names, older ones as aliases of the same
+    assert resolve_deep_gemm("masked") is mod.m_grouped_fp8_fp4_gemm_nt_masked is mod.fp8_m_grouped_gemm_nt_masked
+    assert resolve_deep_gemm("bf16_contiguous").__name__ == "m_grouped_bf16_gemm_nt_contiguous"
+    mod.m_grouped_fp8_fp4_gemm_nt_masked = None  # a version that retired a name by setting it to None
+    assert resolve_deep_gemm("masked") is mod.m_grouped_fp8_gemm_nt_masked
     deep_gemm_standin.install(monkeypatch, old_names=True)
-    assert resolve_deep_gemm("masked").__name__ == "m_grouped_masked"
-    assert DEEP_GEMM_NAMES["masked"][0] == "fp8_m_grouped_gemm_nt_masked"  # newest first
+    assert resolve_deep_gemm("masked").__name__ == "m_grouped_gemm_fp8_fp8_bf16_nt_masked"
+    assert contiguous_alignment() == 128  # asked under its old name
     with pytest.raises(ValueError, match="unknown DeepGEMM layout"):
         resolve_deep_gemm("ragged")
 
@@ -47,13 +115,49 @@ def test_missing_deep_gemm_is_a_clear_error(monkeypatch):
         resolve_deep_gemm("masked")
 
 
+def _contract_error(fn, *args):
+    with pytest.raises(deep_gemm_standin.DeepGemmContractError) as info:
+        fn(*args)
+    return str(info.value)
+
+
 def test_standin_rejects_what_deep_gemm_rejects(monkeypatch):
     mod = deep_gemm_standin.install(monkeypatch)
     q, s = quantize_per_block(torch.randn(2, 128, 128))
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     lhs = (torch.randn(2, 4, 128), torch.ones(2, 4, 1))  # not FP8
-    with pytest.raises(deep_gemm_standin.DeepGemmContractError, match="float8_e4m3fn"):
-        mod.fp8_m_grouped_gemm_nt_masked(lhs, (q, s), torch.empty(2, 4, 128), torch.tensor([1, 2],
-                                         dtype=torch.int32), 2)
+    assert "float8_e4m3fn" in _contract_error(mod.fp8_m_grouped_gemm_nt_masked, lhs, (q, s),
+                                              torch.empty(2, 4, 128), i32(1, 2), 2)
+    fp8_lhs = quantize_per_token_group(torch.randn(2, 4, 128))
+    assert "expected_m must be a positive int" in _contract_error(
+        mod.m_grouped_fp8_fp4_gemm_nt_masked, fp8_lhs, (q, s), torch.empty(2, 4, 128), i32(1, 2), 0)
+
+
+def test_standin_enforces_the_bf16_contracts(monkeypatch):
+    mod = deep_gemm_standin.install(monkeypatch)
+    bf = lambda *shape: torch.randn(*shape).to(torch.bfloat16)  # noqa: E731
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    masked, contiguous = mod.m_grouped_bf16_gemm_nt_masked, mod.m_grouped_bf16_gemm_nt_contiguous
+    a, b, out = bf(2, 4, 64), bf(2, 32, 64), torch.empty(2, 4, 32, dtype=torch.bfloat16)
+    masked(a, b, out, i32(3, 0), 3)  # well formed
+    assert torch.equal(out[0, :3], (a[0, :3].float() @ b[0].float().T).to(torch.bfloat16))
+    assert "a of a BF16 GEMM must be a bfloat16 tensor, got torch.float32" in _contract_error(
+        masked, a.float(), b, out, i32(3, 0), 3)
+    assert "d of a BF16 GEMM must be a bfloat16" in _contract_error(masked, a, b, out.float(), i32(3, 0), 3)
+    assert "b must be [groups, N, K] (NT) with K=64" in _contract_error(masked, a, bf(2, 64, 32), out, i32(3, 0), 3)
+    assert "out must be (2, 4, 32)" in _contract_error(masked, a, b, out[:, :, :16], i32(3, 0), 3)
+    assert "masked_m must be int32 [2]" in _contract_error(masked, a, b, out, torch.tensor([3, 0]), 3)
+    assert "in [0, 4] (the capacity)" in _contract_error(masked, a, b, out, i32(5, 0), 3)
+    assert "expected_m must be a positive int" in _contract_error(masked, a, b, out, i32(3, 0), 2.5)
+    rows, d = bf(256, 64), torch.empty(256, 32, dtype=torch.bfloat16)
+    aligned = torch.cat([torch.full((128,), 0), torch.full((100,), 1), torch.full((28,), -1)]).int()
+    contiguous(rows, b, d, aligned)  # well formed: group 1 starts on a 128-row boundary
+    assert "mix groups [0, 1]" in _contract_error(
+        contiguous, rows, b, d, torch.cat([torch.full((100,), 0), torch.full((156,), 1)]).int())
+    assert "multiple of 128" in _contract_error(contiguous, rows[:200], b, d[:200], aligned[:200])
+    assert "m_indices must be int32 [256]" in _contract_error(contiguous, rows, b, d, aligned.long())
+    assert "m_indices must be in [-1, 2)" in _contract_error(contiguous, rows, b, d, aligned + 1)
+    assert "FP8 tensor, scales) pair" in _contract_error(mod.m_grouped_fp8_gemm_nt_contiguous, rows, b, d, aligned)
 
 
 def test_block_quantisation_round_trip():
