@@ -1,14 +1,19 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv when missing and installs what it needs.
-# torch is installed on its own first, pinned, so pip never resolves `torch>=2.4` to a multi-GB CUDA build;
-# on these machines torch==2.13.0 is a local CPU wheel.
+# torch is installed on its own first, pinned, so pip never resolves `torch>=2.11` to a multi-GB CUDA build;
+# on these machines torch==2.13.0 is a local CPU wheel. `make test-hf-floor` runs the Hugging Face tests again in
+# .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both).
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.tbo-installed
+HF_FLOOR       ?= transformers==5.17.0
+FLOOR_VENV     := .venv-hf-floor
+FLOOR_PY       := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP    := $(FLOOR_VENV)/.tbo-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-hf-floor bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +29,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+$(FLOOR_PY):
+	$(PYTHON) -m venv $(FLOOR_VENV)
+
+$(FLOOR_STAMP): pyproject.toml | $(FLOOR_PY)
+	@$(FLOOR_PY) -c "import torch" 2>/dev/null || $(FLOOR_PY) -m pip install -q "$(TORCH)"
+	$(FLOOR_PY) -m pip install -q -e ".[test,hf]" "$(HF_FLOOR)"
+	@touch $(FLOOR_STAMP)
+
+test-hf-floor: $(FLOOR_STAMP)
+	$(FLOOR_PY) -c "import transformers; print('transformers', transformers.__version__)"
+	$(FLOOR_PY) -m pytest -q tests/test_hf.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info .pytest_cache

@@ -32,7 +32,8 @@ def test_prefill_and_decode_logits_equal_hf(name):
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        ref_decode = model(input_ids=nxt, attention_mask=mask2, cache=out.cache).logits
+        kv = {tbo_hf.cache_kwarg(model): tbo_hf.output_cache(out)}  # cache= or past_key_values=, by version
+        ref_decode = model(input_ids=nxt, attention_mask=mask2, **kv).logits
     logits, cache = tbo_hf.forward(model, ids, mask, policy=SPLIT)
     torch.testing.assert_close(logits, out.logits, **TOL)
     decode, _ = tbo_hf.forward(model, nxt, mask2, cache, policy=SPLIT)
@@ -98,3 +99,30 @@ def _two_ranks(rank, world, name):
 def test_two_ranks_expert_parallel(name):
     for diff, tokens_equal in launch(_two_ranks, 2, name, timeout_s=180):
         assert diff < 1e-5 and tokens_equal
+
+
+def test_older_transformers_is_refused_naming_the_supported_range():
+    with pytest.raises(ImportError, match=r"supports transformers >=5.17,<6 .* but 4.57.1 is installed"):
+        tbo_hf.check_transformers_version("4.57.1")
+    with pytest.raises(ImportError, match="but 5.16.1 is installed"):
+        tbo_hf.check_transformers_version("5.16.1")
+    for ok in ("5.17.0", "5.24.0", "5.25.0.dev0", transformers.__version__):
+        tbo_hf.check_transformers_version(ok)
+
+
+def test_the_cache_keyword_is_found_by_signature():
+    def before(hidden_states, attention_mask, past_key_values=None, **kwargs):
+        return past_key_values
+
+    def after(hidden_states, attention_mask, cache=None, **kwargs):
+        return cache
+
+    assert tbo_hf.cache_kwarg(before) == "past_key_values" and tbo_hf.cache_kwarg(after) == "cache"
+    with pytest.raises(TypeError, match="takes neither cache= nor past_key_values="):
+        tbo_hf.cache_kwarg(lambda hidden_states, **kwargs: None)
+    model = tiny_model("qwen3_moe")  # the installed version's own modules and output, whichever name it uses
+    name = tbo_hf.cache_kwarg(model)
+    assert name == tbo_hf.cache_kwarg(model.model.layers[0].self_attn)
+    with torch.no_grad():
+        out = model(input_ids=torch.ones(1, 3, dtype=torch.long), use_cache=True)
+    assert tbo_hf.output_cache(out).get_seq_length() == 3

@@ -9,12 +9,20 @@ other ranks); the per-expert compute reproduces HF's experts module.
 embeddings), splitting the batch by rows into two microbatches when the `SplitPolicy` says so: each microbatch gets
 its rows of the attention mask, positions and KV cache, and the cache rows are joined back after the step.
 `generate` is greedy decoding on top. ``transformers`` is imported only here (the ``hf`` extra).
+
+Supported: transformers 5.17 up to the newest 5.x (CI runs the tests on 5.17 and on the newest). During 5.x the KV
+cache's keyword was renamed from ``past_key_values`` to ``cache`` (in ``create_causal_mask``, the attention and model
+forwards, and the model outputs); `cache_kwarg` and `output_cache` detect which one the installed version uses, by
+signature, not by version number. An older transformers is refused with an ImportError naming the range.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +36,8 @@ from tbo.core.state import State
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.split.plan import MicrobatchSlice, SplitPlan
 
-__all__ = ["TboDecoderLayer", "forward", "generate", "SUPPORTED_LAYERS", "SUPPORTED_ATTENTION"]
+__all__ = ["TboDecoderLayer", "forward", "generate", "SUPPORTED_LAYERS", "SUPPORTED_ATTENTION",
+           "SUPPORTED_TRANSFORMERS", "cache_kwarg", "output_cache", "check_transformers_version"]
 
 #: decoder layer class -> strategy family
 SUPPORTED_LAYERS = {"DeepseekV3DecoderLayer": "deepseek", "Qwen3MoeDecoderLayer": "qwen3_moe"}
@@ -36,8 +45,46 @@ SUPPORTED_LAYERS = {"DeepseekV3DecoderLayer": "deepseek", "Qwen3MoeDecoderLayer"
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 
 
+#: the transformers versions the adapter is tested on (the floor and the newest 5.x, in CI); pyproject's ``hf`` extra
+SUPPORTED_TRANSFORMERS = ">=5.17,<6"
+_FLOOR = (5, 17)
+
+
+def check_transformers_version(version: str) -> None:
+    """Refuse a transformers older than the supported range, naming it (a version that does not parse is let
+    through: a source build is judged by what it has, through `cache_kwarg`)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is not None and (int(m[1]), int(m[2])) < _FLOOR:
+        raise ImportError(f"tbo.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS} (tested on "
+                          f"5.17 and the newest 5.x), but {version} is installed: pip install 'tbo[hf]'")
+
+
 def _transformers() -> Any:
-    return require("transformers", "tbo.integrations.transformers (pip install 'tbo[hf]')")
+    hf = require("transformers", "tbo.integrations.transformers (pip install 'tbo[hf]')")
+    check_transformers_version(getattr(hf, "__version__", ""))
+    return hf
+
+
+@lru_cache(maxsize=64)
+def _kv_name(fn: Callable) -> str:
+    params = inspect.signature(fn).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{getattr(fn, '__qualname__', fn)} takes neither cache= nor past_key_values=: this transformers "
+                    f"is outside the supported range {SUPPORTED_TRANSFORMERS}")
+
+
+def cache_kwarg(fn: Any) -> str:
+    """The keyword under which ``fn`` (a function, or a module: its ``forward``) takes the KV cache: ``cache`` in
+    newer transformers 5.x, ``past_key_values`` in older ones."""
+    fn = getattr(fn, "forward", fn)
+    return _kv_name(getattr(fn, "__func__", fn))
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache of a model output: ``output.cache``, or ``output.past_key_values`` before the rename."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
 
 
 @dataclass
@@ -62,6 +109,7 @@ class TboDecoderLayer(DecoderLayerOps):
             raise ValueError(f"unsupported attention implementation {impl!r} in {cls}; supported: "
                              f"{', '.join(SUPPORTED_ATTENTION)} (load the model with attn_implementation='sdpa')")
         self.hf, self.backend, self.layer_idx = hf_layer, backend, layer_idx
+        self._cache_kw = cache_kwarg(hf_layer.self_attn)  # past_key_values= or cache=, as this transformers names it
         self.family = SUPPORTED_LAYERS[cls]
         mlp = hf_layer.mlp
         self.kind = "moe" if hasattr(mlp, "experts") else "dense"
@@ -97,7 +145,8 @@ class TboDecoderLayer(DecoderLayerOps):
     def op_attn_prepare(self, state: State) -> None:
         step: _Step = state.hf_step
         state.attn_kwargs = {"attention_mask": step.attention_mask, "position_ids": step.position_ids,
-                             "cache": step.cache, "use_cache": True, "position_embeddings": step.position_embeddings}
+                             self._cache_kw: step.cache, "use_cache": True,
+                             "position_embeddings": step.position_embeddings}
 
     def op_attn_core(self, state: State) -> None:
         x = state.pop("attn_in")
@@ -199,8 +248,8 @@ def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             position_ids = (torch.arange(seq) + past).unsqueeze(0).expand(batch, -1)
         make_mask = hf.masking_utils.create_causal_mask if getattr(config, "sliding_window", None) is None else (
             hf.masking_utils.create_sliding_window_causal_mask)
-        mask = make_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache,
-                         position_ids=position_ids)
+        mask = make_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
+                         position_ids=position_ids, **{cache_kwarg(make_mask): cache})
         cos, sin = inner.rotary_emb(embeds, position_ids=position_ids)
         strategy = wrapped.strategies["decode" if seq == 1 and past > 0 else "prefill"]
         plan = _rows_plan(policy, batch, seq, past) if policy is not None else None
