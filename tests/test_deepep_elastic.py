@@ -13,7 +13,7 @@ from tbo.experts import run_experts
 from tbo.experts.fp8 import dequantize_per_token_group, quantize_per_token_group
 from tbo.harness.launch import launch
 from tbo.runtime.sm_budget import deep_ep_elastic_num_sms, gemm_num_sms_beside
-from tbo.strategies import deepseek_decode, deepseek_prefill, qwen3_moe_decode
+from tbo.strategies import deepseek_decode, deepseek_prefill, qwen3_moe_decode, sized_for
 from tbo.testing.deepep_elastic_standin import DeepEPContractError, ElasticBuffer, EventOverlap
 from tbo.testing.deepep_standin import Buffer
 from tbo.testing.moe import SwiGLUExperts, make_routing
@@ -212,21 +212,24 @@ def _decode_caching(rank, world, fmt):
     k = idx.shape[1]
     sms = (backend.comm_num_sms(k), first.handle.handle.num_sms, deep_ep_elastic_num_sms(buf, E, k),
            buf.get_theoretical_num_sms(E, k))
-    pending = backend.combine_a(run_experts(first, fn), first.handle)
+    budgets = (sized_for(deepseek_decode(), backend, k, device_sms=132).deep_gemm_num_sms,
+               sized_for(deepseek_decode(), LocalBackend(E), k, device_sms=132).deep_gemm_num_sms)
+    backend.combine_a(run_experts(first, fn), first.handle)  # launched, never waited: drain() must
     drained = (len(backend.in_flight), backend.drain(), backend.in_flight)
-    return same, syncs, buf.num_cpu_syncs, in_flight, reuse_with_idx, sms, drained, pending.combined is not None
+    return same, syncs, buf.num_cpu_syncs, in_flight, reuse_with_idx, sms, drained, budgets
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("fmt", [NORMAL, EXPANDED])
 def test_decode_reuses_the_cached_layout_without_cpu_sync(fmt):
-    for same, syncs, after, in_flight, reuse_with_idx, sms, drained, _ in launch(_decode_caching, 2, fmt):
+    for same, syncs, after, in_flight, reuse_with_idx, sms, drained, budgets in launch(_decode_caching, 2, fmt):
         assert same, "a cached-layout dispatch must give exactly what a fresh one gives"
         assert syncs == 3 and after == 3, "the cached dispatches must not sync the CPU"
         assert in_flight == 2
         assert "topk_idx must be None" in reuse_with_idx
         assert len(set(sms)) == 1 and sms[0] % 2 == 0 and sms[0] >= 4, sms  # one SM count, from V2's model
         assert drained == (1, 1, [])
+        assert budgets == (132 - sms[0], None)  # DeepGEMM sized beside V2's SMs; an all-to-all backend holds none
 
 
 def test_decode_strategies_budget_deep_gemm_beside_v2():
@@ -316,3 +319,43 @@ def test_create_without_deep_ep_says_how_to_install(monkeypatch):
         DeepEPElasticBackend.create(None, 8, 16, 128, 2)
     with pytest.raises(ImportError, match=r"deepep_backend\(kind='auto'\) needs the optional package 'deep_ep'"):
         deepep_backend(None, 8, hidden=128, num_max_tokens_per_rank=16, num_topk=2)
+
+
+def _model_over_v2(rank, world, fmt):
+    """The reference model in BF16 over V2 on two ranks: the TBO decode and prefill strategies (two microbatches,
+    delta 2 in decode) give exactly the unsplit op path and forward()."""
+    from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+    from tbo.split import ForwardMode, SplitPolicy
+
+    config = ModelConfig.deepseek_v3_tiny(num_experts=E, dtype="bfloat16")
+    shared = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=64, hidden=config.hidden_size,
+                           num_topk=config.top_k, num_cpu_timeout_secs=30)
+    model = ReferenceModel(config, DeepEPElasticBackend(shared, E, format=DispatchFormat(fmt)))
+    policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
+    lens = [[5, 9, 3], [2, 7]][rank]
+    caches = {k: KVCache() for k in ("forward", "ops", "tbo")}
+    g = torch.Generator().manual_seed(rank)
+    steps = [("prefill", torch.randint(0, 256, (sum(lens),), generator=g),
+              AttentionMetadata.build(range(len(lens)), lens, [0] * len(lens)))]
+    for d in range(2):
+        steps.append(("decode", torch.arange(len(lens)) + d,
+                      AttentionMetadata.build(range(len(lens)), [1] * len(lens), [n + d for n in lens])))
+    out = []
+    for mode, ids, meta in steps:
+        fm = ForwardMode.EXTEND if mode == "prefill" else ForwardMode.DECODE
+        plan = policy.plan(fm, meta.num_tokens, list(meta.extend_lens) if mode == "prefill" else None)
+        ref = model.forward(ids, meta, caches["forward"])
+        ops = model.forward_tbo(ids, meta, caches["ops"], f"deepseek_{mode}", None)
+        tbo = model.forward_tbo(ids, meta, caches["tbo"], f"deepseek_{mode}", plan)
+        out.append((mode, plan is not None, torch.equal(ops, ref), torch.equal(tbo, ref), bool(ref.isfinite().all())))
+    return out, model.backend.in_flight
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fmt", ["normal", "expanded"])
+def test_reference_model_tbo_over_v2(fmt):
+    for steps, in_flight in launch(_model_over_v2, 2, fmt, timeout_s=180):
+        assert in_flight == []
+        for mode, split, ops_equal, tbo_equal, finite in steps:
+            assert split and finite, mode
+            assert ops_equal and tbo_equal, f"{fmt} {mode}: the op path or TBO differs from forward()"

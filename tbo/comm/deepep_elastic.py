@@ -35,7 +35,6 @@ are left out, detected by signature. ``deep_ep`` is imported only by `create`.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -121,7 +120,7 @@ class DeepEPElasticBackend:
             raise ValueError(f"num_sms must be a positive even count, got {num_sms}")
         self._num_sms = num_sms
         self._sms_by_topk: dict[int, int] = {}
-        self._unwaited: weakref.WeakSet = weakref.WeakSet()  # launched, not yet waited: drain() waits them
+        self._unwaited: dict[int, Any] = {}  # launched, not yet waited (kept alive until then): drain() waits them
 
     @classmethod
     def create(cls, group: Any, num_experts: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
@@ -190,7 +189,7 @@ class DeepEPElasticBackend:
             buf.dispatch, topk_weights=weights, num_sms=self.comm_num_sms(cached.num_topk),
             async_with_compute_stream=True, handle=cached.handle, do_expand=self.format is DispatchFormat.EXPANDED))
         state = _DispatchState(x, None, weights, None, launched, cached, nbytes)
-        self._unwaited.add(state)
+        self._unwaited[id(state)] = state
         return state
 
     def dispatch_b(self, state: _DispatchState) -> DispatchOutput:
@@ -202,7 +201,7 @@ class DeepEPElasticBackend:
                 num_sms=self.comm_num_sms(k), previous_event=state.previous_event, async_with_compute_stream=True,
                 allocate_on_comm_stream=True, do_expand=self.format is DispatchFormat.EXPANDED))
         else:
-            self._unwaited.discard(state)
+            self._unwaited.pop(id(state), None)
         recv_x, recv_idx, recv_weights, handle, event = state.launched
         state.launched = state.x = None
         event.current_stream_wait()
@@ -234,11 +233,11 @@ class DeepEPElasticBackend:
             buf.combine, num_sms=self.comm_num_sms(h.num_topk), async_with_compute_stream=True,
             allocate_on_comm_stream=False))
         state = _CombineState(combined, event, x.nbytes)
-        self._unwaited.add(state)
+        self._unwaited[id(state)] = state
         return state
 
     def combine_b(self, state: _CombineState) -> torch.Tensor:
-        self._unwaited.discard(state)
+        self._unwaited.pop(id(state), None)
         state.event.current_stream_wait()
         combined, state.combined = state.combined, None
         return combined
@@ -257,13 +256,13 @@ class DeepEPElasticBackend:
     def in_flight(self) -> list[str]:
         """Transfers launched and not waited (for the watchdog's report)."""
         return [f"DeepEP V2 {'combine' if isinstance(s, _CombineState) else 'cached dispatch'} (event not waited)"
-                for s in list(self._unwaited)]
+                for s in self._unwaited.values()]
 
     def drain(self) -> int:
         """Wait every launched transfer, e.g. after an op failed mid-step, so none is left behind."""
-        pending = list(self._unwaited)
+        pending = list(self._unwaited.values())
+        self._unwaited.clear()
         for state in pending:
-            self._unwaited.discard(state)
             launched = state.launched if isinstance(state, _DispatchState) else None
             event = launched[-1] if launched is not None else getattr(state, "event", None)
             if event is not None:

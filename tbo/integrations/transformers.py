@@ -172,7 +172,9 @@ class _Wrapped:
         self.backend = backend
         self.layers = [TboDecoderLayer(layer, backend, i) for i, layer in enumerate(model.model.layers)]
         family = self.layers[0].family
-        self.strategies = {mode: strategies.bind_layers(self.layers, strategies.get(f"{family}_{mode}"))
+        top_k = model.config.num_experts_per_tok  # a backend whose kernels hold SMs (DeepEP V2) sizes DeepGEMM's
+        self.strategies = {mode: strategies.bind_layers(self.layers, strategies.sized_for(
+                               strategies.get(f"{family}_{mode}"), backend, top_k))
                            for mode in ("decode", "prefill")}
 
 

@@ -8,6 +8,7 @@
 """
 
 from tbo.strategies.afd import afd_attention_dbo
+from tbo.strategies.budget import sized_for
 from tbo.strategies.deepseek import deepseek_decode, deepseek_prefill
 from tbo.strategies.dense import DENSE_OPS, LayerStrategies, bind_layers, dense_like
 from tbo.strategies.qwen3_moe import qwen3_moe_decode, qwen3_moe_prefill
@@ -30,5 +31,6 @@ __all__ = [
     "qwen3_moe_decode",
     "qwen3_moe_prefill",
     "register",
+    "sized_for",
     "unregister",
 ]
