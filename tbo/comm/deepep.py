@@ -32,7 +32,7 @@ from tbo.experts.fp8 import quantize_per_token_group
 from tbo.comm.layout import check_routing
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
-__all__ = ["DeepEPNormalBackend", "DeepEPLowLatencyBackend", "supported_kwargs"]
+__all__ = ["DeepEPNormalBackend", "DeepEPLowLatencyBackend", "supported_kwargs", "v1_buffer_class"]
 
 
 @lru_cache(maxsize=64)
@@ -47,14 +47,14 @@ def supported_kwargs(fn: Callable, **kwargs: Any) -> dict[str, Any]:
     return kwargs if var_kw else {k: v for k, v in kwargs.items() if k in names}
 
 
-def _v1_buffer(deep_ep: ModuleType | None, purpose: str) -> Any:
-    """``deep_ep.Buffer`` (V1), or an ImportError saying how to get it."""
+def v1_buffer_class(deep_ep: ModuleType | None, purpose: str) -> Any:
+    """``deep_ep.Buffer`` (V1), or an ImportError saying how to get it (or to use V2 instead)."""
     module = deep_ep if deep_ep is not None else require("deep_ep", purpose)
     buffer_cls = getattr(module, "Buffer", None)
     if buffer_cls is None:
         raise ImportError(f"{purpose} needs DeepEP V1's deep_ep.Buffer, but this deep_ep "
                           f"{getattr(module, '__version__', '?')} was built without it (DISABLE_LEGACY=1); use "
-                          "DeepEPElasticBackend (V2)")
+                          "DeepEPElasticBackend (V2), kind='v2' in deepep_backend")
     return buffer_cls
 
 
@@ -99,7 +99,7 @@ class DeepEPNormalBackend:
     def create(cls, group: Any, num_experts: int, num_nvl_bytes: int, num_rdma_bytes: int = 0, *,
                deep_ep: ModuleType | None = None, **kwargs: Any) -> "DeepEPNormalBackend":
         """Build a ``deep_ep.Buffer`` for ``group`` (needs deep_ep, or the module passed as ``deep_ep``), wrap it."""
-        buffer_cls = _v1_buffer(deep_ep, "DeepEPNormalBackend")
+        buffer_cls = v1_buffer_class(deep_ep, "DeepEPNormalBackend")
         return cls(buffer_cls(group, num_nvl_bytes, num_rdma_bytes), num_experts, **kwargs)
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -204,7 +204,7 @@ class DeepEPLowLatencyBackend:
                deep_ep: ModuleType | None = None, **kwargs: Any) -> "DeepEPLowLatencyBackend":
         """Build a low-latency ``deep_ep.Buffer`` sized for this model (needs deep_ep, or the module passed as
         ``deep_ep``) and wrap it."""
-        buffer_cls = _v1_buffer(deep_ep, "DeepEPLowLatencyBackend")
+        buffer_cls = v1_buffer_class(deep_ep, "DeepEPLowLatencyBackend")
         num_ranks = group.size()
         rdma = buffer_cls.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
                                                          num_experts)

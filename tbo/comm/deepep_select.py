@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from tbo.util.optional import require
-from tbo.comm.deepep import DeepEPLowLatencyBackend, DeepEPNormalBackend
+from tbo.comm.deepep import DeepEPLowLatencyBackend, DeepEPNormalBackend, v1_buffer_class
 from tbo.comm.deepep_elastic import DeepEPElasticBackend, elastic_buffer_class
 from tbo.comm.types import DispatchFormat
 
@@ -25,15 +25,6 @@ __all__ = ["deepep_backend", "DEEPEP_KINDS", "DEEPEP_MODES"]
 
 DEEPEP_KINDS = ("auto", "v2", "v1_low_latency", "v1_normal")
 DEEPEP_MODES = ("decode", "prefill")
-
-
-def _legacy_buffer(deep_ep: ModuleType, kind: str) -> Any:
-    cls = getattr(deep_ep, "Buffer", None)
-    if cls is None:
-        raise ImportError(f"kind={kind!r} needs DeepEP V1's deep_ep.Buffer, but this deep_ep "
-                          f"{getattr(deep_ep, '__version__', '?')} was built without it (DISABLE_LEGACY=1); use "
-                          "kind='v2'")
-    return cls
 
 
 def deepep_backend(group: Any, num_experts: int, *, hidden: int, num_max_tokens_per_rank: int, num_topk: int,
@@ -65,7 +56,7 @@ def deepep_backend(group: Any, num_experts: int, *, hidden: int, num_max_tokens_
         return DeepEPElasticBackend.create(group, num_experts, num_max_tokens_per_rank, hidden, num_topk,
                                            use_fp8=use_fp8, format=format or DispatchFormat.NORMAL, deep_ep=module,
                                            **kwargs)
-    buffer_cls = _legacy_buffer(module, kind)
+    buffer_cls = v1_buffer_class(module, f"deepep_backend(kind={kind!r})")
     if kind == "v1_low_latency":
         return DeepEPLowLatencyBackend.create(group, num_experts, num_max_tokens_per_rank, hidden, use_fp8=use_fp8,
                                               deep_ep=module, **kwargs)
