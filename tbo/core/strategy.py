@@ -185,9 +185,9 @@ class OperationsStrategy(BaseModel):
     def num_stages(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def is_bound(self) -> bool:
-        """True when every op is callable: the strategy can run."""
+        """True when every op is callable: the strategy can run. Cached: the executor asks on every call."""
         return not any(isinstance(op, str) for op in self.operations)
 
     def describe(self) -> str:
