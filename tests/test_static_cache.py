@@ -85,10 +85,12 @@ def test_padded_microbatches_use_the_scratch_slot():
     assert torch.equal(cache.k[:, :6, :2], before.k[:, :6, :2])  # real slots: only their new positions changed
 
 
-def test_batched_attention_vs_reference_within_tolerance():
-    """Fast mode attends every sequence in one padded call; the reference loops over sequences and queries."""
+@pytest.mark.parametrize("fast_attention", ["padded", "per_sequence"])
+def test_batched_attention_vs_reference_within_tolerance(fast_attention):
+    """Fast mode attends every sequence in one padded call (or loops over sequences); the reference loops over
+    sequences and queries. Both fast paths agree with it within float rounding."""
     lens = [4, 0, 9, 1, 6]
-    fast = ReferenceModel(ModelConfig.qwen3_moe_tiny(batch_invariant=False))
+    fast = ReferenceModel(ModelConfig.qwen3_moe_tiny(batch_invariant=False, fast_attention=fast_attention))
     ref = ReferenceModel(ModelConfig.qwen3_moe_tiny())
     ids = prompt(lens, 2)
     for prefix in ([0] * 5, [3, 2, 5, 1, 0]):
@@ -100,6 +102,13 @@ def test_batched_attention_vs_reference_within_tolerance():
         meta = AttentionMetadata.build(range(5), lens, prefix)
         torch.testing.assert_close(fast.forward(ids, meta, caches[0]), ref.forward(ids, meta, caches[1]),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_auto_attention_is_padded_off_the_cpu_only():
+    """The padded call copies every cache into one tensor: worth it where launches cost (a GPU), not on a CPU."""
+    layer = ReferenceModel(ModelConfig.qwen3_moe_tiny(batch_invariant=False)).layers[0]
+    assert not layer._padded_attention(torch.device("cpu"))
+    assert layer._padded_attention(torch.device("cuda")) and layer._padded_attention(torch.device("meta"))
 
 
 def test_device_argument_builds_the_same_weights_and_bf16_runs():

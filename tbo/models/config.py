@@ -16,6 +16,11 @@ class ModelConfig(BaseModel):
     ``batch_invariant`` computes every matmul row by row (and attention per query over exactly its visible keys), so
     a token's result does not depend on which other tokens share its batch: the overlapped run then equals the
     plain forward bit for bit. Off, it is faster and agrees within float rounding.
+
+    ``fast_attention`` picks the attention of that faster mode over a growing `KVCache`: ``"padded"``, every sequence
+    of a step in one padded, length-masked call (one kernel instead of one per sequence: what a GPU needs);
+    ``"per_sequence"``, a loop over sequences reading each cache in place (no copy of the cache: what a CPU runs
+    fastest); ``"auto"``, padded off the CPU and per sequence on it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -39,6 +44,7 @@ class ModelConfig(BaseModel):
     seed: int = 0
     dtype: str = "float32"
     batch_invariant: bool = True
+    fast_attention: Literal["auto", "padded", "per_sequence"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

@@ -150,15 +150,20 @@ class DecoderLayer(DecoderLayerOps):
             out = self._attention_static(q, k, v, meta, cache)
         elif isinstance(meta, StaticAttentionMetadata):
             raise TypeError("StaticAttentionMetadata needs a StaticKVCache, got a growing KVCache")
-        elif self.bi:
+        elif self.bi or not self._padded_attention(q.device):
             out = self._attention_reference(q, k, v, meta, cache)
         else:
             out = self._attention_batched(q, k, v, meta, cache)
         return linear(out.flatten(1), self.wo, self.bi)
 
+    def _padded_attention(self, device: torch.device) -> bool:
+        """Fast mode over a growing cache: one padded call (``"padded"``, or ``"auto"`` off the CPU) or a loop."""
+        mode = self.config.fast_attention
+        return mode == "padded" or (mode == "auto" and device.type != "cpu")
+
     def _attention_reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                              cache: KVCache) -> torch.Tensor:
-        """Sequence by sequence, query by query: the batch-invariant reference."""
+        """Sequence by sequence: the batch-invariant reference (query by query), or the fast mode's loop."""
         out = torch.zeros_like(q)
         start = 0
         for seq, n, prefix in zip(meta.seq_ids, meta.extend_lens, meta.prefix_lens):
