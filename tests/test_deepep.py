@@ -9,7 +9,7 @@ from tbo.comm.deepep import DeepEPLowLatencyBackend, DeepEPNormalBackend, suppor
 from tbo.experts.fp8 import dequantize_per_token_group, quantize_per_token_group
 from tbo.harness.launch import launch
 from tbo.runtime.sm_budget import deep_ep_num_sms
-from tbo.testing.deepep_standin import Buffer, DeepEPContractError
+from tbo.testing.deepep_standin import Buffer, contract_probe
 from tbo.testing.moe import SwiGLUExperts, make_routing
 
 TOKENS = {2: [9, 0], 4: [5, 0, 11, 3]}
@@ -79,13 +79,7 @@ def test_deepep_backends_equal_local_reference(world):
 def _violations(rank, world):
     """Each DeepEP rule, broken on purpose; returns the error each raised (None if it did not)."""
     found = {}
-
-    def expect(rule, fn):
-        try:
-            fn()
-            found[rule] = None
-        except DeepEPContractError as exc:
-            found[rule] = str(exc)
+    expect = contract_probe(found)
 
     x = torch.randn(4, 16)
     idx, w = make_routing(4, 8, 2, seed=rank)

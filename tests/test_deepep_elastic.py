@@ -14,8 +14,8 @@ from tbo.experts.fp8 import dequantize_per_token_group, quantize_per_token_group
 from tbo.harness.launch import launch
 from tbo.runtime.sm_budget import deep_ep_elastic_num_sms, gemm_num_sms_beside
 from tbo.strategies import deepseek_decode, deepseek_prefill, qwen3_moe_decode, sized_for
-from tbo.testing.deepep_elastic_standin import DeepEPContractError, ElasticBuffer, EventOverlap
-from tbo.testing.deepep_standin import Buffer
+from tbo.testing.deepep_elastic_standin import ElasticBuffer, EventOverlap
+from tbo.testing.deepep_standin import Buffer, contract_probe
 from tbo.testing.moe import SwiGLUExperts, make_routing
 
 E = 6  # divisible by 2 and 3 ranks
@@ -107,13 +107,7 @@ def test_elastic_backend_equals_local_reference(world):
 def _violations(rank, world):
     """Each V2 rule broken on purpose; returns the message each raised (None if it did not)."""
     found = {}
-
-    def expect(rule, fn):
-        try:
-            fn()
-            found[rule] = None
-        except DeepEPContractError as exc:
-            found[rule] = str(exc)
+    expect = contract_probe(found)
 
     buf = buffer()
     x = torch.randn(4, 16).to(torch.bfloat16)

@@ -27,13 +27,27 @@ from tbo.comm.layout import normal_route
 from tbo.comm.transport import TorchDistributedTransport
 from tbo.comm.wait import DEFAULT_TIMEOUT_S
 
-__all__ = ["Buffer", "Config", "EventOverlap", "DeepEPContractError", "check_call_order"]
+__all__ = ["Buffer", "Config", "EventOverlap", "DeepEPContractError", "check_call_order", "contract_probe"]
 
 _OPS = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
 
 
 class DeepEPContractError(RuntimeError):
     """A call broke a rule that real DeepEP asserts (or silently depends on)."""
+
+
+def contract_probe(found: dict[str, str | None]) -> Callable[[str, Callable[[], Any]], None]:
+    """``expect(rule, fn)``: run ``fn``, a call breaking ``rule`` on purpose, and record in ``found[rule]`` the
+    `DeepEPContractError` message it raised (None if it raised none). The stand-ins' own tests break each rule."""
+
+    def expect(rule: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            found[rule] = None
+        except DeepEPContractError as exc:
+            found[rule] = str(exc)
+
+    return expect
 
 
 class _Event:
