@@ -3,21 +3,22 @@
 A layer is a list of ops with `Yield` between stages; `execute_overlapped_operations` runs two (or more) microbatches
 through it so that one microbatch's communication overlaps another's compute.
 
-The package is layered (see README, "Architecture"): `tbo.core` (no torch), the library (`split`, `comm`, `experts`,
-`strategies`, `models`, `integrations`, `afd`, `runtime`), `tbo.tools` and `tbo.harness`. `import tbo` needs no
+The package is layered (see README, "Architecture"): `tbo.core` (no torch), the library (`comm`; `split`, `experts`;
+`strategies`; `runtime`; `models`; `afd`, `integrations`, each importing only those before it), `tbo.tools` and
+`tbo.harness`. `import tbo` needs no
 torch; the names below that do are imported on first use.
 """
 
 from tbo.core import (CommTimeoutError, HangError, Observer, Operation, OperationError, OperationsStrategy, Schedule,
                       State, StrategyError, Yield, execute_operations, execute_overlapped_operations, interleave,
                       op_name)
-from tbo.runtime.sm_budget import deep_gemm_num_sms
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 from tbo.tools.lint import Finding, lint
 from tbo.util.lazy import lazy_attributes
 
 __getattr__ = lazy_attributes(__name__, {
     "agree_to_split": "tbo.split.agree",
+    "deep_gemm_num_sms": "tbo.comm.sm_budget",
     "merge_outputs": "tbo.split.tensors",
     "split_inputs": "tbo.split.tensors",
     "model_forward_maybe_tbo": "tbo.runtime.forward",

@@ -8,7 +8,7 @@ from tbo.comm import DispatchFormat, DispatchOutput, LocalBackend
 from tbo.experts import run_experts
 from tbo.experts.deep_gemm import DeepGemmSwiGLUExperts
 from tbo.experts.deep_gemm import DEEP_GEMM_NAMES, contiguous_alignment, resolve_deep_gemm
-from tbo.experts.fp8 import dequantize_per_block, quantize_per_block, quantize_per_token_group
+from tbo.comm.fp8 import dequantize_per_block, quantize_per_block, quantize_per_token_group
 from tbo.testing import deep_gemm_standin
 from tbo.testing.moe import SwiGLUExperts, make_routing
 

@@ -6,9 +6,9 @@ import torch
 from tbo.comm import DispatchFormat, LocalBackend
 from tbo.experts import run_experts
 from tbo.comm.deepep import DeepEPLowLatencyBackend, DeepEPNormalBackend, supported_kwargs
-from tbo.experts.fp8 import dequantize_per_token_group, quantize_per_token_group
+from tbo.comm.fp8 import dequantize_per_token_group, quantize_per_token_group
 from tbo.harness.launch import launch
-from tbo.runtime.sm_budget import deep_ep_num_sms
+from tbo.comm.sm_budget import deep_ep_num_sms
 from tbo.testing.deepep_standin import Buffer, contract_probe
 from tbo.testing.moe import SwiGLUExperts, make_routing
 

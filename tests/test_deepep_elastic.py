@@ -10,9 +10,9 @@ import torch.distributed as dist
 from tbo.comm import DispatchFormat, LocalBackend, deepep_backend
 from tbo.comm.deepep_elastic import DeepEPElasticBackend
 from tbo.experts import run_experts
-from tbo.experts.fp8 import dequantize_per_token_group, quantize_per_token_group
+from tbo.comm.fp8 import dequantize_per_token_group, quantize_per_token_group
 from tbo.harness.launch import launch
-from tbo.runtime.sm_budget import deep_ep_elastic_num_sms, gemm_num_sms_beside
+from tbo.comm.sm_budget import deep_ep_elastic_num_sms, gemm_num_sms_beside
 from tbo.strategies import deepseek_decode, deepseek_prefill, qwen3_moe_decode, sized_for
 from tbo.testing.deepep_elastic_standin import ElasticBuffer, EventOverlap
 from tbo.testing.deepep_standin import Buffer, contract_probe

@@ -4,7 +4,7 @@ layer table below. It is written once, here, and the README's "Architecture" sec
     harness   tbo.harness                                        workloads, timing, launch, AFD runner
     tools     tbo.tools                                          lint, trace, simulate, predict, cli
     testing   tbo.testing                                        the DeepEP / DeepGEMM stand-ins, MoE test helpers
-    library   tbo.split comm experts strategies models integrations afd runtime
+    library   tbo.split comm experts strategies models integrations afd runtime  (ordered: LIBRARY_ORDER)
     util      tbo.util                                           tiny helpers, no torch, no tbo imports
     core      tbo.core                                           no torch, no frameworks, nothing outside core
 """
@@ -43,6 +43,18 @@ ALLOWED = {
     "harness": {"core", "util", "library", "tools", "testing", "harness"},
     "api": {"core", "util", "library", "tools"},
 }
+
+#: Inside the library, packages are ordered too: a package imports only packages on a lower row (and itself). The
+#: communication layer is at the bottom; the integrations with other frameworks sit on top.
+LIBRARY_ORDER = [
+    ("comm",),                     # transports, EP backends, FP8 wire format, SM budgets
+    ("split", "experts"),          # cutting a step into microbatches; running experts on dispatched tokens
+    ("strategies",),               # op lists and their binding to layers
+    ("runtime",),                  # the forward seam, CUDA graphs, profiling
+    ("models",),                   # the reference model
+    ("afd", "integrations"),       # attention-FFN disaggregation; Hugging Face, vLLM
+]
+_LIBRARY_ROW = {pkg: row for row, pkgs in enumerate(LIBRARY_ORDER) for pkg in pkgs}
 
 #: Third-party imports the core may use (torch and frameworks are not among them).
 CORE_THIRD_PARTY = {"pydantic"}
@@ -108,11 +120,22 @@ def test_imports_point_down(path: Path):
             continue
         if target_layer not in ALLOWED[layer]:
             broken.append(f"line {line}: {layer} imports {target} ({target_layer})")
+        elif layer == target_layer == "library":
+            here, there = _module_name(path).split(".")[1], target.split(".")[1]
+            if here != there and _LIBRARY_ROW[there] >= _LIBRARY_ROW[here]:
+                broken.append(f"line {line}: tbo.{here} imports {target}, but tbo.{there} is not below tbo.{here} "
+                              f"in LIBRARY_ORDER")
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
+def test_library_order_names_every_library_package():
+    library = {name for name, layer in LAYER_OF.items() if layer == "library"}
+    assert set(_LIBRARY_ROW) == library, "every library package has exactly one row in LIBRARY_ORDER"
+
+
 def test_the_checker_sees_violations(tmp_path, monkeypatch):
-    """The checker itself can fail: a core module importing torch and a library module importing the harness."""
+    """The checker itself can fail: a core module importing torch, a library module importing the harness, and a
+    library package importing one above it."""
     fake = tmp_path / "tbo"
     (fake / "core").mkdir(parents=True)
     (fake / "comm").mkdir()
@@ -120,12 +143,17 @@ def test_the_checker_sees_violations(tmp_path, monkeypatch):
     (fake / "core" / "bad.py").write_text("import torch\nfrom ..comm import x\n")
     (fake / "comm" / "bad.py").write_text("def f():\n    from tbo.harness import workload\n")
     (fake / "harness" / "workload.py").write_text("")
+    (fake / "comm" / "up.py").write_text("from tbo.strategies import deepseek\n")
+    (fake / "strategies").mkdir()
+    (fake / "strategies" / "deepseek.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [t for _, t in _imports(fake / "core" / "bad.py")] == ["torch", "tbo.comm"]
     with pytest.raises(AssertionError, match="core imports 'torch'"):
         test_imports_point_down(fake / "core" / "bad.py")
     with pytest.raises(AssertionError, match=r"library imports tbo.harness.workload \(harness\)"):
         test_imports_point_down(fake / "comm" / "bad.py")
+    with pytest.raises(AssertionError, match=r"tbo.comm imports tbo.strategies.deepseek, but tbo.strategies is not below"):
+        test_imports_point_down(fake / "comm" / "up.py")
 
 
 _BLOCK_TORCH = """

@@ -50,7 +50,7 @@ def test_absent_deep_gemm_logs_and_noops(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import raises ModuleNotFoundError
     if try_import("deep_gemm") is not None:
         pytest.skip("deep_gemm is installed")
-    with caplog.at_level(logging.DEBUG, logger="tbo.runtime.sm_budget"):
+    with caplog.at_level(logging.DEBUG, logger="tbo.comm.sm_budget"):
         with tbo.deep_gemm_num_sms(10):
             pass
     assert "deep_gemm is not installed" in caplog.text

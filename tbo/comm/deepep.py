@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from tbo.util.optional import require
-from tbo.experts.fp8 import quantize_per_token_group
+from tbo.comm.fp8 import quantize_per_token_group
 from tbo.comm.layout import check_routing
 from tbo.comm.types import DispatchFormat, DispatchOutput
 

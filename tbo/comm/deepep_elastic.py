@@ -25,7 +25,7 @@ How the ``_a``/``_b`` split uses V2:
 
 V2 has **no zero-SM receive-hook mode** ("0 SM RDMA low-latency EP is no longer supported"): its kernels hold
 ``num_sms`` SMs while they run, in decode as in prefill. ``num_sms`` defaults to
-``ElasticBuffer.get_theoretical_num_sms(num_experts, top_k)`` (through `tbo.runtime.sm_budget.deep_ep_elastic_num_sms`),
+``ElasticBuffer.get_theoretical_num_sms(num_experts, top_k)`` (through `tbo.comm.sm_budget.deep_ep_elastic_num_sms`),
 and the same count is what `comm_num_sms` tells a strategy to leave free of DeepGEMM.
 
 V2 moves BF16 or FP8 only: ``hidden`` must be bfloat16 unless ``use_fp8`` (which quantises any float input).
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 from tbo.util.optional import require
-from tbo.runtime.sm_budget import deep_ep_elastic_num_sms
+from tbo.comm.sm_budget import deep_ep_elastic_num_sms
 from tbo.comm.deepep import _split_fp8, supported_kwargs
-from tbo.experts.fp8 import quantize_per_token_group
+from tbo.comm.fp8 import quantize_per_token_group
 from tbo.comm.layout import check_routing
 from tbo.comm.types import DispatchFormat, DispatchOutput
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tbo.util.optional import require
-from tbo.experts.fp8 import dequantize_per_token_group, quantize_per_block, quantize_per_token_group
+from tbo.comm.fp8 import dequantize_per_token_group, quantize_per_block, quantize_per_token_group
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
 __all__ = ["DEEP_GEMM_NAMES", "DeepGemmSwiGLUExperts", "contiguous_alignment", "resolve_deep_gemm"]

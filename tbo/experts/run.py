@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tbo.experts.fp8 import dequantize_per_token_group
+from tbo.comm.fp8 import dequantize_per_token_group
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
 __all__ = ["ExpertFn", "run_experts"]

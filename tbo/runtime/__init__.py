@@ -1,2 +1,3 @@
-"""The seam between a framework and tbo: one step split, run and merged (`model_forward_maybe_tbo`), and the SM
-budgets that a strategy asks of DeepGEMM and DeepEP while it runs."""
+"""The seam between a framework and tbo: one step split, run and merged (`model_forward_maybe_tbo`), with the SM
+budget a strategy asks of DeepGEMM applied while it runs (the budgets themselves are in `tbo.comm.sm_budget`), CUDA
+graphs and profiling."""

@@ -13,7 +13,7 @@ from tbo.core.executors import execute_operations, execute_overlapped_operations
 from tbo.core.executors.guard import Drainable
 from tbo.core.observer import Observer
 from tbo.runtime.profile import RecordFunctionObserver
-from tbo.runtime.sm_budget import deep_gemm_num_sms
+from tbo.comm.sm_budget import deep_gemm_num_sms
 from tbo.split.plan import MicrobatchSlice, SplitPlan
 from tbo.split.tensors import RequestRule, merge_outputs, split_inputs
 from tbo.core.state import State

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tbo.core.strategy import OperationsStrategy
-from tbo.runtime.sm_budget import gemm_num_sms_beside
+from tbo.comm.sm_budget import gemm_num_sms_beside
 
 __all__ = ["sized_for"]
 

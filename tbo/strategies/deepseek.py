@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from tbo.core.operations import Yield
 from tbo.core.strategy import OperationsStrategy
-from tbo.runtime.sm_budget import gemm_num_sms_beside
+from tbo.comm.sm_budget import gemm_num_sms_beside
 
 __all__ = ["deepseek_decode", "deepseek_prefill", "prefill_deep_gemm_num_sms"]
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from tbo.experts.fp8 import dequantize_per_block, dequantize_per_token_group
+from tbo.comm.fp8 import dequantize_per_block, dequantize_per_token_group
 
 __all__ = ["install", "DeepGemmContractError", "GENERATIONS", "ALIGNMENT"]
 

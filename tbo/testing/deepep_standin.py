@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tbo.experts.fp8 import quantize_per_token_group
+from tbo.comm.fp8 import quantize_per_token_group
 from tbo.comm.layout import normal_route
 from tbo.comm.transport import TorchDistributedTransport
 from tbo.comm.wait import DEFAULT_TIMEOUT_S

@@ -4,6 +4,8 @@ In prefill TBO, DeepEP's communication kernels occupy some SMs while the other m
 be told to leave them free, and the old value must come back afterwards even when the forward raises. DeepEP V1
 sets its SM count globally (``Buffer.set_num_sms``); V2 takes it per call, from
 ``ElasticBuffer.get_theoretical_num_sms``, and has no zero-SM mode, so decode needs a budget with V2 as well.
+It lives in `tbo.comm` because every budget starts from what the communication kernels take; the strategies and
+the runtime above read it.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 Each token's hidden vector is cut into groups of 128 channels; each group is scaled so its largest magnitude maps to
 448, the largest finite e4m3 value. Plain torch, so it runs (slowly) on CPU for tests and on GPU as a fallback.
+It lives in `tbo.comm` because it is the wire format FP8 dispatch sends; the expert runners above comm read it.
 """
 
 from __future__ import annotations
