@@ -377,10 +377,13 @@ def test_seam_merges_every_named_output():
 
     class Layer:
         def op_mlp(self, state, hidden_states, residual=None):
-            residual = hidden_states if residual is None else residual + hidden_states
-            return {"hidden_states": hidden_states * 2, "residual": residual}
+            state.residual = hidden_states if residual is None else residual + hidden_states
+            return {"hidden_states": hidden_states * 2}
 
-    strategy = OperationsStrategy(operations=["mlp", Yield], delta_stages=1)
+        def op_output(self, state, hidden_states):
+            return {"hidden_states": hidden_states, "residual": state.pop("residual")}
+
+    strategy = OperationsStrategy(operations=["mlp", Yield, "output"], delta_stages=1)
     x = torch.arange(12.0).view(6, 2)
     want = model_forward_maybe_tbo([Layer(), Layer()], {"hidden_states": x}, strategy, None,
                                    output_key=("hidden_states", "residual"))
