@@ -20,10 +20,13 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+# this file is named vllm.py: run as a script, its folder would shadow the vllm package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: one core's worth of timing
 
 
@@ -33,7 +36,8 @@ def save_model(path: Path, hidden: int, layers: int, experts: int) -> Path:
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
-        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+        num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+        head_dim=64,  # a head size vLLM's CPU attention kernels take
         num_experts=experts, num_experts_per_tok=2, max_position_embeddings=1024)
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
@@ -41,37 +45,40 @@ def save_model(path: Path, hidden: int, layers: int, experts: int) -> Path:
 
 
 class Workload:
-    """Decode: ``batch`` requests, short prompts, ``decode_tokens`` steps each. Prefill: ``batch`` prompts of
-    ``prompt`` tokens in one step, one token out."""
+    """Decode: ``batch`` requests with 4-token prompts, ``decode_tokens`` decode steps, each step timed. Prefill:
+    ``batch`` prompts of ``prompt`` tokens in one step, timed. Steps are the engine's own (``LLMEngine.step``:
+    scheduling, the model, sampling), so the plugin's overhead is measured against vLLM's whole step."""
 
-    def __init__(self, batch: int, prompt: int, decode_tokens: int, repeats: int) -> None:
-        self.batch, self.prompt, self.decode_tokens, self.repeats = batch, prompt, decode_tokens, repeats
+    def __init__(self, batch: int, prompt: int, decode_tokens: int) -> None:
+        self.batch, self.prompt, self.decode_tokens = batch, prompt, decode_tokens
         self._seed = 0
 
-    def _prompts(self, n: int) -> list:
+    def _add(self, llm, n: int, max_tokens: int) -> None:
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self._seed += 1  # fresh tokens every call: nothing comes from the prefix cache
-        return [TokensPrompt(prompt_token_ids=[(self._seed * 131 + r * 17 + i * 7) % 500 + 1 for i in range(n)])
-                for r in range(self.batch)]
-
-    def _time(self, llm, n: int, max_tokens: int) -> float:
-        from vllm import SamplingParams
-
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-        prompts = self._prompts(n)
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t
+        for r in range(self.batch):
+            self._seed += 1  # fresh tokens every request: nothing comes from the prefix cache
+            ids = [(self._seed * 131 + i * 7) % 500 + 1 for i in range(n)]
+            llm.llm_engine.add_request(f"bench-{self._seed}", TokensPrompt(prompt_token_ids=ids), params)
 
-    def decode_step_s(self, llm) -> float:
-        """Decode step time: a generate of ``decode_tokens`` minus one of 1 token (the prefill), per step."""
-        full = [self._time(llm, 4, self.decode_tokens) for _ in range(self.repeats)]
-        first = [self._time(llm, 4, 1) for _ in range(self.repeats)]
-        return (statistics.median(full) - statistics.median(first)) / (self.decode_tokens - 1)
+    @staticmethod
+    def _steps(llm) -> list[float]:
+        times = []
+        while llm.llm_engine.has_unfinished_requests():
+            t = time.perf_counter()
+            llm.llm_engine.step()
+            times.append(time.perf_counter() - t)
+        return times
 
-    def prefill_step_s(self, llm) -> float:
-        return statistics.median(self._time(llm, self.prompt, 1) for _ in range(self.repeats))
+    def decode_steps(self, llm) -> list[float]:
+        self._add(llm, 4, self.decode_tokens + 1)
+        return self._steps(llm)[1:]  # the first step is the prefill
+
+    def prefill_steps(self, llm) -> list[float]:
+        self._add(llm, self.prompt, 1)
+        return self._steps(llm)
 
 
 def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) -> int:
@@ -91,20 +98,31 @@ def solve_link(compute: dict, nbytes: dict, transfers: int) -> str:
     return f"{latency * 1e6:.3f},{1 / inv_bw / 1e9:.6f}"
 
 
-def run_engine(model: Path, tbo: dict | None, work: Workload, dtype: str) -> dict:
+def start_engine(model: Path, tbo: dict | None, work: Workload, dtype: str) -> object:
     from vllm import LLM
 
     extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20,
-              max_model_len=1024, max_num_batched_tokens=max(1024, work.batch * work.prompt),
-              enable_prefix_caching=False, dtype=dtype, seed=0, **extra)
-    try:
-        work.decode_step_s(llm), work.prefill_step_s(llm)  # warm-up
-        return {"decode": work.decode_step_s(llm), "prefill": work.prefill_step_s(llm)}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20,
+               max_model_len=1024, max_num_batched_tokens=max(1024, work.batch * work.prompt),
+               enable_prefix_caching=False, dtype=dtype, seed=0, **extra)
+
+
+def measure(engines: dict, work: Workload, repeats: int) -> dict:
+    """Median step time per engine and mode; the engines take turns, so that load on the machine falls on all."""
+    samples = {name: {"decode": [], "prefill": []} for name in engines}
+    for r in range(repeats + 1):
+        for name, llm in engines.items():
+            decode, prefill = work.decode_steps(llm), work.prefill_steps(llm)
+            if r:  # round 0 warms up
+                samples[name]["decode"] += decode
+                samples[name]["prefill"] += prefill
+    return {name: {m: statistics.median(v) for m, v in s.items()} for name, s in samples.items()}
+
+
+def close(engines: dict) -> None:
+    for name in list(engines):
+        engines.pop(name).llm_engine.engine_core.shutdown()
+    gc.collect()
 
 
 def main() -> None:
@@ -115,30 +133,32 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="requests per step")
     p.add_argument("--prompt", type=int, default=32, help="prefill tokens per request")
     p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="rounds of decode and prefill per engine, after a warm-up")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: solved so that comm ~= compute")
     args = p.parse_args()
 
-    work = Workload(args.batch, args.prompt, args.decode_tokens, args.repeats)
+    work = Workload(args.batch, args.prompt, args.decode_tokens)
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
     split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
     with tempfile.TemporaryDirectory() as tmp:
         model = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
-        rows = {"vLLM": run_engine(model, None, work, args.dtype),
-                "vLLM + tbo unsplit": run_engine(model, never, work, args.dtype),
-                "vLLM + tbo split": run_engine(model, split, work, args.dtype)}
+        engines = {name: start_engine(model, tbo, work, args.dtype)
+                   for name, tbo in (("vLLM", None), ("vLLM + tbo unsplit", never), ("vLLM + tbo split", split))}
+        rows = measure(engines, work, args.repeats)
         link = args.link
         if link is None:
             tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
             nbytes = {m: moe_bytes_per_step(t, args.hidden, 2, args.layers) for m, t in tokens.items()}
             link = solve_link(rows["vLLM + tbo unsplit"], nbytes, 2 * args.layers)
-        rows[f"vLLM + tbo unsplit, link {link}"] = run_engine(model, {**never, "link": link}, work, args.dtype)
-        rows[f"vLLM + tbo split, link {link}"] = run_engine(model, {**split, "link": link}, work, args.dtype)
+        engines[f"vLLM + tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype)
+        engines[f"vLLM + tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype)
+        rows = measure(engines, work, args.repeats)  # all five again, taking turns: the ratios come from one run
+        close(engines)
 
     tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
     print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, {args.dtype}; "
-          f"decode {args.batch} requests, prefill {args.batch} x {args.prompt} tokens; median of {args.repeats}")
+          f"decode {args.batch} requests, prefill {args.batch} x {args.prompt} tokens; median over {args.repeats} rounds")
     print(f"{'engine':44s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s}")
     for name, r in rows.items():
         print(f"{name:44s} {r['decode'] * 1e3:9.2f} ms {tokens['decode'] / r['decode']:13.0f} "
