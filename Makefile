@@ -1,4 +1,5 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv when missing and installs what it needs.
+# `make docs` builds the documentation site (MkDocs Material, --strict) into site/ from the `docs` extra.
 # torch is installed on its own first, pinned, so pip never resolves `torch>=2.11` to a multi-GB CUDA build;
 # on these machines torch==2.13.0 is a local CPU wheel. `make test-hf-floor` runs the Hugging Face tests again in
 # .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both). `make test-vllm` runs
@@ -19,7 +20,9 @@ VLLM_VENV      := .venv-vllm
 VLLM_PY        := $(VLLM_VENV)/bin/python
 VLLM_STAMP     := $(VLLM_VENV)/.tbo-installed
 
-.PHONY: demo test test-hf-floor test-vllm bench clean
+DOCS_STAMP     := $(VENV)/.tbo-docs-installed
+
+.PHONY: demo test test-hf-floor test-vllm docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,8 +64,18 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
 	$(VLLM_PY) -m pytest -q tests/test_vllm.py
 
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e ".[test,plot,hf,docs]"
+	@touch $(DOCS_STAMP)
+
+# NO_MKDOCS_2_WARNING: Material 9.7+ prints an end-of-life notice on every build; it is not a build warning, and
+# --strict still fails the build on every real one (a broken link or anchor, a missing page or reference).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean -d site
+	$(PY) scripts/check_api_docs.py site
+
 bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(VLLM_VENV) build site *.egg-info .pytest_cache
