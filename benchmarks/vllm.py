@@ -4,9 +4,9 @@ without and with the emulated link. Prints tokens/s and step time for each.
 Targets (reported, not asserted): the plugin's unsplit overhead is at most 3% of vLLM's step; with the link set so
 that communication is about equal to compute, tbo split is at least 1.3x tbo unsplit over that link.
 
-How the link is set: the unsplit engine without a link measures the compute of a decode and a prefill step; with the
-bytes each step dispatches and combines (every MoE layer: the tokens out with their top-k, the results back), the
-latency and bandwidth are solved so that both steps' communication equals their compute (``--link`` sets it instead).
+How the link is set: the unsplit engine without a link measures the compute of a decode and of a prefill step; from
+the bytes each step dispatches and combines (every MoE layer: the tokens out with their top-k, the results back), a
+bandwidth-bound link per mode makes that step's communication equal its compute (``--link`` sets one for both).
 
 A tiny random Qwen3-MoE (``--hidden``, ``--layers``, ``--experts``) is saved in a temporary directory; nothing is
 downloaded. On 2 shared cores timing is noisy: run it several times and report the range.
@@ -87,15 +87,9 @@ def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) ->
     return moe_layers * tokens * (2 * hidden * 4 + top_k * (8 + 4))
 
 
-def solve_link(compute: dict, nbytes: dict, transfers: int) -> str:
-    """``"LATENCY_US,GBPS"`` with which both the decode and the prefill step's communication equals its compute:
-    ``transfers * latency + bytes / bandwidth == compute`` for both."""
-    (cd, bd), (cp, bp) = (compute["decode"], nbytes["decode"]), (compute["prefill"], nbytes["prefill"])
-    inv_bw = (cp - cd) / (bp - bd) if bp != bd else 0.0
-    latency = (cd - bd * inv_bw) / transfers
-    if latency < 0 or inv_bw <= 0:  # no exact solution: latency-free, sized for prefill
-        latency, inv_bw = 0.0, cp / bp
-    return f"{latency * 1e6:.3f},{1 / inv_bw / 1e9:.6f}"
+def link_for(compute_s: float, nbytes: int) -> str:
+    """``"0,GBPS"``: a bandwidth-bound link over which ``nbytes`` take ``compute_s`` (communication = compute)."""
+    return f"0,{nbytes / compute_s / 1e9:.6f}"
 
 
 def start_engine(model: Path, tbo: dict | None, work: Workload, dtype: str) -> object:
@@ -135,7 +129,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="rounds of decode and prefill per engine, after a warm-up")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: solved so that comm ~= compute")
+    p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: per mode, comm ~= compute")
     args = p.parse_args()
 
     work = Workload(args.batch, args.prompt, args.decode_tokens)
@@ -146,29 +140,29 @@ def main() -> None:
         engines = {name: start_engine(model, tbo, work, args.dtype)
                    for name, tbo in (("vLLM", None), ("vLLM + tbo unsplit", never), ("vLLM + tbo split", split))}
         rows = measure(engines, work, args.repeats)
-        link = args.link
-        if link is None:
-            tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
-            nbytes = {m: moe_bytes_per_step(t, args.hidden, 2, args.layers) for m, t in tokens.items()}
-            link = solve_link(rows["vLLM + tbo unsplit"], nbytes, 2 * args.layers)
-        engines[f"vLLM + tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype)
-        engines[f"vLLM + tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype)
-        rows = measure(engines, work, args.repeats)  # all five again, taking turns: the ratios come from one run
+        tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
+        links = {m: args.link or link_for(rows["vLLM + tbo unsplit"][m],
+                                          moe_bytes_per_step(tokens[m], args.hidden, 2, args.layers))
+                 for m in ("decode", "prefill")}
+        for m, link in links.items():  # one link per mode: each sized to that step's compute
+            engines[f"{m}: tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype)
+            engines[f"{m}: tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype)
+        rows = measure(engines, work, args.repeats)  # all of them again, taking turns: the ratios come from one run
         close(engines)
 
-    tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
     print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, {args.dtype}; "
           f"decode {args.batch} requests, prefill {args.batch} x {args.prompt} tokens; median over {args.repeats} rounds")
-    print(f"{'engine':44s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s}")
+    print(f"{'engine':48s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s}")
     for name, r in rows.items():
-        print(f"{name:44s} {r['decode'] * 1e3:9.2f} ms {tokens['decode'] / r['decode']:13.0f} "
-              f"{r['prefill'] * 1e3:10.2f} ms {tokens['prefill'] / r['prefill']:14.0f}")
-    base, unsplit = rows["vLLM"], rows["vLLM + tbo unsplit"]
-    lu, ls = rows[f"vLLM + tbo unsplit, link {link}"], rows[f"vLLM + tbo split, link {link}"]
-    for m in ("decode", "prefill"):
+        cells = [f"{r[m] * 1e3:9.2f} ms {tokens[m] / r[m]:13.0f}" if not name.startswith(other + ":")
+                 else f"{'-':>12s} {'-':>13s}" for m, other in (("decode", "prefill"), ("prefill", "decode"))]
+        print(f"{name:48s} {cells[0]} {cells[1]}")
+    base, unsplit, split_ = rows["vLLM"], rows["vLLM + tbo unsplit"], rows["vLLM + tbo split"]
+    for m, link in links.items():
+        lu, ls = rows[f"{m}: tbo unsplit, link {link}"], rows[f"{m}: tbo split, link {link}"]
         print(f"{m}: tbo unsplit overhead {100 * (unsplit[m] / base[m] - 1):+.1f}% of vLLM's step (target <= 3%); "
-              f"split over the link {lu[m] / ls[m]:.2f}x tbo unsplit over it (target >= 1.3x); "
-              f"split without a link {unsplit[m] / rows['vLLM + tbo split'][m]:.2f}x")
+              f"over the link split is {lu[m] / ls[m]:.2f}x unsplit (target >= 1.3x); "
+              f"without a link {unsplit[m] / split_[m]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def stats() -> dict[str, Any]:
 
 
 def reset_stats() -> None:
-    global PROCESS_STATS
+    """Zero this process's counters (the engines' own, behind their shutdown lines, are kept)."""
     fresh = StepStats()
     for name, value in vars(fresh).items():
         setattr(PROCESS_STATS, name, value)
