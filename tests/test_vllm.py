@@ -186,6 +186,8 @@ def models(tmp_path_factory):
 def qwen_reference(models):
     """vLLM's own greedy tokens, float32, for every scenario."""
     llm = _llm(models["qwen3_moe"], dtype="float32")
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert "forward" not in vars(runner.model.model) and "tbo" not in vars(runner)  # no "tbo" key: untouched
     try:
         return {name: _tokens(_generate(llm, prompts)) for name, prompts in SCENARIOS.items()}
     finally:
