@@ -8,7 +8,7 @@ needs; the GPU tests run the same step under ``torch.cuda.set_sync_debug_mode("e
 import pytest
 import torch
 
-from tbo.comm import DispatchFormat, LocalBackend
+from tbo.comm import DispatchFormat, LocalBackend, devices
 from tbo.experts import run_experts
 from tbo.comm.layout import expanded_route, expert_major_perm, static_masked_route, to_masked
 from tbo.testing.moe import SwiGLUExperts, make_routing
@@ -54,13 +54,35 @@ def test_static_route_layout_is_the_counted_layout():
     assert int((route.dest == route.scratch).sum()) == int((idx < 0).sum())  # dropped slots go to scratch
 
 
-def test_capacity_overflow_is_a_clear_error_on_cpu_and_drops_nothing_silently_in_range():
+def test_eager_slabs_hold_the_step_and_a_capture_refuses_more_than_the_capacity(monkeypatch):
+    """Issue 22, defects 1-2. Eager, a step above ``masked_capacity`` gets slabs of its own size (before: a
+    ValueError on the CPU, a sticky device assert on a GPU, e.g. a GraphRunner's eager fallback at twice its largest
+    bucket). While capturing, such a step is refused on the host, before any device work."""
     b = LocalBackend(4, DispatchFormat.MASKED, masked_capacity=3)
     x = torch.randn(5, H)
-    with pytest.raises(ValueError, match="more than the masked capacity 3 rows"):
-        b.dispatch_a(x, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1))
+    idx, w = torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1)
+    d = b.dispatch_b(b.dispatch_a(x, idx, w))
+    assert d.hidden.shape == (4, 5, H) and d.tokens_per_expert.tolist() == [5, 0, 0, 0]
+    assert torch.equal(d.hidden[0], x)  # nothing dropped
+    # only a row naming one expert twice can overflow slabs of the step's size: a ValueError on the CPU
+    with pytest.raises(ValueError, match="more than the masked capacity 5 rows"):
+        b.dispatch_a(x, torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2))
+    monkeypatch.setattr(devices, "capturing", lambda device=None: True)  # what torch reports inside a capture
+    with pytest.raises(ValueError, match="capturing a step of 5 tokens with masked_capacity=3"):
+        b.dispatch_a(x, idx, w)
+    assert b.dispatch_a(x[:3], idx[:3], w[:3]).pending.shape == (4, 3, H)  # within the capacity: captured as before
     with pytest.raises(ValueError, match="masked_capacity=0 must be a positive row count"):
         LocalBackend(4, DispatchFormat.MASKED, masked_capacity=0)
+
+
+def test_top8_of_16_at_twice_the_capacity_runs_eagerly_and_equals_the_counted_route():
+    experts = SwiGLUExperts.build(16, H, I, seed=8)
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(8))
+    idx, w = make_routing(64, 16, 8, seed=8)
+    small = LocalBackend(16, DispatchFormat.MASKED, masked_capacity=32)  # a largest bucket of 32
+    _, got = moe(small, x, idx, w, experts.local(0, 16))
+    _, want = moe(LocalBackend(16), x, idx, w, experts.local(0, 16))
+    assert torch.equal(got, want)
 
 
 def test_capture_safe_only_for_fixed_capacity_masked():
