@@ -113,3 +113,60 @@ def test_meta_catches_the_formats_that_read_the_host(fmt, capacity):
     """The proof is only worth something if meta does catch host reads: the counted formats must fail there."""
     with pytest.raises((NotImplementedError, RuntimeError)):
         _meta_moe(LocalBackend(E, fmt, masked_capacity=capacity))
+
+
+# ---- issue 22, defect 9: the MASKED expert paths of a GPU --------------------------------------------------------
+def _stacked(experts):
+    from tbo.experts import StackedSwiGLU
+
+    return StackedSwiGLU(experts.w_gate, experts.w_up, experts.w_down)
+
+
+@pytest.mark.parametrize("skew", [0.0, 3.0])
+def test_grouped_and_batched_expert_paths_equal_the_counted_rows(skew):
+    """The grouped path packs the routed rows expert after expert and runs one grouped GEMM per projection with the
+    counts as device-side group ends; the batched one runs one GEMM chain over every slab. Both give each routed
+    row its expert's output and zero elsewhere (checked here with the CPU's grouped_mm; a GPU runs it in bf16)."""
+    from tbo.experts.run import _run_masked, _run_masked_batched, _run_masked_grouped
+
+    experts = SwiGLUExperts.build(E, H, I, seed=11)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(11))
+    idx, w = make_routing(40, E, 3, seed=11, skew=skew, drop=0.1)
+    d = LocalBackend(E, DispatchFormat.MASKED, masked_capacity=40).dispatch_b(
+        LocalBackend(E, DispatchFormat.MASKED, masked_capacity=40).dispatch_a(x, idx, w))
+    assert d.tokens_per_expert.min() < d.tokens_per_expert.max()  # uneven groups, some maybe empty
+    want = _run_masked(d.hidden, d.tokens_per_expert.tolist(), experts.local(0, E))
+    for run in (_run_masked_grouped, _run_masked_batched):
+        got = run(d.hidden, d.tokens_per_expert, _stacked(experts))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        rows = torch.arange(40).unsqueeze(0) >= d.tokens_per_expert.unsqueeze(1)
+        assert not got[rows].any()  # rows past each count are exactly zero
+
+
+def test_run_experts_picks_a_path_that_never_calls_the_expert_per_slab():
+    """Before, MASKED off the CPU ran one GEMM chain per expert over its whole slab (16 chains at 16 experts). With
+    stacked weights the per-expert function is not called at all."""
+    from tbo.experts import masked_path
+
+    experts = SwiGLUExperts.build(E, H, I, seed=12)
+    calls = []
+
+    def counted(e, rows):
+        calls.append(e)
+        return experts(e, rows)
+
+    for dtype, path in ((torch.float32, "batched"), (torch.bfloat16, "grouped")):
+        meta = SwiGLUExperts(*(t.to("meta", dtype) for t in (experts.w_gate, experts.w_up, experts.w_down)))
+        x = torch.empty(12, H, device="meta", dtype=dtype)
+        idx = torch.empty(12, 2, dtype=torch.long, device="meta")
+        backend = LocalBackend(E, DispatchFormat.MASKED, masked_capacity=12)
+        d = backend.dispatch_b(backend.dispatch_a(x, idx, torch.empty(12, 2, device="meta")))
+        assert masked_path(d.hidden, _stacked(meta)) == path
+        out = run_experts(d, counted, _stacked(meta))
+        assert out.shape == (E, 12, H) and out.dtype == dtype and calls == []
+        assert masked_path(d.hidden) == "per-expert"
+        run_experts(d, counted)
+        assert calls == list(range(E))
+        calls.clear()
+    assert masked_path(torch.zeros(E, 4, H), _stacked(experts)) == "counted"
+    assert masked_path(torch.empty(E, 4, H, device="meta"), _stacked(experts)) == "per-expert"  # other device
