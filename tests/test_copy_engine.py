@@ -225,6 +225,56 @@ def test_event_and_host_stamps_share_one_clock():
     assert summary(trace).step_s <= hi - lo
 
 
+def test_cuda_tracer_stamps_every_launch_and_wait_with_events_whatever_the_backend():
+    """Issue 22, defect 6: under ``Tracer(cuda=True)`` only a CopyEngineLink's transfers were events; every other
+    backend's launches and waits were ``perf_counter`` stamps, the CPU's issue time, and a wait span measured the
+    Python call, not the stream's stall. Now an event is recorded on the current stream as every ``_a`` starts
+    (the transfer's start) and around every ``_b`` (the stall); here a LocalBackend, with host-time stand-ins for
+    CUDA events."""
+    from tbo.tools.trace import _CudaClock
+
+    recorded = []
+
+    class CountedEvent(HostEvent):
+        def record(self, stream=None):
+            super().record(stream)
+            recorded.append(self)
+
+    tracer = Tracer()
+    tracer._time = _CudaClock(CountedEvent, lambda: None)
+    tracer.cuda = True
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(num_layers=2), traced(backend(DispatchFormat.MASKED), tracer))
+    ids, meta, plan = _decode(model)
+    tracer.begin("decode, TBO", [mb.tokens_len for mb in plan.microbatches])
+    recorded.clear()  # the origin
+    model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", plan, observer=tracer)
+    ops = len(tracer.trace.lane("compute"))
+    launches = waits = 2 * 2  # one MoE layer, two microbatches, dispatch and combine
+    assert len(recorded) == 2 * ops + launches + 2 * waits
+    assert len(tracer._unresolved) >= 2 * 4  # comm and wait spans wait for their events, resolved in finish
+    trace = tracer.finish()
+    assert sorted({s.name for s in trace.lane("comm")}) == ["combine", "dispatch"] and len(trace.lane("comm")) == 4
+    assert trace.label == "decode, TBO" and trace.tokens == [6, 6]
+    for s in trace.spans:
+        assert 0 <= s.start <= s.end, s
+
+
+def test_begin_takes_the_origin_again_and_marks_land_on_the_trace_clock():
+    from tbo.tools.trace import _CudaClock
+
+    tracer = Tracer()
+    tracer._time = _CudaClock(HostEvent, lambda: None)
+    tracer.cuda = True
+    first = tracer._time.origin_host
+    time.sleep(0.01)
+    tracer.begin("step")
+    assert tracer._time.origin_host > first + 0.005
+    tracer.mark("event")
+    tracer.mark("host", time.perf_counter())
+    marks = tracer.finish().marks
+    assert set(marks) == {"event", "host"} and 0 <= marks["event"] < 1.0 and abs(marks["host"] - marks["event"]) < 1e-3
+
+
 def test_events_in_a_host_tracer_are_refused():
     tracer = Tracer()
     with pytest.raises(ValueError, match="Tracer\\(cuda=True\\)"):
