@@ -38,6 +38,79 @@ def test_benchmark_smoke_runs_the_whole_pipeline(capsys):
         assert float(cells[-1]) < 1e-4  # TBO and graphs agree with eager single (fp32, fast mode)
         assert " / " in cells[-3] and " / " in cells[-2]  # predicted / measured, both columns
     assert "measure nothing" in out
+    assert "correctness: 4 of 4 rows within tolerance" in out
+    # no GPU to park: the GPU-timeline columns say they are not front-loaded instead of passing for it
+    assert all(line.split("|")[9].strip().endswith("*") for line in table)
+    assert out.count("NOT front-loaded: no GPU to park") == 4
+
+
+def _corrupt(monkeypatch, bench, how):
+    """The smoke pipeline with one mode's logits made wrong (``how``), at one decode size."""
+    from tbo.harness.gpu import GpuWorkload
+
+    monkeypatch.setattr(bench, "SMOKE_DECODE", [8], raising=False)
+    monkeypatch.setattr(bench, "SMOKE_PREFILL", [], raising=False)
+    real = GpuWorkload.step
+
+    def step(self, mode, n, tbo, graph, length=1):
+        fn = real(self, mode, n, tbo, graph, length)
+        return (lambda: how(fn())) if (tbo and graph) else fn
+
+    monkeypatch.setattr(GpuWorkload, "step", step)
+
+
+@pytest.mark.parametrize("how,why", [(lambda out: out + 0.05 * out.abs().max(), "graph_tbo differs from eager_single"),
+                                     (lambda out: out * float("nan"), "graph_tbo or eager_single is not finite")])
+def test_benchmark_exits_1_when_a_result_exceeds_the_tolerance(monkeypatch, capsys, how, why):
+    """Issue 22, defect 10: max_diff was printed and never checked, so gpu_check.sh passed with wrong graphs."""
+    bench = load(ROOT / "benchmarks" / "gpu.py")
+    _corrupt(monkeypatch, bench, how)
+    assert bench.main(["--smoke"]) == 1
+    out = capsys.readouterr().out
+    assert why in out and "correctness: 0 of 1 rows within tolerance" in out and "FAILED" in out
+
+
+def test_link_timing_events_only_inside_trace(monkeypatch):
+    """Issue 22, defect 8: each transfer recorded four timing events during timed steps too, and TBO has twice the
+    transfers: a bias between eager single and TBO. Now the link times transfers only while `trace` runs."""
+    from tbo.harness.gpu import GpuShape, GpuWorkload
+    from tbo.tools.trace import Tracer
+
+    work = GpuWorkload(GpuShape.tiny(num_layers=2), "cpu", [4], capture=False)
+    assert work.link.timing is False
+    work.time({"tbo": work.step("decode", 4, True, False)}, repeats=1, warmup=0)
+    assert work.link.timing is False
+    seen = []
+
+    class Watching(Tracer):
+        def on_op_start(self, mb, stage, name):
+            seen.append(work.link.timing)
+            super().on_op_start(mb, stage, name)
+
+    work.tracer = Watching()
+    trace = work.trace("decode", 4, True)
+    assert seen and all(seen) and work.link.timing is False and trace.lane("comm")
+    boom = RuntimeError("boom")
+
+    def failing(*args, **kwargs):
+        raise boom
+
+    monkeypatch.setattr(work.model, "forward_tbo", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        work.trace("decode", 4, True)
+    assert work.link.timing is False  # restored on the way out
+
+
+def test_front_load_verdict():
+    """Issue 22, defect 7: whether a front-loaded trace is the GPU's own timeline is checked, not assumed."""
+    from tbo.harness.gpu import FrontLoad
+    from tbo.tools.trace import Trace
+
+    assert FrontLoad(woke_s=0.2, queued_s=0.15).ok and "queued 50.0 ms before" in str(FrontLoad(0.2, 0.15))
+    late = FrontLoad(woke_s=0.2, queued_s=0.23)
+    assert not late.ok and "NOT front-loaded" in str(late) and "30.0 ms after" in str(late)
+    assert FrontLoad.of(Trace()) is None
+    assert FrontLoad.of(Trace(marks={"gpu_woke": 0.2, "queued": 0.1})) == FrontLoad(0.2, 0.1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
