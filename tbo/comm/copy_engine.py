@@ -253,6 +253,10 @@ class CopyEngineLink(BackendWrapper):
         self._in_flight.pop(id(transfer), None)
         return received
 
+    def _before_copies(self, transfer: CopyTransfer) -> None:
+        """Runs on the copy stream after the fork, before the copies (inside the transfer's timing): nothing here.
+        A subclass can model a slower link with device work here (``torch.cuda._sleep``), captured with the rest."""
+
     def _join(self, transfer: CopyTransfer) -> None:
         """The join: the compute stream waits for the transfer's copies (no host wait; captured as a graph edge)."""
         _compute_stream(transfer.device).wait_event(transfer.done)
@@ -270,6 +274,7 @@ class CopyEngineLink(BackendWrapper):
         with torch.cuda.stream(side):
             if timed:
                 transfer.start = _record(side, True)
+            self._before_copies(transfer)
             offset = 0
             for p in payload:  # device -> pinned host: the "send"
                 host[offset : offset + p.nbytes].copy_(_bytes(p), non_blocking=True)

@@ -30,7 +30,8 @@ from tbo.runtime.cuda_graph import CudaGraphCapturer, EagerCapturer
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 from tbo.tools.trace import Trace, Tracer, traced
 
-__all__ = ["GpuShape", "GpuWorkload", "Timing", "FrontLoad", "POLICY", "tolerance", "max_diff"]
+__all__ = ["GpuShape", "GpuWorkload", "Timing", "FrontLoad", "POLICY", "tolerance", "max_diff", "traced_step",
+           "sleep_cycles_per_ms"]
 
 #: Split whenever a step can be split: the workloads measure what overlap gives, not where the threshold is.
 POLICY = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
@@ -126,6 +127,43 @@ class FrontLoad:
         return cls(trace.marks["gpu_woke"], trace.marks["queued"])
 
 
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def sleep_cycles_per_ms() -> float:
+    """How many ``torch.cuda._sleep`` cycles make a millisecond on the current GPU (measured once per device)."""
+    device = torch.cuda.current_device()
+    if device not in _SLEEP_CYCLES_PER_MS:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS[device] = cycles / max(start.elapsed_time(end), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[device]
+
+
+def traced_step(tracer: Tracer, run: Callable[[Tracer], Any], label: str, tokens: Sequence[int],
+                front_load_ms: float = 0.0) -> Trace:
+    """Trace one eager step, ``run(observer)``, with ``tracer`` (a new trace, the origin taken again).
+
+    ``front_load_ms`` on a CUDA tracer: park the GPU that long first (``torch.cuda._sleep``) so the CPU queues the
+    whole step ahead of it; the trace then carries the check (`FrontLoad.of`): an event right after the sleep (when
+    the GPU woke) and the host time once the step was queued.
+    """
+    parked = front_load_ms > 0 and tracer.cuda
+    cycles = int(sleep_cycles_per_ms() * front_load_ms) if parked else 0  # calibrated once, before the trace
+    tracer.begin(label + (", front-loaded" if parked else ""), tokens)  # synchronises on a GPU
+    if parked:
+        torch.cuda._sleep(cycles)
+        tracer.mark("gpu_woke")
+    run(tracer)
+    if parked:
+        tracer.mark("queued", time.perf_counter())
+    return tracer.finish()
+
+
 @dataclass
 class Timing:
     """Step times in milliseconds of one mode, and its traced steps."""
@@ -179,7 +217,6 @@ class GpuWorkload:
                                              capture=False, slots_in_order=True)
         self.decode_sizes = sorted(decode_sizes)
         self._prefill: dict[tuple[int, int], _Prefill] = {}
-        self._sleep_cycles_per_ms: float | None = None
 
     # ---- batches --------------------------------------------------------------------------------------------------
     def decode_inputs(self, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -276,32 +313,13 @@ class GpuWorkload:
             batch = self.prefill_batch(n, length)
             ids, meta = batch.ids, batch.meta
         tokens = [mb.tokens_len for mb in plan.microbatches] if plan else [ids.shape[0]]
-        parked = front_load and self.cuda
-        cycles = int(self._cycles_per_ms() * sleep_ms) if parked else 0  # calibrated once, before the trace
-        self.tracer.begin(f"{mode} {ids.shape[0]} tokens, {'TBO' if tbo else 'single'}"
-                          f"{', front-loaded' if parked else ''}", tokens)  # synchronises on a GPU
+        label = f"{mode} {ids.shape[0]} tokens, {'TBO' if tbo else 'single'}"
         previous = self.model.use_backend(traced(self.link, self.tracer))
         self.link.timing = True
         try:
-            if parked:
-                torch.cuda._sleep(cycles)
-                self.tracer.mark("gpu_woke")  # an event right after the sleep: when the GPU starts the step
-            self.model.forward_tbo(ids, meta, self.cache, self.strategy[mode], plan, observer=self.tracer)
-            if parked:
-                self.tracer.mark("queued", time.perf_counter())  # the CPU has queued the whole step
-            trace = self.tracer.finish()
+            return traced_step(self.tracer, lambda observer: self.model.forward_tbo(
+                ids, meta, self.cache, self.strategy[mode], plan, observer=observer), label, tokens,
+                sleep_ms if front_load else 0.0)
         finally:
             self.link.timing = False
             self.model.use_backend(previous)
-        return trace
-
-    def _cycles_per_ms(self) -> float:
-        if self._sleep_cycles_per_ms is None:
-            cycles = 10_000_000
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            self._sleep_cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
-        return self._sleep_cycles_per_ms
