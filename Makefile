@@ -1,4 +1,5 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv when missing and installs what it needs.
+# `make docs` builds the documentation site (MkDocs Material, --strict) into site/ from the `docs` extra.
 # torch is installed on its own first, pinned, so pip never resolves `torch>=2.11` to a multi-GB CUDA build;
 # on these machines torch==2.13.0 is a local CPU wheel. `make test-hf-floor` runs the Hugging Face tests again in
 # .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both).
@@ -13,7 +14,9 @@ FLOOR_VENV     := .venv-hf-floor
 FLOOR_PY       := $(FLOOR_VENV)/bin/python
 FLOOR_STAMP    := $(FLOOR_VENV)/.tbo-installed
 
-.PHONY: demo test test-hf-floor bench clean
+DOCS_STAMP     := $(VENV)/.tbo-docs-installed
+
+.PHONY: demo test test-hf-floor docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +44,18 @@ test-hf-floor: $(FLOOR_STAMP)
 	$(FLOOR_PY) -c "import transformers; print('transformers', transformers.__version__)"
 	$(FLOOR_PY) -m pytest -q tests/test_hf.py
 
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e ".[test,plot,hf,docs]"
+	@touch $(DOCS_STAMP)
+
+# NO_MKDOCS_2_WARNING: Material 9.7+ prints an end-of-life notice on every build; it is not a build warning, and
+# --strict still fails the build on every real one (a broken link or anchor, a missing page or reference).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean -d site
+	$(PY) scripts/check_api_docs.py site
+
 bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) build site *.egg-info .pytest_cache

@@ -3,7 +3,7 @@
 A layer is a list of ops with `Yield` between stages; `execute_overlapped_operations` runs two (or more) microbatches
 through it so that one microbatch's communication overlaps another's compute.
 
-The package is layered (see README, "Architecture"): `tbo.core` (no torch), the library (`comm`; `split`, `experts`;
+The package is layered (see the README's "Architecture"): `tbo.core` (no torch), the library (`comm`; `split`, `experts`;
 `strategies`; `runtime`; `models`; `afd`, `integrations`, each importing only those before it), `tbo.tools` and
 `tbo.harness`. `import tbo` needs no
 torch; the names below that do are imported on first use.

@@ -70,3 +70,9 @@ def test_simulate_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "single:" in out and "TBO:" in out and "speedup:" in out and "lower bound" in out
     assert png.exists() and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_simulate_missing_costs_file_names_it(tmp_path, capsys):
+    assert main(["simulate", "deepseek_decode", "--tokens", "64", "--costs", str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tbo simulate: error:") and "nope.json" in err and "Traceback" not in err

@@ -1,12 +1,7 @@
 """The architecture, enforced: every module's imports (parsed with `ast`, function-level ones too) must follow the
-layer table below. It is written once, here, and the README's "Architecture" section draws it.
-
-    harness   tbo.harness                                        workloads, timing, launch, AFD runner
-    tools     tbo.tools                                          lint, trace, simulate, predict, cli
-    testing   tbo.testing                                        the DeepEP / DeepGEMM stand-ins, MoE test helpers
-    library   tbo.split comm experts strategies models integrations afd runtime  (ordered: LIBRARY_ORDER)
-    util      tbo.util                                           tiny helpers, no torch, no tbo imports
-    core      tbo.core                                           no torch, no frameworks, nothing outside core
+layer tables below. They are written once, here: the README's "Architecture" diagram is drawn from them
+(`render_layers`), a test checks that the README's copy is the drawing, and `python tests/test_layering.py` redraws
+it in place.
 """
 
 from __future__ import annotations
@@ -44,17 +39,49 @@ ALLOWED = {
     "api": {"core", "util", "library", "tools"},
 }
 
+#: What each layer is, for the drawing.
+LAYER_DOC = {
+    "harness": ("tbo.harness", "workloads, timing, launch, the AFD runner; examples/ and benchmarks/ use it"),
+    "tools": ("tbo.tools", "lint, trace, simulate, predict, cli: read strategies, never run inside a step"),
+    "testing": ("tbo.testing", "the DeepEP / DeepGEMM stand-ins, MoE test helpers"),
+    "util": ("tbo.util", "optional imports, lazy attributes, interval_union; no torch"),
+    "core": ("tbo.core", "ops, strategy, schedule, state, observer, errors, executors; no torch"),
+}
+
+#: The drawing's rows, top to bottom. Layers on one row import nothing from each other; an arrow only points down.
+LAYER_ROWS = [("harness",), ("tools", "testing"), ("library",), ("util", "core")]
+
 #: Inside the library, packages are ordered too: a package imports only packages on a lower row (and itself). The
 #: communication layer is at the bottom; the integrations with other frameworks sit on top.
 LIBRARY_ORDER = [
-    ("comm",),                     # transports, EP backends, FP8 wire format, SM budgets
-    ("split", "experts"),          # cutting a step into microbatches; running experts on dispatched tokens
-    ("strategies",),               # op lists and their binding to layers
-    ("runtime",),                  # the forward seam, CUDA graphs, profiling
-    ("models",),                   # the reference model
-    ("afd", "integrations"),       # attention-FFN disaggregation; Hugging Face, vLLM
+    (("comm",), "transports, EP backends, the FP8 wire format, SM budgets"),
+    (("split", "experts"), "cutting a step into microbatches; running experts on dispatched tokens"),
+    (("strategies",), "op lists with Yield, and their binding to layers"),
+    (("runtime",), "the forward seam, CUDA graphs, profiling"),
+    (("models",), "the reference model"),
+    (("afd", "integrations"), "attention-FFN disaggregation; Hugging Face and vLLM"),
 ]
-_LIBRARY_ROW = {pkg: row for row, pkgs in enumerate(LIBRARY_ORDER) for pkg in pkgs}
+_LIBRARY_ROW = {pkg: row for row, (pkgs, _) in enumerate(LIBRARY_ORDER) for pkg in pkgs}
+
+
+def render_layers() -> str:
+    """The README's architecture diagram, drawn from the tables above (top row first)."""
+    entries: list[tuple[str, str, str]] = []   # (layer label, packages, what)
+    for row in LAYER_ROWS:
+        if entries:
+            entries.append(("", "│", ""))
+        for layer in row:
+            if layer == "library":
+                for i, (pkgs, what) in enumerate(reversed(LIBRARY_ORDER)):
+                    entries.append(("library" if i == 0 else "", ", ".join(f"tbo.{p}" for p in pkgs), what))
+            else:
+                entries.append((layer, *LAYER_DOC[layer]))
+    width = max(len(p) for _, p, _ in entries) + 3
+    return "\n".join(f"{label:<10}{pkgs:<{width}}{what}".rstrip() for label, pkgs, what in entries) + "\n"
+
+
+README = ROOT / "README.md"
+_BEGIN, _END = "<!-- layers: drawn by tests/test_layering.py -->\n```text\n", "```\n<!-- layers end -->"
 
 #: Third-party imports the core may use (torch and frameworks are not among them).
 CORE_THIRD_PARTY = {"pydantic"}
@@ -128,6 +155,23 @@ def test_imports_point_down(path: Path):
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
+def test_rows_agree_with_the_allowed_imports():
+    """The drawing cannot claim an order the checker does not enforce: no layer imports one on its row or above."""
+    assert sorted(layer for row in LAYER_ROWS for layer in row) == sorted(set(LAYER_OF.values()) - {"api"})
+    for r, row in enumerate(LAYER_ROWS):
+        above_or_beside = {other for upper in LAYER_ROWS[: r + 1] for other in upper}
+        for layer in row:
+            assert not (ALLOWED[layer] & above_or_beside) - {layer}, f"{layer} may import a layer drawn beside or above it"
+
+
+def test_readme_draws_the_table():
+    text = README.read_text()
+    assert _BEGIN in text and _END in text, f"README.md lacks the layer drawing's markers {_BEGIN!r} ... {_END!r}"
+    drawn = text.split(_BEGIN, 1)[1].split(_END, 1)[0]
+    assert drawn == render_layers(), ("README.md's layer drawing is not the table's; run `python "
+                                      "tests/test_layering.py` to redraw it:\n" + render_layers())
+
+
 def test_library_order_names_every_library_package():
     library = {name for name, layer in LAYER_OF.items() if layer == "library"}
     assert set(_LIBRARY_ROW) == library, "every library package has exactly one row in LIBRARY_ORDER"
@@ -183,3 +227,9 @@ def test_core_imports_no_torch_even_with_torch_installed():
     code = "import sys, tbo.core, tbo.tools.lint; assert 'torch' not in sys.modules, sorted(sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+if __name__ == "__main__":   # redraw the README's diagram from the tables
+    head, rest = README.read_text().split(_BEGIN, 1)
+    README.write_text(head + _BEGIN + render_layers() + _END + rest.split(_END, 1)[1])
+    print(render_layers(), end="")

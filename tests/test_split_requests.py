@@ -19,8 +19,8 @@ E, D = ForwardMode.EXTEND, ForwardMode.DECODE
 ALL_KINDS = {"lengths": "lengths", "prefix_lens": "prefix_lens", "total_lens": "total_lens", "req_ids": "request"}
 
 
-# ---- the README example ---------------------------------------------------------------------------------------
-def test_readme_example_cut_sequence_gets_its_share():
+# ---- the splitting page's example (docs/splitting.md) ------------------------------------------------------
+def test_docs_example_cut_sequence_gets_its_share():
     plan = SplitPolicy().plan(E, 100, [10, 90])
     assert plan.two_chunk  # the cut falls inside the second sequence: 50 tokens each side
     h = torch.randn(100, 4)
@@ -236,7 +236,7 @@ def test_property_split_layer_equals_unsplit(data, parts, pad, t, allow_cut, see
 
 @pytest.mark.parametrize("wrong", ["lengths", "prefix_lens", "total_lens"])
 def test_the_layer_notices_a_wrong_rule(wrong):
-    """Slicing one length key as if it described the whole request (the old behaviour) is caught on the README's
+    """Slicing one length key as if it described the whole request (the old behaviour) is caught on the docs'
     plan, by an error or by a different output: the equivalence test above can fail."""
     plan = SplitPolicy().plan(E, 100, [10, 90])
     layer = PackedAttention(0)

@@ -5,7 +5,7 @@ attention TP); per-request values by request range; shared values are passed to 
 Which key is which must be said: guessing from shapes breaks on the step where tokens equal requests.
 
 A plan may cut a request in two ("two-chunk" prefill). That request then appears in both microbatches, each holding
-part of its tokens, and a per-request value that counts tokens is wrong in both if merely sliced: the README's own
+part of its tokens, and a per-request value that counts tokens is wrong in both if merely sliced: the splitting page's
 ``[10, 90]`` cut at 50 tokens would give microbatch 0 ``[10, 90]`` and microbatch 1 ``[90]``. So every per-request
 key says what it means (`RequestRule`): a length kind is rewritten for each part, a whole-request property is
 copied, a callable decides, and a key that says nothing ("opaque") is refused on a cut rather than sliced wrongly.

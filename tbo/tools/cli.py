@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (StrategyError, ValueError) as exc:
+    except (StrategyError, ValueError, OSError) as exc:   # bad input, a missing or unreadable file: say which
         print(f"tbo {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -28,7 +28,7 @@ from tbo.core.operations import comm_role
 from tbo.comm.types import BackendWrapper
 from tbo.util.intervals import interval_union
 
-__all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_png"]
+__all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_chrome_json", "save_png"]
 
 
 @dataclass

@@ -1,0 +1,217 @@
+"""Every code block in README.md and docs/ is checked, so a page cannot say what the code no longer does.
+
+- ```python blocks run: the blocks of one file in order, in one namespace (a page reads like one session), in a
+  temporary working directory that holds links to the repository's `examples/` and `benchmarks/`.
+- ```console blocks run each `$ command` line through the shell, from that same directory, with this venv's `tbo`
+  and `python` first on PATH; the command must exit 0 and print the lines shown under it (a line `...` stands for
+  any number of lines, and `...` inside a line for any text).
+- The line before a fence may say why a block is not run as it stands. The reason is required and shows in pytest's
+  summary, so nothing is skipped silently:
+    `<!-- fragment: WHY -->`      not run (a sketch; code for hardware this machine lacks)
+    `<!-- excerpt: PATH -->`      not run here; every line of the block must appear, in order, in PATH (a file the
+                                  tests run), so the excerpt cannot drift from the code
+    `<!-- requires: NAME -->`     run where NAME imports (`cuda`: where torch sees a GPU), else skipped saying so
+- ```bash and bare ``` blocks are commands and output for the reader; the scripts they name are run by
+  `tests/test_examples.py` and the benchmarks' own tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)[^\n]*$")
+_MARK = re.compile(r"^\s*<!--\s*(?P<kind>fragment|excerpt|requires|output)\s*:\s*(?P<arg>.*?)\s*-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int           # 1-based line of the opening fence
+    lang: str
+    code: str
+    mark: tuple[str, str] | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of a Markdown file, each with the marker on the line before it, if any."""
+    lines = path.read_text().splitlines()
+    found: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, start = len(m["indent"]), i
+        body: list[str] = []
+        i += 1
+        while i < len(lines) and not re.match(rf"^ {{{indent}}}```\s*$", lines[i]):
+            body.append(lines[i][indent:] if lines[i].startswith(" " * indent) else lines[i].lstrip())
+            i += 1
+        if i == len(lines):
+            raise AssertionError(f"{path.relative_to(ROOT)}:{start + 1}: code block never closed")
+        mark = _MARK.match(lines[start - 1]) if start else None
+        found.append(Block(path, start + 1, m["lang"], "\n".join(body) + "\n",
+                           (mark["kind"], mark["arg"]) if mark else None))
+        i += 1
+    return found
+
+
+ALL = [b for p in PAGES for b in blocks(p)]
+PYTHON = [b for b in ALL if b.lang in ("python", "py")]
+CONSOLE = [b for b in ALL if b.lang == "console"]
+
+
+def _workdir(tmp_path: Path) -> Path:
+    for name in ("examples", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def _requirement_met(name: str) -> bool:
+    if name == "cuda":
+        import torch
+
+        return torch.cuda.is_available()
+    return importlib.util.find_spec(name) is not None
+
+
+def _not_run(block: Block) -> bool:
+    """Whether a marked block is checked rather than run: an excerpt is compared with its source here (True). A
+    fragment, or a block whose requirement is missing, is skipped with its reason (pytest.skip)."""
+    if block.mark is None or block.mark[0] == "output":
+        return False
+    kind, arg = block.mark
+    assert arg, f"{block.id}: a '{kind}' marker needs a reason or a name"
+    if kind == "fragment":
+        pytest.skip(f"{block.id}: fragment: {arg}")
+    if kind == "excerpt":
+        source = ROOT / arg
+        assert source.is_file(), f"{block.id}: excerpt of {arg}, which does not exist"
+        wanted = [ln.strip() for ln in block.code.splitlines() if ln.strip() and ln.strip() != "..."]
+        have = iter(ln.strip() for ln in source.read_text().splitlines())
+        missing = [ln for ln in wanted if not any(ln == h for h in have)]
+        assert not missing, f"{block.id}: these lines are not in {arg} (in this order): {missing}"
+        return True
+    if kind == "requires" and not _requirement_met(arg):
+        pytest.skip(f"{block.id}: requires {arg}, which this environment lacks")
+    return False
+
+
+def test_markers_are_known_and_blocks_are_found():
+    """The collector itself: it sees the README's quick start, and every marker it meets is one it understands."""
+    assert any(b.path.name == "README.md" and "forward_tbo" in b.code for b in PYTHON), "no quick start found"
+    for b in ALL:
+        if b.mark and b.mark[0] == "output":
+            assert b.lang == "console" and b.mark[1] == "varies", f"{b.id}: 'output: varies' is for console blocks"
+
+
+@pytest.mark.parametrize("path", sorted({b.path for b in PYTHON}), ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_blocks_run(path: Path, tmp_path, monkeypatch):
+    """The python blocks of one page, in order, in one namespace."""
+    monkeypatch.chdir(_workdir(tmp_path))
+    monkeypatch.syspath_prepend(str(ROOT))
+    namespace: dict = {"__name__": "__docs__"}
+    skipped: list[str] = []
+    ran = 0
+    for block in (b for b in PYTHON if b.path == path):
+        try:
+            if _not_run(block):
+                ran += 1          # an excerpt, compared line by line with the file it comes from
+                continue
+        except pytest.skip.Exception as why:
+            skipped.append(str(why))
+            continue
+        try:
+            exec(compile(block.code, block.id, "exec"), namespace)
+        except Exception as exc:
+            raise AssertionError(f"{block.id} failed:\n{block.code}") from exc
+        ran += 1
+    if skipped:
+        print("\n".join(skipped))
+    if not ran:
+        pytest.skip("; ".join(skipped))
+
+
+def _matches(expected: list[str], actual: list[str]) -> bool:
+    """Lines equal, where a line '...' matches any run of lines and '...' inside a line matches any text."""
+    if not expected:
+        return not actual
+    head, rest = expected[0], expected[1:]
+    if head.strip() == "...":
+        return any(_matches(rest, actual[i:]) for i in range(len(actual) + 1))
+    if not actual:
+        return False
+    pattern = ".*".join(re.escape(part) for part in head.rstrip().split("..."))
+    return re.fullmatch(pattern, actual[0].rstrip()) is not None and _matches(rest, actual[1:])
+
+
+def test_output_matcher_can_fail():
+    assert _matches(["a", "...", "d"], ["a", "b", "c", "d"]) and _matches(["x: ...ms"], ["x: 3.2 ms"])
+    assert not _matches(["a", "d"], ["a", "b", "d"]) and not _matches(["x: 3 ms"], ["x: 4 ms"])
+
+
+def _commands(block: Block) -> list[tuple[str, list[str]]]:
+    runs: list[tuple[str, list[str]]] = []
+    for line in block.code.splitlines():
+        if line.startswith("$ "):
+            runs.append((line[2:], []))
+        elif runs:
+            runs[-1][1].append(line)
+        elif line.strip():
+            raise AssertionError(f"{block.id}: console blocks start with a '$ command' line, not {line!r}")
+    return runs
+
+
+@pytest.mark.parametrize("block", CONSOLE, ids=lambda b: b.id)
+def test_console_blocks_run(block: Block, tmp_path):
+    _not_run(block)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    cwd = _workdir(tmp_path)
+    assert shutil.which("tbo", path=env["PATH"]), "the tbo command is not installed in this environment"
+    for command, expected in _commands(block):
+        out = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, f"{block.id}: `{command}` exited {out.returncode}:\n{out.stdout}{out.stderr}"
+        if block.mark == ("output", "varies"):
+            continue
+        actual = out.stdout.splitlines()
+        assert _matches([e for e in expected], actual), (
+            f"{block.id}: `{command}` printed\n{out.stdout}\nbut the page shows\n" + "\n".join(expected))
+
+
+BASH = [b for b in ALL if b.lang == "bash"]
+
+
+@pytest.mark.parametrize("block", BASH, ids=lambda b: b.id)
+def test_bash_blocks_name_what_exists(block: Block):
+    """Shell blocks are the reader's to run, but what they name must exist: every script path, every make target,
+    every `tbo` subcommand. (The examples themselves run in tests/test_examples.py.)"""
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    from tbo.tools.cli import build_parser
+
+    subcommands = set(build_parser()._subparsers._group_actions[0].choices)
+    for line in block.code.splitlines():
+        command = line.split("#", 1)[0].strip()
+        for path in re.findall(r"(?:^|\s)((?:examples|benchmarks|scripts)/[\w./-]+)", command):
+            assert (ROOT / path).exists(), f"{block.id}: {path} does not exist"
+        if command.startswith("make "):
+            assert command.split()[1] in targets, f"{block.id}: no make target {command.split()[1]!r}"
+        if command.startswith("tbo "):
+            assert command.split()[1] in subcommands, f"{block.id}: no tbo subcommand {command.split()[1]!r}"
