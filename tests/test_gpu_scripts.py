@@ -131,3 +131,63 @@ def test_gpu_check_script_needs_its_wheel_folder(tmp_path):
         empty = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True,
                                env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
         assert empty.returncode != 0 and "sees no CUDA device" in empty.stderr
+
+
+def _wheel(folder, name, version, requires=(), tag="py3-none-any"):
+    """A minimal real wheel file: the dist-info METADATA is all the prerequisite check reads."""
+    import zipfile
+
+    path = folder / f"{name}-{version}-{tag}.whl"
+    meta = "".join([f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+                    *(f"Requires-Dist: {r}\n" for r in requires)])
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta + "\n")
+    return path
+
+
+def test_prerequisites_follow_each_wheels_metadata_for_the_target_python(tmp_path):
+    """gpu_prereqs.py walks the requirements through every wheel's own Requires-Dist, with the target's markers and
+    tags: what `pip download` for another Python gets wrong (it evaluates markers for the Python it runs on)."""
+    prereqs = load(ROOT / "scripts" / "gpu_prereqs.py")
+    _wheel(tmp_path, "pydantic", "2.99.0", ["pydantic-core==2.50.0", "typing-extensions>=4.6",
+                                            'exceptiongroup>=1; python_version < "3.11"',
+                                            'email-validator; extra == "email"'])
+    _wheel(tmp_path, "pydantic_core", "2.50.0", tag="cp311-cp311-manylinux_2_17_x86_64")  # binary, for 3.11 only
+    _wheel(tmp_path, "typing_extensions", "4.12.0")
+    _wheel(tmp_path, "pytest", "8.0.0", ["iniconfig", "pluggy<2,>=1.5", 'tomli>=1; python_version < "3.11"'])
+    _wheel(tmp_path, "pluggy", "1.4.0")  # too old for that pytest
+    _wheel(tmp_path, "setuptools", "69.5.1")  # too old for the no-build-isolation editable install
+
+    def names(version):
+        linux = ["manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+        return {str(req.name): why for req, why in prereqs.missing(tmp_path, version, linux, wheels_only=True)}
+
+    at312, at310 = names("3.12"), names("3.10")
+    assert set(at312) == {"pydantic-core", "iniconfig", "pluggy", "hypothesis", "setuptools"}
+    assert "needed by pydantic" in at312["pydantic-core"] and "needed by pytest" in at312["pluggy"]
+    assert set(at310) == set(at312) | {"exceptiongroup", "tomli"}
+    assert "pydantic-core" not in names("3.11")  # the binary wheel fits 3.11
+    listed = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_prereqs.py"), str(tmp_path), "--wheels-only",
+                             "--python-version", "3.10", "--platform", "manylinux2014_x86_64", "--list-missing"],
+                            capture_output=True, text=True)
+    assert listed.returncode == 2 and "setuptools>=70.1" in listed.stdout.split() and "tomli>=1" in listed.stdout
+
+
+def test_gpu_check_names_every_missing_prerequisite_and_installs_nothing(tmp_path):
+    """A fresh venv (pip and an old setuptools, no torch) and an empty wheel folder: every prerequisite missing is
+    named, the exit status is 2, and nothing has been installed."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    before = subprocess.run([str(py), "-m", "pip", "freeze", "--all"], capture_output=True, text=True).stdout
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(wheels)], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": str(py)}, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    for what in ("pydantic>=2", "pytest>=7", "hypothesis>=6", "setuptools>=70.1", "torch does not import"):
+        assert f"missing: {what}" in run.stderr or f"missing: CUDA: {what}" in run.stderr, (what, run.stderr)
+    assert "prerequisite(s) missing" in run.stderr and "gpu_wheels.sh" in run.stderr
+    after = subprocess.run([str(py), "-m", "pip", "freeze", "--all"], capture_output=True, text=True).stdout
+    assert after == before
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_wheels.sh")]).returncode == 0
