@@ -82,6 +82,14 @@ def test_masked_capacity_bounds_captured_steps_not_eager_ones():
     assert torch.equal(moe(b, x, idx, torch.ones(6, 1), lambda e, rows: rows), x)  # every row back, none dropped
 
 
+def test_counted_masked_layout_refuses_rows_beyond_its_capacity():
+    """The counted MASKED layout (multi-rank, counts read on the host) keeps a fixed capacity: more is a ValueError."""
+    from tbo.comm.layout import to_masked
+
+    with pytest.raises(ValueError, match="received 6 rows, more than the masked capacity 2"):
+        to_masked(torch.zeros(6, HIDDEN), torch.tensor([6, 0, 0, 0]), 2)
+
+
 @pytest.mark.parametrize(
     "args,match",
     [((torch.zeros(4), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2)), "hidden must be"),
