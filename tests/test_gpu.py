@@ -194,14 +194,18 @@ def test_sync_debug_mode_catches_a_counted_format():
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_cuda_tracer_puts_everything_on_one_clock():
-    """The traced step's length is within 20% of the same step's wall time, and every span lies inside it.
+@pytest.mark.parametrize("backend", ["copy_engine_link", "local"])
+def test_cuda_tracer_puts_everything_on_one_clock(backend):
+    """The traced step's length is within 20% of the same step's wall time, and every span lies inside it, over the
+    copy-engine link (its own events on its copy stream) and over a plain LocalBackend (events the tracer records
+    as each _a starts and around each _b: a launch lies inside its _a op on the GPU's clock).
 
     Before, ops were CUDA-event milliseconds from the first op and transfers perf_counter seconds: a 27 ms step
-    summarised as 35703 ms."""
+    summarised as 35703 ms; and until issue 22 a backend other than the link was stamped with perf_counter."""
     config = ModelConfig.deepseek_v3_tiny(hidden_size=1024, num_heads=8, head_dim=64, num_layers=4,
                                           moe_intermediate=512, dense_intermediate=2048, batch_invariant=False)
-    link = CopyEngineLink(masked(256), dispatch_bytes_per_token=57344, combine_bytes_per_token=114688)
+    link = (CopyEngineLink(masked(256), dispatch_bytes_per_token=57344, combine_bytes_per_token=114688)
+            if backend == "copy_engine_link" else masked(256))
     model = ReferenceModel(config, link, device=DEV)
     cache = model.static_cache(256, 512)
     inputs = decode_inputs(256, slots=256, context=512)
@@ -211,7 +215,7 @@ def test_cuda_tracer_puts_everything_on_one_clock():
         model.forward_tbo(inputs["ids"], meta, cache, "deepseek_decode", plan)
     tracer = Tracer(cuda=True)
     model.use_backend(traced(link, tracer))
-    torch.cuda.synchronize()
+    tracer.begin("decode 256, TBO")  # synchronises
     t0 = time.perf_counter()
     model.forward_tbo(inputs["ids"], meta, cache, "deepseek_decode", plan, observer=tracer)
     torch.cuda.synchronize()
@@ -224,6 +228,13 @@ def test_cuda_tracer_puts_everything_on_one_clock():
     lo, hi, eps = t0 - origin, t1 - origin, 5e-4
     for span in trace.spans:
         assert lo - eps <= span.start <= span.end <= hi + eps, span
-    assert {sp.name for sp in trace.lane("comm")} == {"dispatch", "combine"}
-    assert all(sp.nbytes >= 128 * 57344 for sp in trace.lane("comm") if sp.name == "dispatch")
+    comm = trace.lane("comm")
+    assert {sp.name for sp in comm} == {"dispatch", "combine"} and len(comm) == 2 * 2 * 3  # 3 MoE layers
+    if backend == "copy_engine_link":
+        assert all(sp.nbytes >= 128 * 57344 for sp in comm if sp.name == "dispatch")
+    else:
+        ops = trace.lane("compute")
+        for sp in comm:
+            assert any(o.name == f"{sp.name}_a" and o.mb == sp.mb and o.start - eps <= sp.start <= o.end + eps
+                       for o in ops), sp
     assert 0 <= s.exposed_s <= s.step_s

@@ -5,11 +5,9 @@
   (the GPU's own timeline; the check that front-loading held is part of the test).
 * Fork and join: with the copy stream asleep before the copies, results are still right, and the same step without
   the join reads buffers the copies have not reached (the test shows that it then fails).
-* The front-loading check itself, timing events only inside traces, ``Tracer(cuda=True)`` over a backend other than
-  the copy-engine link, and ``reserve("cuda")`` serving transfers on ``cuda:0``.
+* The front-loading check itself, timing events only inside traces, and ``reserve("cuda")`` serving transfers on
+  ``cuda:0``. (``Tracer(cuda=True)`` over a backend other than the copy-engine link: test_gpu.py.)
 """
-
-import time
 
 import pytest
 import torch
@@ -153,34 +151,6 @@ def test_link_timing_events_only_inside_trace():
     work.trace("decode", 16, True)
     assert work.link.transfers and all(t.start is not None and t.wait_start is not None for t in work.link.transfers)
     assert work.link.stats()["comm_s"] > 0
-
-
-def test_cuda_tracer_over_a_backend_that_is_not_the_copy_engine_link():
-    """A LocalBackend: its launches and waits are CUDA events on the compute stream, on the same clock as ops."""
-    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(batch_invariant=False), masked(64), device=DEV)
-    tracer = Tracer(cuda=True)
-    model.use_backend(traced(masked(64), tracer))
-    cache = model.static_cache(64, 64)
-    inputs = decode_inputs(48, 64)
-    meta = StaticAttentionMetadata.decode(inputs["positions"], inputs["slots"], cache.scratch_slot)
-    plan = POLICY.plan(ForwardMode.DECODE, 48)
-    model.forward_tbo(inputs["ids"], meta, cache, "deepseek_decode", plan)
-    tracer.begin("decode 48, TBO, LocalBackend")
-    t0 = time.perf_counter()
-    model.forward_tbo(inputs["ids"], meta, cache, "deepseek_decode", plan, observer=tracer)
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    origin = tracer._time.origin_host
-    trace = tracer.finish()
-    lo, hi, eps = t0 - origin, t1 - origin, 5e-4
-    for span in trace.spans:
-        assert lo - eps <= span.start <= span.end <= hi + eps, span
-    comm = trace.lane("comm")
-    assert {s.name for s in comm} == {"dispatch", "combine"} and len(comm) == 2 * 2 * 3  # 3 MoE layers
-    ops = trace.lane("compute")
-    for s in comm:  # a launch is stamped as its _a starts: inside that op's span on the GPU's clock
-        assert any(o.name == f"{s.name}_a" and o.mb == s.mb and o.start - eps <= s.start <= o.end + eps
-                   for o in ops), s
 
 
 def test_reserve_cuda_serves_transfers_on_cuda_0():
