@@ -61,9 +61,10 @@ def front_loaded(trace):
 
 def test_overlap_hides_a_slow_link_that_a_single_batch_exposes():
     """Before, the overlap tests checked equality, comm_s > 0 and 0 <= exposed <= step: all always true."""
-    config = ModelConfig.deepseek_v3_tiny(hidden_size=1024, num_heads=8, head_dim=64, num_layers=3,
+    # two layers (one dense, one MoE): few enough kernels for the CPU to queue a whole TBO step ahead of the GPU
+    config = ModelConfig.deepseek_v3_tiny(hidden_size=1024, num_heads=8, head_dim=64, num_layers=2,
                                           moe_intermediate=512, dense_intermediate=2048, batch_invariant=False)
-    t, moe_layers = 256, 2
+    t, moe_layers = 256, 1
     link = SlowCopyLink(masked(t))  # the payload's bytes only: the sleep is what makes it slow
     tracer = Tracer(cuda=True)
     model = ReferenceModel(config, link, device=DEV)
