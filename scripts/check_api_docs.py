@@ -19,6 +19,7 @@ MODULES = [
     "tbo", "tbo.split", "tbo.split.tensors", "tbo.split.agree", "tbo.comm", "tbo.comm.emulated", "tbo.comm.sm_budget",
     "tbo.strategies", "tbo.runtime.forward", "tbo.runtime.cuda_graph", "tbo.runtime.profile", "tbo.tools.lint",
     "tbo.tools.trace", "tbo.tools.simulate", "tbo.tools.predict", "tbo.integrations.transformers",
+    "tbo.integrations.vllm",
 ]
 
 

@@ -368,3 +368,27 @@ def test_seam_names_the_last_op_when_the_result_is_missing():
     with pytest.raises(ValueError, match=r"returned keys \['hidden_states'\] without 'h'; pass output_key="):
         model_forward_maybe_tbo(layers[:1], {"hidden_states": x}, OperationsStrategy(operations=["mlp"]), plan,
                                 output_key="h")
+
+
+def test_seam_merges_every_named_output():
+    """A stack that hands two tensors from layer to layer (vLLM's hidden states and residual) gets both back,
+    each merged over the microbatches, split or not."""
+    from tbo import SplitPolicy, model_forward_maybe_tbo
+
+    class Layer:
+        def op_mlp(self, state, hidden_states, residual=None):
+            state.residual = hidden_states if residual is None else residual + hidden_states
+            return {"hidden_states": hidden_states * 2}
+
+        def op_output(self, state, hidden_states):
+            return {"hidden_states": hidden_states, "residual": state.pop("residual")}
+
+    strategy = OperationsStrategy(operations=["mlp", Yield, "output"], delta_stages=1)
+    x = torch.arange(12.0).view(6, 2)
+    want = model_forward_maybe_tbo([Layer(), Layer()], {"hidden_states": x}, strategy, None,
+                                   output_key=("hidden_states", "residual"))
+    assert torch.equal(want["hidden_states"], x * 4) and torch.equal(want["residual"], x * 3)
+    got = model_forward_maybe_tbo([Layer(), Layer()], {"hidden_states": x}, strategy, SplitPolicy().plan("decode", 6),
+                                  output_key=("hidden_states", "residual"))
+    assert set(got) == {"hidden_states", "residual"}
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -34,7 +34,7 @@ def model_forward_maybe_tbo(
     pinned: Pinned | None = None,
     request_keys: Iterable[str] | Mapping[str, RequestRule] = (),
     shared_keys: Iterable[str] = (),
-    output_key: str = "hidden_states",
+    output_key: str | Sequence[str] = "hidden_states",
     backend: Drainable | None = None,
     observer: Observer | None = None,
     profile: bool = False,
@@ -51,8 +51,10 @@ def model_forward_maybe_tbo(
     ``drain`` itself, a step that fails drains it before raising, so no transfer still writes into buffers the
     caller is about to free or reuse. ``profile`` adds torch.profiler ranges per stage and op.
     ``guard`` passes ``drain``, ``watchdog_s``, ``watchdog_label`` and ``dump_stacks`` to the executor.
-    Returns ``{output_key: tensor}``, merged back to the whole batch.
+    Returns ``{output_key: tensor}``, merged back to the whole batch; ``output_key`` may name several outputs
+    (``("hidden_states", "residual")`` for a layer stack that hands the residual on, as vLLM's do), each merged.
     """
+    keys = (output_key,) if isinstance(output_key, str) else tuple(output_key)
     if backend is not None:
         guard.setdefault("drain", (backend,))
     observers = [RecordFunctionObserver(), observer] if profile else observer
@@ -64,14 +66,14 @@ def model_forward_maybe_tbo(
             if pinned is not None:
                 state.pin(**pinned(None))
             out = execute_operations(inputs, bound, state=state, observer=observers, **guard)
-            return {output_key: _result(out, output_key, bound, 0)}
+            return {key: _result(out, key, bound, 0) for key in keys}
         parts = split_inputs(inputs, plan, request_keys=request_keys, shared_keys=shared_keys)
         states = plan.make_states()
         if pinned is not None:
             for state, mb in zip(states, plan.microbatches):
                 state.pin(**pinned(mb))
         outs = execute_overlapped_operations(parts, bound, states=states, observer=observers, **guard)
-        return {output_key: merge_outputs([_result(o, output_key, bound, k) for k, o in enumerate(outs)], plan)}
+        return {key: merge_outputs([_result(o, key, bound, k) for k, o in enumerate(outs)], plan) for key in keys}
 
 
 def _result(out: Any, output_key: str, strategy: OperationsStrategy, mb: int) -> Any:

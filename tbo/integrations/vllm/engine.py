@@ -1,0 +1,105 @@
+"""`TboEngine`: tbo installed on one vLLM model runner, and taken off again at shutdown.
+
+Installing changes four attributes of this runner and its model, all on the instances (no class is touched):
+the inner model's ``forward`` becomes the tbo `LayerLoop`; the runner's ``execute_model`` runs inside the scoped
+`RunnerPatches`; its ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's
+own code, seeing microbatching on); its ``shutdown`` first takes tbo off (the instance attributes are deleted, so vLLM's own methods
+are what remains), logs the one summary line, and writes ``stats_file`` if asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from tbo import strategies
+from tbo.core.errors import StrategyError
+from tbo.integrations.vllm.backend import make_backend
+from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.forward import LayerLoop
+from tbo.integrations.vllm.layers import VllmDecoderLayer
+from tbo.integrations.vllm.patches import RunnerPatches
+from tbo.integrations.vllm.stats import summary_line
+
+__all__ = ["TboEngine"]
+
+logger = logging.getLogger("vllm.tbo")  # under vLLM's logger: its handler and format, its VLLM_LOGGING_LEVEL
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class TboEngine:
+    """tbo on ``runner`` (a vLLM ``GPUModelRunner``, or the CPU runner that inherits it), whose model is loaded."""
+
+    def __init__(self, runner: Any, config: TboVllmConfig, family: str) -> None:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        self.runner, self.config, self.family = runner, config, family
+        vllm_config = runner.vllm_config
+        model = runner.model.model  # the ...Model inside ...ForCausalLM
+        if (model.start_layer, model.end_layer) != (0, len(model.layers)):
+            raise TboConfigError(f"the model holds layers {model.start_layer}..{model.end_layer} of "
+                                 f"{len(model.layers)}: tbo needs the whole stack on this rank")
+        hf = vllm_config.model_config.hf_text_config
+        num_experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
+        self.backend = make_backend(config, int(num_experts), hidden=hf.hidden_size, top_k=hf.num_experts_per_tok,
+                                    max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        tp = get_tensor_model_parallel_world_size()
+        self.layers = [VllmDecoderLayer(layer, self.backend, i, tp) for i, layer in enumerate(model.layers)]
+        names = config.strategy_names(family)
+        self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
+                           for mode in ("decode", "prefill")}
+        self.patches = RunnerPatches(runner, config.split_policy())
+        self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
+        self._model = model
+        self._install()
+        logger.info("tbo: %s layers (%d MoE) through strategies %s / %s, backend %r, %s", len(self.layers),
+                    sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
+                    config.split_policy())
+
+    def _bind(self, name: str, top_k: int) -> Any:
+        try:
+            return strategies.bind_layers(self.layers, strategies.sized_for(strategies.get(name), self.backend,
+                                                                            top_k))
+        except StrategyError as e:
+            raise TboConfigError(f"additional_config['tbo'] strategy {name!r} cannot run vLLM's {self.family} "
+                                 f"layers: {e}") from None
+
+    def _install(self) -> None:
+        runner = self.runner
+        execute, shutdown = runner.execute_model, runner.shutdown
+        init_builders = runner.initialize_metadata_builders
+
+        @functools.wraps(init_builders)
+        def initialize_metadata_builders(*args: Any, **kwargs: Any) -> Any:
+            with self.patches.microbatching():  # one attention metadata builder per microbatch
+                return init_builders(*args, **kwargs)
+
+        @functools.wraps(execute)
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            with self.patches.scope():
+                return execute(*args, **kwargs)
+
+        @functools.wraps(shutdown)
+        def shutdown_(*args: Any, **kwargs: Any) -> Any:
+            self.close()
+            return shutdown(*args, **kwargs)
+
+        self._model.forward = self.loop
+        runner.execute_model, runner.shutdown = execute_model, shutdown_
+        runner.initialize_metadata_builders = initialize_metadata_builders
+        runner.tbo = self
+
+    def close(self) -> None:
+        """Take tbo off the runner and its model, log the summary line, write ``stats_file`` if configured."""
+        for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
+                          (self.runner, "initialize_metadata_builders"), (self.runner, "tbo")):
+            obj.__dict__.pop(name, None)
+        logger.info(summary_line(self.loop.stats))
+        if self.config.stats_file:
+            self.loop.stats.write(self.config.stats_file.replace("{rank}", str(_rank())))

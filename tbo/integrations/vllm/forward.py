@@ -1,0 +1,62 @@
+"""The model's layer loop through tbo: what runs in place of ``Qwen3MoeModel.forward`` / ``DeepseekV2Model.forward``.
+
+Embeddings, the final norm and everything outside the layers stay vLLM's; the layers run through
+`model_forward_maybe_tbo` as `VllmDecoderLayer` ops with the step's strategy. On a step the runner built in
+microbatches, the plan decided for it splits the hidden states, each microbatch gets its positions (pinned in its
+State) and its own forward context (`ContextSwitcher`), and the outputs are merged back in token order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
+from tbo.integrations.vllm.patches import RunnerPatches
+from tbo.integrations.vllm.stats import PROCESS_STATS, StepStats
+from tbo.runtime.forward import model_forward_maybe_tbo
+from tbo.split.plan import MicrobatchSlice
+
+__all__ = ["LayerLoop"]
+
+_OUTPUTS = ("hidden_states", "residual")
+
+
+class LayerLoop:
+    """Callable in place of the inner model's ``forward`` (same arguments, same result)."""
+
+    def __init__(self, model: Any, layers: list[Any], strategies: dict[str, Any], backend: Any,
+                 patches: RunnerPatches, vllm_config: Any) -> None:
+        self.model, self.layers, self.strategies, self.backend = model, layers, strategies, backend
+        self.patches, self.vllm_config = patches, vllm_config
+        self.stats = StepStats()
+
+    def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                 intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        model = self.model
+        hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
+        step = self.patches.step  # None in profiling and warm-up runs: they run unsplit, uncounted
+        plan = step.plan if step is not None else None
+        observer = None
+        if plan is not None:
+            if hidden.shape[0] != plan.num_tokens:
+                raise RuntimeError(f"tbo planned {plan.num_tokens} tokens but the model got {hidden.shape[0]}")
+            observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
+
+        def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
+            return {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
+
+        strategy = self.strategies[step.strategy_mode if step is not None else "prefill"]
+        out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
+                                      output_key=_OUTPUTS, backend=self.backend, observer=observer)
+        hidden, _ = model.norm(out["hidden_states"], out["residual"])
+        if step is not None:
+            parts = 1 if plan is None else plan.num_microbatches
+            cut = plan is not None and plan.two_chunk
+            for s in (self.stats, PROCESS_STATS):
+                s.record(step.mode, step.num_tokens, parts, cut)
+        return hidden

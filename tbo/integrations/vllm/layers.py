@@ -1,0 +1,152 @@
+"""`VllmDecoderLayer`: one of vLLM's own Qwen3-MoE or DeepSeek-V2/V3 decoder layers, as the ops tbo's strategies name.
+
+Every op calls the layer's own modules, so the math is vLLM's: the fused residual-add RMSNorms, the attention module
+(projections, rotary, vLLM's attention backend with its KV cache, output projection: one call, so ``attn_prepare``
+has nothing to do), the router (``gate`` for the logits, the router's ``select_experts`` for top-k, DeepSeek's
+grouped and bias-corrected routing included) and the fused-MoE experts kernel. What tbo changes is where the tokens
+go between routing and the experts: through an `EPBackend` (dispatch, combine), in the NORMAL layout that kernel
+takes (each token once, with its top-k ids and weights). The routed output is then scaled, added to the shared
+experts' and all-reduced over tensor parallelism as vLLM's MoE runner does, in that order.
+
+vLLM layers hand the residual on unadded (the next layer's input norm adds it), so a layer's output is
+``{"hidden_states", "residual"}``: `model_forward_maybe_tbo` merges both, and the model's final norm adds them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from tbo.core.state import State
+from tbo.integrations.vllm.config import TboConfigError
+from tbo.models.layer_ops import ExpertParallelOps
+
+__all__ = ["VllmDecoderLayer"]
+
+
+def _moe_runner(mlp: Any) -> Any:
+    """The layer's fused-MoE runner (``mlp.experts``), or None for a dense layer (``mlp_only_layers``,
+    ``first_k_dense_replace``)."""
+    runner = getattr(mlp, "experts", None)
+    return runner if runner is not None and hasattr(runner, "routed_experts") else None
+
+
+class VllmDecoderLayer(ExpertParallelOps):
+    """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
+
+    def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int) -> None:
+        self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
+        self._all_reduce = None
+        if tp_size > 1:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            self._all_reduce = tensor_model_parallel_all_reduce
+        attn = layer.self_attn
+        self._attn_extra = (None,) if "llama_4_scaling" in inspect.signature(attn.forward).parameters else ()
+        self.runner = _moe_runner(layer.mlp)
+        self.kind = "dense" if self.runner is None else "moe"
+        self.shared = None
+        if self.runner is not None:
+            self._check_runner(self.runner)
+            self.shared = getattr(layer.mlp, "shared_experts", None)
+            self.scale = float(self.runner.routed_scaling_factor)
+            self._topk_dtype = self.runner.routed_experts.quant_method.topk_indices_dtype
+            self._ids_dtype = torch.int32
+        self.has_shared_experts = self.shared is not None
+
+    def _check_runner(self, runner: Any) -> None:
+        """Refuse MoE features whose math the ops below would not reproduce, naming them."""
+        name = f"layer {self.layer_idx} ({type(self.layer).__name__})"
+        problems = []
+        if runner.gate is None:
+            problems.append("no router gate in the MoE runner")
+        if getattr(runner, "_fse_fuse_gate", False) or runner.shared_expert_gate is not None:
+            problems.append("a shared-expert gate fused with the router")
+        if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
+            problems.append("latent routed-input/output transforms")
+        if runner.routed_experts.quant_method.is_monolithic:
+            problems.append("a monolithic MoE kernel (it routes inside; tbo needs the top-k before dispatch)")
+        if runner.moe_config.is_sequence_parallel or runner.moe_config.dp_size > 1:
+            problems.append("sequence-parallel or data-parallel MoE")
+        if type(runner.router).__name__ == "ZeroExpertRouter":
+            problems.append("zero experts")
+        if problems:
+            raise TboConfigError(f"{name}: tbo cannot run its MoE: {'; '.join(problems)}")
+        if runner.routed_experts.global_num_experts != self.backend.num_experts:
+            raise TboConfigError(f"{name} has {runner.routed_experts.global_num_experts} experts but the backend "
+                                 f"routes {self.backend.num_experts}")
+
+    def __repr__(self) -> str:
+        return f"VllmDecoderLayer({self.layer_idx}, {type(self.layer).__name__}, {self.kind})"
+
+    # ---- attention ---------------------------------------------------------------------------------------------
+    def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,
+                             residual: torch.Tensor | None = None) -> None:
+        if residual is None:  # the first layer: the embeddings are the residual
+            state.residual = hidden_states
+            state.attn_in = self.layer.input_layernorm(hidden_states)
+        else:
+            attn_in, state.residual = self.layer.input_layernorm(hidden_states, residual)
+            state.attn_in = attn_in
+
+    def op_attn_prepare(self, state: State) -> None:
+        """vLLM's attention module is one call (projections, rotary, attention, output): ``attn_core`` makes it."""
+
+    def op_attn_core(self, state: State) -> None:
+        state.attn_out = self.layer.self_attn(state.positions, state.pop("attn_in"), *self._attn_extra)
+
+    def op_comm_prepare_mlp(self, state: State) -> None:
+        mlp_in, residual = self.layer.post_attention_layernorm(state.pop("attn_out"), state.pop("residual"))
+        state.update(mlp_in=mlp_in, residual=residual)
+
+    # ---- dense layers ------------------------------------------------------------------------------------------
+    def op_mlp(self, state: State) -> None:
+        state.mlp_out = self.layer.mlp(state.pop("mlp_in"))  # its down projection all-reduces over TP
+
+    # ---- MoE: router, dispatch, experts, combine ---------------------------------------------------------------
+    def op_gate(self, state: State) -> None:
+        state.router_logits, _ = self.runner.gate(state.mlp_in)
+
+    def op_select_experts(self, state: State) -> None:
+        weights, ids = self.runner.router.select_experts(hidden_states=state.mlp_in,
+                                                         router_logits=state.pop("router_logits"),
+                                                         topk_indices_dtype=self._topk_dtype)
+        self._ids_dtype = ids.dtype  # the experts kernel wants it back (the NORMAL layout carries int64)
+        state.topk = (ids, weights)
+
+    def op_dispatch_a(self, state: State) -> None:
+        x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
+        state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"))
+
+    def op_shared_experts(self, state: State) -> None:
+        if self.has_shared_experts:
+            state.shared_out = self.shared(state.pop("mlp_in"))
+
+    def op_experts(self, state: State) -> None:
+        """vLLM's fused-MoE kernel on the tokens dispatched here: per token, the weighted sum over its local
+        experts (the NORMAL layout's contract: combine only adds)."""
+        d = state.pop("dispatched")
+        ids = d.topk_idx.to(self._ids_dtype)
+        out = self.runner.routed_experts.forward_modular(x=d.hidden, topk_weights=d.topk_weights, topk_ids=ids)
+        state.expert_out = (out, d.handle)
+
+    # ---- output ------------------------------------------------------------------------------------------------
+    def op_output(self, state: State) -> None:
+        if self.kind == "dense":
+            state.layer_out = state.pop("mlp_out")
+            return
+        out = state.pop("routed_out")
+        if self.scale != 1.0:
+            out *= self.scale  # DeepSeek's routed_scaling_factor, on the routed part, as vLLM's runner applies it
+        if self.has_shared_experts:
+            out = state.pop("shared_out") + out
+        if self._all_reduce is not None:
+            out = self._all_reduce(out)
+        state.layer_out = out
+
+    def op_comm_postprocess_layer(self, state: State) -> dict[str, Any]:
+        out = {"hidden_states": state.pop("layer_out"), "residual": state.pop("residual")}
+        state.clear()  # every key a layer wrote was consumed: anything left is a leak
+        return out

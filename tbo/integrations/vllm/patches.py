@@ -1,0 +1,99 @@
+"""The two scoped patches that let tbo's `SplitPolicy` split a step of vLLM's model runner with data parallel 1.
+
+vLLM 0.32's model runner already builds a step in microbatches when ``should_ubatch`` is set: per-microbatch slot
+mappings, attention metadata from its own builders, and a forward context holding both as lists. With one
+data-parallel rank it never sets it. For the duration of one ``execute_model`` call (and nothing else: not the
+profiling and warm-up runs), `RunnerPatches.step`:
+
+* shadows the runner's ``_determine_batch_execution_and_padding`` on this runner instance: vLLM's own result,
+  with ``should_ubatch`` replaced by tbo's decision (`tbo.integrations.vllm.step.decide`), which also honours
+  vLLM's prefix-cache veto (``_allow_microbatching``, asked as if vLLM's microbatching were on);
+* replaces ``maybe_create_ubatch_slices`` in the model runner's module so that the slices are tbo's plan.
+
+Both are put back when the call returns or raises. `RunnerPatches.microbatching` shows vLLM's own code the
+runner's parallel config as it is with microbatching on, for two calls only: creating the attention metadata
+builders (one per microbatch, as vLLM's DBO has) and vLLM's prefix-cache veto.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from tbo.integrations.vllm.step import Step, decide, ubatch_slices
+from tbo.split import SplitPolicy
+
+__all__ = ["RunnerPatches"]
+
+_DETERMINE = "_determine_batch_execution_and_padding"
+
+
+class _Microbatching:
+    """The engine's parallel config as vLLM's microbatching code reads it when microbatching is on with
+    ``num_ubatches`` microbatches; every other attribute is the real config's."""
+
+    def __init__(self, real: Any, num_ubatches: int) -> None:
+        self._real, self.use_ubatching, self.num_ubatches = real, True, num_ubatches
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class RunnerPatches:
+    """Per-runner state of the split decision, and the patches that hand it to vLLM for one step."""
+
+    def __init__(self, runner: Any, policy: SplitPolicy) -> None:
+        import vllm.v1.worker.gpu_model_runner as runner_module
+
+        self.runner, self.policy, self._module = runner, policy, runner_module
+        cls = type(runner)
+        self._determine_original = getattr(cls, _DETERMINE).__get__(runner)
+        self._signature = inspect.signature(self._determine_original)
+        self.step: Step | None = None  #: the current execute_model call's decision; None outside one
+        self._slices_original: Callable[..., Any] | None = None
+
+    @contextmanager
+    def microbatching(self) -> Iterator[None]:
+        """While it lasts, the runner's ``parallel_config`` says microbatching is on with the policy's count."""
+        runner = self.runner
+        real = runner.parallel_config
+        runner.parallel_config = _Microbatching(real, self.policy.num_microbatches)
+        try:
+            yield
+        finally:
+            runner.parallel_config = real
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Patch for one ``execute_model`` call, and restore."""
+        module, runner = self._module, self.runner
+        self._slices_original = module.maybe_create_ubatch_slices
+        setattr(runner, _DETERMINE, self._determine)
+        module.maybe_create_ubatch_slices = self._slices
+        try:
+            yield
+        finally:
+            module.maybe_create_ubatch_slices = self._slices_original
+            runner.__dict__.pop(_DETERMINE, None)
+            self.step = None
+
+    def _determine(self, *args: Any, **kwargs: Any) -> Any:
+        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
+        bound = self._signature.bind(*args, **kwargs).arguments
+        num_reqs = int(bound["num_reqs"])
+        scheduled = bound["num_scheduled_tokens_np"][:num_reqs]
+        batch = self.runner.input_batch
+        past_prompt = batch.num_computed_tokens_cpu[:num_reqs] >= batch.num_prompt_tokens[:num_reqs]
+        with self.microbatching():
+            allowed = self.runner._allow_microbatching(num_reqs, bound["num_scheduled_tokens_np"])
+        allowed = allowed and batch_desc.num_reqs in (None, num_reqs)
+        self.step = decide(self.policy, scheduled, past_prompt, allowed=allowed, padded_tokens=batch_desc.num_tokens)
+        return cudagraph_mode, batch_desc, self.step.plan is not None, across_dp, cg_stats
+
+    def _slices(self, should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
+        step = self.step
+        if not should_ubatch or step is None or step.plan is None:
+            return self._slices_original(should_ubatch, *args, **kwargs)
+        slices = ubatch_slices(step.plan)
+        return slices, slices

@@ -1,0 +1,62 @@
+"""The vLLM general plugin (entry point ``vllm.general_plugins``: ``tbo = tbo.integrations.vllm.plugin:register``).
+
+vLLM calls `register` in every process it starts. It makes one change, and only that: the model runners'
+``load_model`` is wrapped so that, for an engine whose ``additional_config`` has a ``"tbo"`` key, the config and
+the engine are checked before the weights load (`check_engine`: a bad key, strategy, architecture, parallel
+setting or vLLM version fails the engine's start, naming it) and tbo is installed on that runner after
+(`TboEngine`). For every other engine the wrapper calls vLLM's ``load_model`` and does nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from tbo.integrations.vllm.config import parse_config
+
+__all__ = ["register", "RUNNER_CLASSES"]
+
+logger = logging.getLogger("vllm.tbo")
+
+#: (module, class) of the model runners whose ``load_model`` the plugin wraps (the CPU runner overrides it)
+RUNNER_CLASSES = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+                  ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"))
+_MARK = "__tbo_wrapped__"
+
+
+def register() -> None:
+    """Wrap the model runners' ``load_model`` (once per process: vLLM may call this several times)."""
+    import importlib
+
+    for module_name, class_name in RUNNER_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as e:  # a vLLM without that runner: an engine asking for tbo on it
+            logger.warning("tbo plugin: cannot wrap %s.%s (%s); additional_config['tbo'] has no effect on it",
+                           module_name, class_name, e)
+            continue
+        original = cls.__dict__.get("load_model")
+        if original is not None and not getattr(original, _MARK, False):
+            cls.load_model = _wrap_load_model(original)
+
+
+def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = parse_config(self.vllm_config.additional_config)
+        if config is None:
+            return original(self, *args, **kwargs)
+        import vllm
+        from vllm.platforms import current_platform
+
+        from tbo.integrations.vllm.checks import check_engine
+        from tbo.integrations.vllm.engine import TboEngine
+
+        family = check_engine(self.vllm_config, config, vllm.__version__, current_platform.device_type)
+        result = original(self, *args, **kwargs)
+        TboEngine(self, config, family)
+        return result
+
+    setattr(load_model, _MARK, True)
+    return load_model

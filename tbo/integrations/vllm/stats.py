@@ -1,0 +1,74 @@
+"""Counters of what TBO did in this process's vLLM engines, and the one line logged at shutdown.
+
+Without them nobody, a test included, could tell a run that overlapped from one that silently never split. The
+counters live in the process that runs the model: the engine's own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+and one worker, each worker process otherwise (there, ``stats_file`` or the shutdown line reports them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["StepStats", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
+
+MODES = ("decode", "prefill", "mixed")
+
+
+@dataclass
+class StepStats:
+    """Forward steps the engine ran through tbo (profiling and warm-up runs are not counted)."""
+
+    steps: int = 0
+    split_steps: int = 0
+    microbatches: int = 0  #: microbatches run, over the split steps
+    tokens: int = 0
+    split_tokens: int = 0
+    steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
+    split_steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
+    cut_requests: int = 0  #: split steps whose cut fell inside a request (a prefill chunk in two microbatches)
+
+    def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
+        """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
+        self.steps += 1
+        self.tokens += num_tokens
+        self.steps_by_mode[mode] += 1
+        if num_microbatches > 1:
+            self.split_steps += 1
+            self.microbatches += num_microbatches
+            self.split_tokens += num_tokens
+            self.split_steps_by_mode[mode] += 1
+            self.cut_requests += int(cut_request)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+
+
+#: every engine in this process adds to these
+PROCESS_STATS = StepStats()
+
+
+def stats() -> dict[str, Any]:
+    """What TBO did in this process since it started (or since `reset_stats`): ``steps``, ``split_steps``,
+    ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``) and
+    ``cut_requests``. A copy: later steps do not change it."""
+    return PROCESS_STATS.as_dict()
+
+
+def reset_stats() -> None:
+    """Zero this process's counters (the engines' own, behind their shutdown lines, are kept)."""
+    fresh = StepStats()
+    for name, value in vars(fresh).items():
+        setattr(PROCESS_STATS, name, value)
+
+
+def summary_line(s: StepStats) -> str:
+    """``"tbo: 37 of 52 forward steps overlapped (...)"``: what the engine logs when it shuts down."""
+    by_mode = ", ".join(f"{m} {s.split_steps_by_mode[m]}/{s.steps_by_mode[m]}" for m in MODES if s.steps_by_mode[m])
+    return (f"tbo: {s.split_steps} of {s.steps} forward steps overlapped ({s.microbatches} microbatches"
+            f"{'; ' + by_mode if by_mode else ''})")
