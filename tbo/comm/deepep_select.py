@@ -36,8 +36,9 @@ def deepep_backend(group: Any, num_experts: int, *, hidden: int, num_max_tokens_
 
     ``format`` (V2 only): NORMAL (default) or EXPANDED. ``deterministic`` (V2 only; V1 receives in a fixed order):
     V2's sorted receive order, which tbo's bit-exact promise needs; False trades it for speed, results then agree to
-    rounding. ``deep_ep``: a module to use instead of importing it (the CPU stand-ins, in tests). ``kwargs`` go to the backend's ``create`` (e.g. ``buffer=`` to share a V2 buffer,
-    ``num_nvl_bytes=`` for V1 normal mode, sized from ``Buffer.get_dispatch_config`` otherwise).
+    rounding. ``deep_ep``: a module to use instead of importing it (the CPU stand-ins, in tests). ``kwargs`` go to
+    the backend's ``create`` (e.g. ``buffer=`` to share a V2 buffer, ``num_nvl_bytes=`` for V1 normal mode, sized
+    from ``Buffer.get_dispatch_config`` otherwise).
     """
     if kind not in DEEPEP_KINDS:
         raise ValueError(f"unknown DeepEP backend kind {kind!r}; expected one of {', '.join(DEEPEP_KINDS)}")

@@ -51,7 +51,8 @@ def model_forward_maybe_tbo(
     ``backend``: the layers' communication backend (an `EPBackend`, an AFD connector). Unless ``guard`` names
     ``drain`` itself, a step that fails drains it before raising, so no transfer still writes into buffers the
     caller is about to free or reuse. A backend with an ``in_flight_limit`` (DeepEP low-latency) has the plan's
-    schedule checked against it first (`OperationsStrategy.check_in_flight`, once per microbatch count). ``profile`` adds torch.profiler ranges per stage and op.
+    schedule checked against it first (`OperationsStrategy.check_in_flight`, once per microbatch count).
+    ``profile`` adds torch.profiler ranges per stage and op.
     ``guard`` passes ``drain``, ``watchdog_s``, ``watchdog_label`` and ``dump_stacks`` to the executor.
     Returns ``{output_key: tensor}``, merged back to the whole batch.
     """

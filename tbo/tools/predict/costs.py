@@ -251,8 +251,8 @@ def predict(hardware: str | Hardware, model: str | ModelShape, deployment: Deplo
             overlapped[name] = (c, c)
     if kernel == "normal" and dep.resolved_comm_sms != 20:
         notes.append(f"DeepEP V1 normal buffers are sized for the Buffer.num_sms in effect when made: set it to "
-                     f"{dep.resolved_comm_sms} (tbo.comm.sm_budget.deep_ep_num_sms) before building them, or the kernels overrun "
-                     "them")
+                     f"{dep.resolved_comm_sms} (tbo.comm.sm_budget.deep_ep_num_sms) before building them, or the "
+                     "kernels overrun them")
     slots = dep.slots(shape)
     grouped = slots == shape.num_experts
     flows = {kind: traffic(kind, kernel, shape.hidden, shape.topk, dep.ep, hw.gpus_per_node, slots,
