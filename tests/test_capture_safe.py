@@ -8,7 +8,7 @@ needs; the GPU tests run the same step under ``torch.cuda.set_sync_debug_mode("e
 import pytest
 import torch
 
-from tbo.comm import DispatchFormat, LocalBackend
+from tbo.comm import DispatchFormat, LocalBackend, devices
 from tbo.experts import run_experts
 from tbo.comm.layout import expanded_route, expert_major_perm, static_masked_route, to_masked
 from tbo.testing.moe import SwiGLUExperts, make_routing
@@ -54,13 +54,35 @@ def test_static_route_layout_is_the_counted_layout():
     assert int((route.dest == route.scratch).sum()) == int((idx < 0).sum())  # dropped slots go to scratch
 
 
-def test_capacity_overflow_is_a_clear_error_on_cpu_and_drops_nothing_silently_in_range():
+def test_eager_slabs_hold_the_step_and_a_capture_refuses_more_than_the_capacity(monkeypatch):
+    """Issue 22, defects 1-2. Eager, a step above ``masked_capacity`` gets slabs of its own size (before: a
+    ValueError on the CPU, a sticky device assert on a GPU, e.g. a GraphRunner's eager fallback at twice its largest
+    bucket). While capturing, such a step is refused on the host, before any device work."""
     b = LocalBackend(4, DispatchFormat.MASKED, masked_capacity=3)
     x = torch.randn(5, H)
-    with pytest.raises(ValueError, match="more than the masked capacity 3 rows"):
-        b.dispatch_a(x, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1))
+    idx, w = torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1)
+    d = b.dispatch_b(b.dispatch_a(x, idx, w))
+    assert d.hidden.shape == (4, 5, H) and d.tokens_per_expert.tolist() == [5, 0, 0, 0]
+    assert torch.equal(d.hidden[0], x)  # nothing dropped
+    # only a row naming one expert twice can overflow slabs of the step's size: a ValueError on the CPU
+    with pytest.raises(ValueError, match="more than the masked capacity 5 rows"):
+        b.dispatch_a(x, torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2))
+    monkeypatch.setattr(devices, "capturing", lambda device=None: True)  # what torch reports inside a capture
+    with pytest.raises(ValueError, match="capturing a step of 5 tokens with masked_capacity=3"):
+        b.dispatch_a(x, idx, w)
+    assert b.dispatch_a(x[:3], idx[:3], w[:3]).pending.shape == (4, 3, H)  # within the capacity: captured as before
     with pytest.raises(ValueError, match="masked_capacity=0 must be a positive row count"):
         LocalBackend(4, DispatchFormat.MASKED, masked_capacity=0)
+
+
+def test_top8_of_16_at_twice_the_capacity_runs_eagerly_and_equals_the_counted_route():
+    experts = SwiGLUExperts.build(16, H, I, seed=8)
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(8))
+    idx, w = make_routing(64, 16, 8, seed=8)
+    small = LocalBackend(16, DispatchFormat.MASKED, masked_capacity=32)  # a largest bucket of 32
+    _, got = moe(small, x, idx, w, experts.local(0, 16))
+    _, want = moe(LocalBackend(16), x, idx, w, experts.local(0, 16))
+    assert torch.equal(got, want)
 
 
 def test_capture_safe_only_for_fixed_capacity_masked():
@@ -91,3 +113,60 @@ def test_meta_catches_the_formats_that_read_the_host(fmt, capacity):
     """The proof is only worth something if meta does catch host reads: the counted formats must fail there."""
     with pytest.raises((NotImplementedError, RuntimeError)):
         _meta_moe(LocalBackend(E, fmt, masked_capacity=capacity))
+
+
+# ---- issue 22, defect 9: the MASKED expert paths of a GPU --------------------------------------------------------
+def _stacked(experts):
+    from tbo.experts import StackedSwiGLU
+
+    return StackedSwiGLU(experts.w_gate, experts.w_up, experts.w_down)
+
+
+@pytest.mark.parametrize("skew", [0.0, 3.0])
+def test_grouped_and_batched_expert_paths_equal_the_counted_rows(skew):
+    """The grouped path packs the routed rows expert after expert and runs one grouped GEMM per projection with the
+    counts as device-side group ends; the batched one runs one GEMM chain over every slab. Both give each routed
+    row its expert's output and zero elsewhere (checked here with the CPU's grouped_mm; a GPU runs it in bf16)."""
+    from tbo.experts.run import _run_masked, _run_masked_batched, _run_masked_grouped
+
+    experts = SwiGLUExperts.build(E, H, I, seed=11)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(11))
+    idx, w = make_routing(40, E, 3, seed=11, skew=skew, drop=0.1)
+    d = LocalBackend(E, DispatchFormat.MASKED, masked_capacity=40).dispatch_b(
+        LocalBackend(E, DispatchFormat.MASKED, masked_capacity=40).dispatch_a(x, idx, w))
+    assert d.tokens_per_expert.min() < d.tokens_per_expert.max()  # uneven groups, some maybe empty
+    want = _run_masked(d.hidden, d.tokens_per_expert.tolist(), experts.local(0, E))
+    for run in (_run_masked_grouped, _run_masked_batched):
+        got = run(d.hidden, d.tokens_per_expert, _stacked(experts))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        rows = torch.arange(40).unsqueeze(0) >= d.tokens_per_expert.unsqueeze(1)
+        assert not got[rows].any()  # rows past each count are exactly zero
+
+
+def test_run_experts_picks_a_path_that_never_calls_the_expert_per_slab():
+    """Before, MASKED off the CPU ran one GEMM chain per expert over its whole slab (16 chains at 16 experts). With
+    stacked weights the per-expert function is not called at all."""
+    from tbo.experts import masked_path
+
+    experts = SwiGLUExperts.build(E, H, I, seed=12)
+    calls = []
+
+    def counted(e, rows):
+        calls.append(e)
+        return experts(e, rows)
+
+    for dtype, path in ((torch.float32, "batched"), (torch.bfloat16, "grouped")):
+        meta = SwiGLUExperts(*(t.to("meta", dtype) for t in (experts.w_gate, experts.w_up, experts.w_down)))
+        x = torch.empty(12, H, device="meta", dtype=dtype)
+        idx = torch.empty(12, 2, dtype=torch.long, device="meta")
+        backend = LocalBackend(E, DispatchFormat.MASKED, masked_capacity=12)
+        d = backend.dispatch_b(backend.dispatch_a(x, idx, torch.empty(12, 2, device="meta")))
+        assert masked_path(d.hidden, _stacked(meta)) == path
+        out = run_experts(d, counted, _stacked(meta))
+        assert out.shape == (E, 12, H) and out.dtype == dtype and calls == []
+        assert masked_path(d.hidden) == "per-expert"
+        run_experts(d, counted)
+        assert calls == list(range(E))
+        calls.clear()
+    assert masked_path(torch.zeros(E, 4, H), _stacked(experts)) == "counted"
+    assert masked_path(torch.empty(E, 4, H, device="meta"), _stacked(experts)) == "per-expert"  # other device

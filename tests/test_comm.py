@@ -74,12 +74,20 @@ def test_local_backend_matches_dense_formula(fmt, top_k):
     torch.testing.assert_close(got, dense_moe_reference(x, idx, w, experts), rtol=1e-5, atol=1e-5)
 
 
-def test_masked_capacity_is_enforced():
+def test_masked_capacity_bounds_captured_steps_not_eager_ones():
+    """A step above ``masked_capacity`` runs eagerly with slabs of its size (capture refuses it: test_capture_safe)."""
     b = LocalBackend(4, DispatchFormat.MASKED, masked_capacity=2)
     x = torch.randn(6, HIDDEN)
     idx = torch.zeros(6, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="more than the masked capacity 2"):
-        b.dispatch_b(b.dispatch_a(x, idx, torch.ones(6, 1)))
+    assert torch.equal(moe(b, x, idx, torch.ones(6, 1), lambda e, rows: rows), x)  # every row back, none dropped
+
+
+def test_counted_masked_layout_refuses_rows_beyond_its_capacity():
+    """The counted MASKED layout (multi-rank, counts read on the host) keeps a fixed capacity: more is a ValueError."""
+    from tbo.comm.layout import to_masked
+
+    with pytest.raises(ValueError, match="received 6 rows, more than the masked capacity 2"):
+        to_masked(torch.zeros(6, HIDDEN), torch.tensor([6, 0, 0, 0]), 2)
 
 
 @pytest.mark.parametrize(

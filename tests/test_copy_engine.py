@@ -79,6 +79,80 @@ def test_in_flight_drain_and_misuse():
         CopyEngineLink(LocalBackend(E), dispatch_bytes_per_token=-1)
 
 
+class FakeStream:
+    """What the link asks of a CUDA stream, recorded: lets its stream logic run on a CPU."""
+
+    def __init__(self, device=None):
+        self.device, self.waited = device, []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class FakeEvent:
+    def __init__(self):
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_index_less_cuda_device_is_the_same_key_as_cuda_0(monkeypatch):
+    """Issue 22, defect 5: ``torch.device("cuda") != torch.device("cuda:0")``. ``reserve("cuda", n)`` filled caches
+    that transfers (whose tensors report ``cuda:0``) never looked up: a second copy stream, and staging allocated at
+    the first transfer, possibly inside a capture. Now both name one key."""
+    from tbo.comm import copy_engine, devices
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    made = []
+    seams = {"_new_stream": lambda device: made.append(device) or FakeStream(device),  # CPU stand-ins for CUDA
+             "_pinned": lambda n: torch.empty(n, dtype=torch.uint8),
+             "_device_bytes": lambda n, device: torch.empty(n, dtype=torch.uint8)}
+    for name, value in seams.items():
+        monkeypatch.setattr(copy_engine, name, value, raising=False)
+    assert devices.device_key("cuda") == devices.device_key("cuda:0") == torch.device("cuda", 0)
+    assert devices.device_key("cpu") == torch.device("cpu")
+    link = CopyEngineLink(backend(DispatchFormat.MASKED))
+    link.reserve("cuda", 4 << 20)
+    cuda0 = torch.device("cuda", 0)  # what a transfer's payload reports
+    stream, host, filler = link._stream(cuda0), link._host(cuda0, 4 << 20), link._filler(cuda0, 4 << 20)
+    assert made == [cuda0] and list(link._streams) == [cuda0] and list(link._buffers) == [cuda0]
+    bufs = link._buffers[cuda0]
+    assert len(bufs.host) == 1 and host is bufs.host[0] and filler[0] is bufs.filler_src[0]
+    given = FakeStream(torch.device("cuda"))
+    assert CopyEngineLink(LocalBackend(E), stream=given)._stream("cuda:0") is given
+
+
+def test_drain_inside_a_capture_joins_the_streams_instead_of_waiting_on_the_host(monkeypatch):
+    """Issue 22, defect 3: an op failing while a graph is captured. ``drain()`` synchronised on an event recorded
+    inside the live capture (which invalidates it), and transfers never joined left the copy stream unjoined, so
+    ending the capture raised over the op's own error. Inside a capture drain must join (compute waits for the
+    event), outside it must wait on the host. Modelled with the link's own seams: torch's capture query and the
+    compute stream."""
+    from tbo.comm import copy_engine, devices
+    from tbo.comm.copy_engine import CopyTransfer
+
+    compute = FakeStream()
+    monkeypatch.setattr(copy_engine, "_compute_stream", lambda device: compute, raising=False)
+    link = CopyEngineLink(backend(DispatchFormat.MASKED))
+
+    def in_flight():
+        t = CopyTransfer("dispatch", 64, 4, done=FakeEvent(), held=(torch.zeros(4),))
+        t.device = torch.device("cuda", 0)
+        link._in_flight[id(t)] = t
+        return t
+
+    monkeypatch.setattr(devices, "capturing", lambda device=None: True)
+    a, b = in_flight(), in_flight()
+    assert link.drain() == 2 and link.in_flight == []
+    assert compute.waited == [a.done, b.done]  # the join each missing _b would have made
+    assert a.done.synchronized == b.done.synchronized == 0  # no host sync inside the capture
+    assert a.held == () and b.held == ()
+    monkeypatch.setattr(devices, "capturing", lambda device=None: False)
+    c = in_flight()
+    assert link.drain() == 1 and c.done.synchronized == 1 and compute.waited == [a.done, b.done]
+
+
 def test_meta_tensors_pass_through_without_host_reads():
     link = CopyEngineLink(backend(DispatchFormat.MASKED, capacity=12))
     assert link.capture_safe
@@ -149,6 +223,56 @@ def test_event_and_host_stamps_share_one_clock():
     for s in trace.spans:
         assert lo <= s.start <= s.end <= hi, s
     assert summary(trace).step_s <= hi - lo
+
+
+def test_cuda_tracer_stamps_every_launch_and_wait_with_events_whatever_the_backend():
+    """Issue 22, defect 6: under ``Tracer(cuda=True)`` only a CopyEngineLink's transfers were events; every other
+    backend's launches and waits were ``perf_counter`` stamps, the CPU's issue time, and a wait span measured the
+    Python call, not the stream's stall. Now an event is recorded on the current stream as every ``_a`` starts
+    (the transfer's start) and around every ``_b`` (the stall); here a LocalBackend, with host-time stand-ins for
+    CUDA events."""
+    from tbo.tools.trace import _CudaClock
+
+    recorded = []
+
+    class CountedEvent(HostEvent):
+        def record(self, stream=None):
+            super().record(stream)
+            recorded.append(self)
+
+    tracer = Tracer()
+    tracer._time = _CudaClock(CountedEvent, lambda: None)
+    tracer.cuda = True
+    recorded.clear()  # the origin
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(num_layers=2), traced(backend(DispatchFormat.MASKED), tracer))
+    ids, meta, plan = _decode(model)
+    model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", plan, observer=tracer)
+    ops = len(tracer.trace.lane("compute"))
+    launches = waits = 2 * 2  # one MoE layer, two microbatches, dispatch and combine
+    assert len(recorded) == 2 * ops + launches + 2 * waits
+    assert len(tracer._unresolved) >= 2 * 4  # comm and wait spans wait for their events, resolved in finish
+    trace = tracer.finish()
+    assert sorted({s.name for s in trace.lane("comm")}) == ["combine", "dispatch"] and len(trace.lane("comm")) == 4
+    for s in trace.spans:
+        assert 0 <= s.start <= s.end, s
+    tracer.begin("decode, TBO", [mb.tokens_len for mb in plan.microbatches])
+    assert tracer.trace.label == "decode, TBO" and tracer.trace.tokens == [6, 6] and not tracer.trace.spans
+
+
+def test_begin_takes_the_origin_again_and_marks_land_on_the_trace_clock():
+    from tbo.tools.trace import _CudaClock
+
+    tracer = Tracer()
+    tracer._time = _CudaClock(HostEvent, lambda: None)
+    tracer.cuda = True
+    first = tracer._time.origin_host
+    time.sleep(0.01)
+    tracer.begin("step")
+    assert tracer._time.origin_host > first + 0.005
+    tracer.mark("event")
+    tracer.mark("host", time.perf_counter())
+    marks = tracer.finish().marks
+    assert set(marks) == {"event", "host"} and 0 <= marks["event"] < 1.0 and abs(marks["host"] - marks["event"]) < 1e-3
 
 
 def test_events_in_a_host_tracer_are_refused():

@@ -87,6 +87,26 @@ def test_static_buffers_are_reused_and_outputs_cloned():
     assert torch.equal(a["y"], batch(4)["slot"].unsqueeze(1).float().expand(4, 3))  # a view: overwritten
 
 
+def test_a_lazy_capture_warms_up_on_padding_not_on_the_last_request():
+    """Issue 22, defect 4: a bucket's single and TBO graphs share its static buffers. The mode captured second (lazily,
+    on its first run) must warm up and capture on pad values, not on the previous request's slots, which a real
+    step would write again (live KV entries)."""
+    step = Step()
+    capturer = EagerCapturer(warmup=2)
+    runner = GraphRunner(step, [8], policy=SplitPolicy(decode_token_threshold=4), pad_values={"slot": -1},
+                         capturer=capturer)
+    runner.run(batch(6), tbo=False)  # captures single (on padding), then replays it on the request
+    assert step.calls[-1][2][:6].tolist() == list(range(100, 106))  # the replay saw the request
+    before = len(step.calls)
+    out = runner.run({"x": batch(5)["x"], "slot": batch(5)["slot"] + 50}, tbo=True)  # lazy TBO capture
+    capture_calls = step.calls[before:-1]  # warm-up and capture of the TBO graph, then its replay
+    assert len(capture_calls) == 3 and all(plan is not None for _, plan, _ in capture_calls)
+    for _, _, slots in capture_calls:
+        assert slots.eq(-1).all(), f"a capture ran on request data: slots {slots.tolist()}"
+    assert step.calls[-1][2][:5].tolist() == list(range(150, 155))
+    assert torch.equal(out["y"], Step()({"x": batch(5)["x"], "slot": batch(5)["slot"] + 50}, None)["y"])
+
+
 def test_above_the_largest_bucket_runs_eager():
     step = Step()
     runner = GraphRunner(step, [2, 4], capturer=EagerCapturer())

@@ -164,17 +164,27 @@ def meta_inputs(n):
 
 @pytest.mark.parametrize("family", list(MODELS))
 @pytest.mark.parametrize("link", [False, True])
-def test_decode_step_runs_on_meta_tensors_single_and_tbo(family, link):
+@pytest.mark.parametrize("dtype,experts", [("float32", "batched"), ("bfloat16", "grouped")])
+@pytest.mark.parametrize("in_order", [False, True])
+def test_decode_step_runs_on_meta_tensors_single_and_tbo(family, link, dtype, experts, in_order):
+    """Every expert path a GPU takes (one batched GEMM chain in fp32, a grouped GEMM over the routed rows in bf16)
+    and the cache read by a view (``slots_in_order``) are free of host reads."""
+    from tbo.experts import masked_path
+
     backend = masked(16) if not link else CopyEngineLink(masked(16), dispatch_bytes_per_token=57344)
-    model = ReferenceModel(MODELS[family](batch_invariant=False), backend, device="meta")
+    model = ReferenceModel(MODELS[family](batch_invariant=False, dtype=dtype), backend, device="meta")
+    moe = next(layer for layer in model.layers if layer.kind == "moe")
+    assert masked_path(torch.empty(8, 16, 64, device="meta", dtype=model.config.torch_dtype),
+                       moe.stacked_experts) == experts
     cache = model.static_cache(16, 64)
     assert cache.k.device.type == "meta"
-    eager = model.graph_runner(cache, f"{family}_decode", [4, 16], capture=False)
+    eager = model.graph_runner(cache, f"{family}_decode", [4, 16], capture=False, slots_in_order=in_order)
     for tbo in (False, True):
         out = eager.run(meta_inputs(11), tbo=tbo)
         assert out.shape == (11, 256) and out.device.type == "meta"
         assert eager.last.how == "eager" and (eager.last.plan is not None) == tbo
-    graphs = model.graph_runner(cache, f"{family}_decode", [4, 16], capturer=EagerCapturer())
+    graphs = model.graph_runner(cache, f"{family}_decode", [4, 16], capturer=EagerCapturer(),
+                                slots_in_order=in_order)
     for tbo in (False, True):  # padded to the 16 bucket, static buffers, sliced back
         assert graphs.run(meta_inputs(11), tbo=tbo).shape == (11, 256) and graphs.last.bucket == 16
 
@@ -203,3 +213,94 @@ def test_graph_runner_over_the_model_equals_eager_every_bucket(tbo):
         got = runner.run(inputs, tbo=tbo)
         assert runner.last.how == "graph" and runner.last.bucket == runner.bucket_for(n)
         assert torch.equal(got, want), f"{n} requests, bucket {runner.last.bucket}"
+
+
+# ---- issue 22: the eager fallback, the capacity a graph runner needs, the cache read by a view -----------------------
+def test_eager_fallback_above_the_largest_bucket_at_top8_of_16_sizes_for_its_tokens():
+    """Defect 1: above the largest bucket the runner goes eager with the capacity sized for that bucket. At top-8 of
+    16 an expert averages half the tokens, so at twice the bucket an overflow was near certain: a ValueError here,
+    a sticky device assert on a GPU. Now the eager step's slabs hold its own tokens; it equals the counted route."""
+    config = ModelConfig.deepseek_v3_tiny(num_experts=16, top_k=8)
+    model = ReferenceModel(config, LocalBackend(16, DispatchFormat.MASKED, masked_capacity=8))
+    counted = ReferenceModel(config, LocalBackend(16))  # EXPANDED: exactly the routed rows, counts read on the host
+    cache = model.static_cache(16, 32)
+    runner = model.graph_runner(cache, "deepseek_decode", [4, 8], capturer=EagerCapturer(), policy=POLICY)
+    inputs = {"ids": torch.arange(16) * 7 % 256, "positions": torch.arange(16) + 3, "slots": torch.arange(16)}
+    for tbo in (False, True):
+        want = counted.decode_step(cache.clone(), "deepseek_decode")(inputs, POLICY.plan(ForwardMode.DECODE, 16)
+                                                                      if tbo else None)
+        got = runner.run(inputs, tbo=tbo)
+        assert runner.last.how == "eager" and "exceed the largest bucket 8" in runner.last.reason
+        assert torch.equal(got, want)
+
+
+def test_graph_runner_refuses_buckets_above_the_masked_capacity():
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(), CopyEngineLink(masked(8)))
+    cache = model.static_cache(16, 16)
+    with pytest.raises(ValueError, match=r"largest bucket \(16 requests\) exceeds the backend's masked_capacity=8"):
+        model.graph_runner(cache, "deepseek_decode", [4, 16])
+    assert model.graph_runner(cache, "deepseek_decode", [4, 16], capture=False).batch_sizes == [4, 16]
+
+
+def _shares_storage(view, cache_tensor):
+    return view.untyped_storage().data_ptr() == cache_tensor.untyped_storage().data_ptr()
+
+
+def test_cache_read_by_a_view_when_the_slots_are_in_order():
+    """Defect 9: a gather copies every slot's whole max_len before attention reads it again. Slots in order are read
+    by a view, with the same logits (decode, TBO with a padded microbatch, and prefill)."""
+    cache = StaticKVCache(2, 6, 8, 2, 4)
+    cache.k.normal_(generator=torch.Generator().manual_seed(0))
+    k, _ = cache.read(1, torch.tensor([2, 3, 4]), first=2)
+    assert _shares_storage(k, cache.k) and torch.equal(k, cache.k[1, 2:5])
+    k, _ = cache.read(1, torch.tensor([2, 3, 4]))
+    assert not _shares_storage(k, cache.k)
+    k, _ = cache.read(1, torch.tensor([5, 6, 6]), first=5)  # the run would leave the cache: gathered instead
+    assert not _shares_storage(k, cache.k) and k.shape == (3, 8, 2, 4)
+
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(), masked(16))
+    static = model.static_cache(8, 24)
+    lens = [5, 9, 3]
+    meta = StaticAttentionMetadata.build([0, 1, 2], lens, [0, 0, 0], static.scratch_slot)
+    assert meta.slot_offset == 0
+    assert StaticAttentionMetadata.build([2, 0, 1], lens, [0] * 3, static.scratch_slot).slot_offset is None
+    gathered = StaticAttentionMetadata.build([3, 4, 5], lens, [0] * 3, static.scratch_slot)
+    assert gathered.slot_offset == 3
+    ref = model.forward(prompt(lens), meta, static.clone())
+    plan = POLICY.plan(ForwardMode.EXTEND, sum(lens), lens)
+    assert torch.equal(model.forward_tbo(prompt(lens), meta, static.clone(), "deepseek_prefill", plan), ref)
+    model.forward(prompt(lens), meta, static)
+    policy = SplitPolicy(pad_to_multiple=4)
+    for n in (3, 6):
+        ids, pos = torch.arange(n) + 1, torch.tensor([5, 9, 3, 2, 2, 2][:n])
+        view = StaticAttentionMetadata.decode(pos, torch.arange(n), static.scratch_slot, slot_offset=0)
+        copy = StaticAttentionMetadata.decode(pos, torch.arange(n), static.scratch_slot)
+        for plan in (None, policy.plan(ForwardMode.DECODE, n)):
+            assert torch.equal(model.forward_tbo(ids, view, static.clone(), "deepseek_decode", plan),
+                               model.forward_tbo(ids, copy, static.clone(), "deepseek_decode", plan))
+    mb = policy.plan(ForwardMode.DECODE, 6).microbatches[1]
+    assert view.for_microbatch(mb).slot_offset == mb.tokens_start
+    padded = StaticAttentionMetadata.decode(torch.zeros(4, dtype=torch.long), torch.tensor([0, 1, 8, 8]), 8, 0)
+    assert padded.slot_offset == 0  # padding rows may name the scratch slot
+    with pytest.raises(ValueError, match=r"slot_offset=0 promises token 1 sits in slot 1, but slots\[1\] = 3"):
+        StaticAttentionMetadata.decode(torch.zeros(3, dtype=torch.long), torch.tensor([0, 3, 2]), 8, 0)
+
+
+def test_decode_step_with_slots_in_order_reads_views_and_equals_the_gather(monkeypatch):
+    model = ReferenceModel(ModelConfig.qwen3_moe_tiny(), masked(16))
+    cache = model.static_cache(16, 32)
+    reads = []
+    original = StaticKVCache.read
+
+    def observed(self, layer, slots, first=None):  # the real read, and whether it returned a view
+        k, v = original(self, layer, slots, first)
+        reads.append(_shares_storage(k, self.k))
+        return k, v
+
+    inputs = {"ids": torch.arange(6), "positions": torch.arange(6) + 4, "slots": torch.arange(6)}
+    want = model.graph_runner(cache.clone(), "qwen3_moe_decode", [8], capturer=EagerCapturer()).run(inputs)
+    monkeypatch.setattr(StaticKVCache, "read", observed)
+    got = model.graph_runner(cache.clone(), "qwen3_moe_decode", [8], capturer=EagerCapturer(),
+                             slots_in_order=True).run(inputs)
+    assert reads and all(reads)
+    assert torch.equal(got, want)

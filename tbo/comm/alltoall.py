@@ -8,10 +8,12 @@ transport, which is why it is the reference for equivalence.
 What a CUDA graph can capture (no host sync, no data-dependent shape), per backend and format:
 
 * `LocalBackend`, MASKED with a fixed ``masked_capacity``: **capture-safe**. Routing is a stable sort and a
-  scatter into ``[num_experts, min(capacity, tokens), H]`` (a shape fixed by the step's size); combine is a gather
-  and the slot sum. Expert ids are range-checked by a device-side assertion, and an expert receiving more rows than
-  the capacity is one too (a ValueError on the CPU). A capacity of at least the step's token count can never
-  overflow (top-k picks distinct experts).
+  scatter into ``[num_experts, tokens, H]`` slabs (a shape fixed by the step's size: no top-k routing can overflow
+  them, since a token picks an expert at most once); combine is a gather and the slot sum. ``masked_capacity`` is
+  the most tokens a *captured* step may carry: a bigger one is refused on the host while capturing, and runs with
+  slabs of its own size eagerly (e.g. above a `GraphRunner`'s largest bucket). Expert ids are range-checked by a
+  device-side assertion: a ValueError on the CPU, but on CUDA an asynchronous, sticky assert that ends the process
+  (see `tbo.comm.layout.device_check`), so the capture-safe paths make it impossible for valid routing.
 * `LocalBackend`, MASKED without a capacity, EXPANDED and NORMAL: not capture-safe. Their outputs are sized by
   routed counts read on the host (``nonzero``, ``.tolist()``); eager use on a GPU works.
 * `TorchDistributedBackend`, every format: not capture-safe (split sizes cross ranks on the host first).
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tbo.comm import devices
 from tbo.comm.layout import (ExpandedRoute, NormalRoute, StaticMaskedRoute, check_routing, device_check,
                              expanded_route, expert_major_perm, from_masked, normal_route, slot_sum,
                              static_masked_route, to_masked, weighted_sum)
@@ -129,15 +132,31 @@ class AllToAllBackend:
         return DispatchState(pending, nbytes, {"route": route, "recv_counts": recv_counts,
                                                "num_tokens": hidden.shape[0]})
 
+    def _slab_rows(self, tokens: int, device: torch.device) -> int:
+        """Rows per expert slab: the step's tokens, which no routing can overflow (top-k picks distinct experts).
+
+        A shape fixed by the step's size, never by the counts. Eager, a step of any size gets slabs of its own size
+        (a step above the largest captured bucket included). While a graph is captured, a step of more tokens than
+        ``masked_capacity`` is refused here, on the host: a capacity below the tokens could overflow, and on CUDA an
+        overflow is a device-side assert baked into the graph, which ends the CUDA context at replay.
+        """
+        limit = int(self.masked_capacity)  # type: ignore[arg-type]
+        if tokens > limit and devices.capturing(device):
+            raise ValueError(f"dispatch_a: capturing a step of {tokens} tokens with masked_capacity={limit}: an expert "
+                             f"can receive up to {tokens} rows, and an overflow inside a CUDA graph is a device-side "
+                             f"assert that ends the process; capture steps of at most {limit} tokens, or raise "
+                             f"masked_capacity to {tokens}")
+        return tokens
+
     def _dispatch_a_static(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
                            topk_weights: torch.Tensor) -> DispatchState:
         """MASKED on one rank with fixed shapes: scatter each (token, slot) pair's row into its expert's slab."""
-        # an expert never receives more rows than there are tokens (top-k picks distinct experts), so the slabs
-        # hold min(capacity, tokens) rows: still a shape fixed by the step's size, and no padding beyond it
-        cap, e = min(int(self.masked_capacity), hidden.shape[0]), self.num_local_experts  # type: ignore[arg-type]
+        cap, e = self._slab_rows(hidden.shape[0], hidden.device), self.num_local_experts
         route = static_masked_route(topk_idx, e, cap)
+        # cannot fail for top-k routing (distinct experts per token); a row naming one expert twice could. On CUDA
+        # this is a sticky device-side assert, not a ValueError (see device_check)
         device_check(route.counts.max() <= cap, f"dispatch_a: an expert received more than the masked capacity {cap} "
-                     "rows (size it to at least the step's tokens; a token picks an expert at most once)")
+                     "rows (a token names the same expert in two of its top-k slots)")
         t, k = topk_idx.shape
         pair_rows = hidden.unsqueeze(1).expand(t, k, hidden.shape[1]).reshape(t * k, hidden.shape[1])
         buf = hidden.new_zeros((route.scratch + 1, hidden.shape[1]))

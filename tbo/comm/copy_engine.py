@@ -16,9 +16,12 @@ results are exactly the inner backend's; a configured size below the payload's i
 what moved).
 
 Memory safety across streams: the payload read and the buffers written on the copy stream are held by the
-transfer until its ``_b`` (after which the compute stream is ordered behind the copies), and `drain` waits out
-transfers whose ``_b`` never came. Pinned staging and filler buffers are kept for the link's lifetime, which is
-what a captured graph, holding their addresses, needs.
+transfer until its ``_b`` (after which the compute stream is ordered behind the copies), and `drain` settles
+transfers whose ``_b`` never came: the host waits for them, or, while a graph is being captured (where a host wait
+would invalidate the capture), the compute stream joins them, so that the capture still ends and the failed op's
+error is the one raised. Pinned staging and filler buffers are kept for the link's lifetime, which is what a
+captured graph, holding their addresses, needs. Streams and buffers are kept per device, keyed by
+`tbo.comm.devices.device_key` (``"cuda"`` and ``"cuda:0"`` are one device).
 
 Off CUDA the same link runs synchronously (the copy happens inside ``_a``, through a host buffer), with host-time
 stamps: the logic, the byte accounting and the results can be checked on a CPU.
@@ -32,6 +35,8 @@ from typing import Any, Sequence
 
 import torch
 
+from tbo.comm import devices
+from tbo.comm.devices import device_key
 from tbo.comm.types import BackendWrapper, DispatchOutput
 
 __all__ = ["CopyEngineLink", "CopyTransfer"]
@@ -53,6 +58,7 @@ class CopyTransfer:
     wait_start: Any = None
     wait_end: Any = None
     done: Any = None  #: what the compute stream waits on (the end event; an untimed one under capture)
+    device: Any = None  #: the payload's device: whose compute stream joins the copy stream
     received: tuple[torch.Tensor, ...] = ()
     held: tuple[torch.Tensor, ...] = ()  #: read or written on the copy stream: kept alive until ``_b``
     waited: bool = False
@@ -127,7 +133,7 @@ class CopyEngineLink(BackendWrapper):
         self.dispatch_bytes_per_token = dispatch_bytes_per_token
         self.combine_bytes_per_token = combine_bytes_per_token
         self.timing = timing
-        self._streams: dict[Any, Any] = {} if stream is None else {stream.device: stream}
+        self._streams: dict[Any, Any] = {} if stream is None else {device_key(stream.device): stream}
         self._buffers: dict[Any, _Buffers] = {}
         self._in_flight: dict[int, CopyTransfer] = {}
         self.transfers: list[CopyTransfer] = []  #: every transfer since `reset_stats` (for `stats`)
@@ -152,11 +158,20 @@ class CopyEngineLink(BackendWrapper):
         return [str(t) for t in self._in_flight.values()] + list(self.inner.in_flight)
 
     def drain(self) -> int:
-        """Wait out every transfer whose ``_b`` never came (after a failed step), then the inner backend's."""
+        """Settle every transfer whose ``_b`` never came (after a failed step), then the inner backend's.
+
+        Outside a capture the host waits for each one. While a graph is being captured it must not: a host sync
+        invalidates the capture, and a copy stream forked into the capture but never joined back makes ending the
+        capture fail, an error that would replace the failed op's. There the compute stream joins each transfer
+        instead (the join its ``_b`` would have made), so the capture ends and the caller sees the op's error.
+        """
         pending = list(self._in_flight.values())
         for t in pending:
             if t.done is not None and not isinstance(t.done, float):
-                t.done.synchronize()
+                if devices.capturing(t.device):
+                    self._join(t)
+                else:
+                    t.done.synchronize()
             t.held, t.received = (), ()
         self._in_flight.clear()
         return len(pending) + self.inner.drain()
@@ -226,11 +241,11 @@ class CopyEngineLink(BackendWrapper):
         if isinstance(transfer.done, float) or transfer.done is None:  # off CUDA: it completed inside _a
             transfer.wait_start = transfer.wait_end = time.perf_counter()
         else:
-            compute = torch.cuda.current_stream(transfer.received[0].device)
-            timed = self.timing and not torch.cuda.is_current_stream_capturing()
+            compute = _compute_stream(transfer.device)
+            timed = self.timing and not devices.capturing(transfer.device)
             if timed:
                 transfer.wait_start = _record(compute, True)
-            compute.wait_event(transfer.done)
+            self._join(transfer)
             if timed:
                 transfer.wait_end = _record(compute, True)
         received = transfer.received
@@ -238,10 +253,19 @@ class CopyEngineLink(BackendWrapper):
         self._in_flight.pop(id(transfer), None)
         return received
 
+    def _before_copies(self, transfer: CopyTransfer) -> None:
+        """Runs on the copy stream after the fork, before the copies (inside the transfer's timing): nothing here.
+        A subclass can model a slower link with device work here (``torch.cuda._sleep``), captured with the rest."""
+
+    def _join(self, transfer: CopyTransfer) -> None:
+        """The join: the compute stream waits for the transfer's copies (no host wait; captured as a graph edge)."""
+        _compute_stream(transfer.device).wait_event(transfer.done)
+
     def _send_cuda(self, transfer: CopyTransfer, payload: tuple[torch.Tensor, ...], size: int, device: Any) -> None:
-        compute = torch.cuda.current_stream(device)
+        transfer.device = device
+        compute = _compute_stream(device)
         side = self._stream(device)
-        timed = self.timing and not torch.cuda.is_current_stream_capturing()
+        timed = self.timing and not devices.capturing(device)
         received = tuple(torch.empty_like(p) for p in payload)  # allocated on the compute stream, which reads them
         host = self._host(device, transfer.nbytes)
         extra = transfer.nbytes - size
@@ -250,6 +274,7 @@ class CopyEngineLink(BackendWrapper):
         with torch.cuda.stream(side):
             if timed:
                 transfer.start = _record(side, True)
+            self._before_copies(transfer)
             offset = 0
             for p in payload:  # device -> pinned host: the "send"
                 host[offset : offset + p.nbytes].copy_(_bytes(p), non_blocking=True)
@@ -271,6 +296,7 @@ class CopyEngineLink(BackendWrapper):
     def _send_sync(self, transfer: CopyTransfer, payload: tuple[torch.Tensor, ...], size: int) -> None:
         """Off CUDA: the same copies, done now through a host buffer (meta tensors carry no bytes to copy)."""
         transfer.start = time.perf_counter()
+        transfer.device = payload[0].device
         if payload[0].device.type == "meta":
             received = tuple(torch.empty_like(p) for p in payload)
         else:
@@ -291,33 +317,52 @@ class CopyEngineLink(BackendWrapper):
 
     # ---- streams and buffers ------------------------------------------------------------------------------------
     def _stream(self, device: Any) -> Any:
-        key = torch.device(device)
+        key = device_key(device)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device=key)
+            self._streams[key] = _new_stream(key)
         return self._streams[key]
 
     def reserve(self, device: Any, nbytes: int) -> None:
-        """Allocate staging for transfers of up to ``nbytes`` now (before capturing graphs, say)."""
-        device = torch.device(device)
+        """Make the copy stream and staging for transfers of up to ``nbytes`` now (before capturing graphs, say:
+        a transfer then allocates nothing). ``"cuda"`` means the current CUDA device, as for tensors."""
+        device = device_key(device)
         if device.type == "cuda":
             self._stream(device)
             self._host(device, nbytes)
             self._filler(device, nbytes)
 
     def _host(self, device: Any, nbytes: int) -> torch.Tensor:
-        bufs = self._buffers.setdefault(torch.device(device), _Buffers())
+        bufs = self._buffers.setdefault(device_key(device), _Buffers())
         if not bufs.host or bufs.host[-1].numel() < nbytes:
             size = max(nbytes, 2 * bufs.host[-1].numel() if bufs.host else 1 << 20)
-            bufs.host.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+            bufs.host.append(_pinned(size))
         return bufs.host[-1]
 
     def _filler(self, device: Any, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        bufs = self._buffers.setdefault(torch.device(device), _Buffers())
+        key = device_key(device)
+        bufs = self._buffers.setdefault(key, _Buffers())
         if not bufs.filler_src or bufs.filler_src[-1].numel() < nbytes:
             size = max(nbytes, 2 * bufs.filler_src[-1].numel() if bufs.filler_src else 1 << 20)
-            bufs.filler_src.append(torch.empty(size, dtype=torch.uint8, device=device))
-            bufs.filler_dst.append(torch.empty(size, dtype=torch.uint8, device=device))
+            bufs.filler_src.append(_device_bytes(size, key))
+            bufs.filler_dst.append(_device_bytes(size, key))
         return bufs.filler_src[-1], bufs.filler_dst[-1]
+
+
+# ---- what the link asks of CUDA (one place each, so a CPU test can stand in for them) -------------------------------
+def _compute_stream(device: Any) -> Any:
+    return torch.cuda.current_stream(device)
+
+
+def _new_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device=device)
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _device_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -32,11 +32,15 @@ __all__ = [
 
 
 def device_check(ok: torch.Tensor, message: str) -> None:
-    """Raise ``ValueError(message)`` unless the boolean scalar ``ok`` holds, without a host sync off the CPU.
+    """Check that the boolean scalar ``ok`` holds, without a host sync off the CPU.
 
-    On the CPU the value is read (no device to wait for) and the error is an ordinary ValueError. Elsewhere the check
-    is a device-side assertion (``torch._assert_async``): it never blocks the host and a CUDA graph can capture it;
-    a failure surfaces as a device assert at the next synchronisation, with ``message`` in it.
+    On the CPU the value is read (no device to wait for) and a failure is an ordinary, catchable
+    ``ValueError(message)``. On CUDA it is *not*: the check is a device-side assertion (``torch._assert_async``)
+    that never blocks the host and that a CUDA graph can capture, so a failure is asynchronous (a
+    ``RuntimeError: device-side assert triggered`` at some later synchronisation, in whatever call happens to sync)
+    and sticky: the CUDA context is unusable from then on, and only a new process recovers. Treat it as a guard
+    against bugs, never as input validation a caller could catch: paths that use it must make the failure
+    impossible (e.g. `AllToAllBackend` sizes the MASKED slabs so that top-k routing cannot overflow them).
     """
     if ok.device.type == "cpu":
         if not bool(ok):

@@ -5,6 +5,6 @@ These are compute, not communication: a backend moves rows to the rank that owns
 multiplies them there, in whatever layout the backend produced.
 """
 
-from tbo.experts.run import ExpertFn, run_experts
+from tbo.experts.run import ExpertFn, StackedSwiGLU, masked_path, run_experts
 
-__all__ = ["ExpertFn", "run_experts"]
+__all__ = ["ExpertFn", "StackedSwiGLU", "masked_path", "run_experts"]

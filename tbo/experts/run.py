@@ -3,24 +3,102 @@
 An expert is ``fn(local_expert, rows) -> rows``. The runners group rows by local expert and call it once per expert
 with that expert's rows, in arrival order, so every backend feeds every expert the very same matrix.
 
-MASKED off the CPU is capture-safe: each expert runs on its whole ``[capacity, H]`` slab and rows beyond its count
-are zeroed (what a masked grouped GEMM does), so no count is read on the host. On the CPU, where reading the counts
-costs no device sync, each expert runs on exactly its rows; for a batch-invariant expert both give the same rows.
+MASKED off the CPU is capture-safe: no count is read on the host. Three ways, by what the caller can give
+(`masked_path` says which one a step takes):
+
+* ``"grouped"``: the experts' weights stacked (`StackedSwiGLU`), bf16, on a Hopper-or-newer GPU (or ``meta``): the
+  routed rows are packed expert after expert and run through ``torch.nn.functional.grouped_mm`` with the counts as
+  device-side group ends, so the GEMMs do the routed rows' work only, three kernels per layer, as a masked grouped
+  GEMM does.
+* ``"batched"``: stacked weights otherwise (fp32, an older GPU or torch): one batched GEMM chain over every
+  expert's whole ``[slab, H]``, rows beyond its count zeroed. Three kernels, but every expert computes every slab row:
+  ``num_experts / top_k`` times the routed rows when slabs hold the step's tokens (2x at top-8 of 16).
+* ``"per-expert"``: only ``fn``: each expert on its whole slab, one GEMM chain per expert, rows beyond its count
+  zeroed.
+
+On the CPU, where reading the counts costs no device sync, each expert runs on exactly its rows; for a
+batch-invariant expert every way gives the same rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
+from tbo.comm import devices
 from tbo.comm.fp8 import dequantize_per_token_group
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
-__all__ = ["ExpertFn", "run_experts"]
+__all__ = ["ExpertFn", "StackedSwiGLU", "masked_path", "run_experts"]
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StackedSwiGLU:
+    """The local experts' SwiGLU weights, stacked expert-major: ``gate`` and ``up`` ``[E, H, I]``, ``down``
+    ``[E, I, H]``, so that expert ``e`` of rows ``x`` is ``(silu(x @ gate[e]) * (x @ up[e])) @ down[e]``.
+
+    What lets the MASKED runner compute all experts in one GEMM chain (or one grouped GEMM) instead of one chain per
+    expert. Give it only when ``fn`` computes exactly that (not for batch-invariant experts, whose rows must not
+    depend on the GEMM shape).
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    def matches(self, hidden: torch.Tensor) -> bool:
+        """Whether these weights can take ``hidden``'s rows (same dtype and device, same number of experts)."""
+        return (self.gate.dtype == hidden.dtype and self.gate.device == hidden.device
+                and self.gate.shape[0] == hidden.shape[0])
+
+
+#: per (device, dtype): did a probe of grouped_mm run there (decided once, outside any capture)
+_GROUPED_OK: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def _grouped_mm() -> Callable[..., torch.Tensor] | None:
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_available(hidden: torch.Tensor, w: StackedSwiGLU) -> bool:
+    """bf16 with 16-byte-aligned rows, a torch that has grouped_mm, and a device whose kernel reads the group ends
+    on the device (Hopper or newer; ``meta`` for the capture-safety proof); probed once per device and dtype."""
+    fn = _grouped_mm()
+    if fn is None or hidden.dtype != torch.bfloat16 or hidden.shape[-1] % 8 or w.gate.shape[-1] % 8:
+        return False
+    dev = hidden.device
+    if dev.type == "cuda":
+        if torch.cuda.get_device_capability(dev) < (9, 0):  # older GPUs: a fallback that reads the ends on the host
+            return False
+    elif dev.type != "meta":
+        return False
+    key = (devices.device_key(dev), hidden.dtype)
+    if key not in _GROUPED_OK:
+        if devices.capturing(dev):  # never probe inside a capture; the warm-up before it decides
+            return False
+        try:
+            a = torch.zeros(16, 16, dtype=hidden.dtype, device=dev)
+            fn(a, torch.zeros(2, 16, 16, dtype=hidden.dtype, device=dev),
+               offs=torch.tensor([8, 16], dtype=torch.int32, device=dev))
+            _GROUPED_OK[key] = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            _GROUPED_OK[key] = False
+    return _GROUPED_OK[key]
+
+
+def masked_path(hidden: torch.Tensor, stacked: StackedSwiGLU | None = None) -> str:
+    """Which way `run_experts` computes MASKED rows ``hidden[E, slab, H]``: ``"counted"`` (the CPU: exactly each
+    expert's rows), ``"grouped"``, ``"batched"`` or ``"per-expert"`` (see the module docstring)."""
+    if hidden.device.type == "cpu":
+        return "counted"
+    if stacked is None or not stacked.matches(hidden):
+        return "per-expert"
+    return "grouped" if _grouped_available(hidden, stacked) else "batched"
 
 
 def _run_grouped(rows: torch.Tensor, counts: Sequence[int], fn: ExpertFn) -> torch.Tensor:
@@ -41,12 +119,50 @@ def _run_masked(hidden: torch.Tensor, counts: Sequence[int], fn: ExpertFn) -> to
     return out
 
 
+def _valid_rows(hidden: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[E, slab, 1]``: which slab rows hold a routed row (those before the expert's count)."""
+    slab = hidden.shape[1]
+    return (torch.arange(slab, device=hidden.device) < counts.to(hidden.device).unsqueeze(1)).unsqueeze(-1)
+
+
 def _run_masked_static(hidden: torch.Tensor, counts: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
     """Every expert on its whole slab, rows at or beyond its count zeroed: fixed shapes, no host read."""
-    num_experts, capacity = hidden.shape[0], hidden.shape[1]
-    valid = (torch.arange(capacity, device=hidden.device) < counts.to(hidden.device).unsqueeze(1)).unsqueeze(-1)
-    zero = hidden.new_zeros(())
-    return torch.stack([torch.where(valid[e], fn(e, hidden[e]).to(hidden.dtype), zero) for e in range(num_experts)])
+    valid, zero = _valid_rows(hidden, counts), hidden.new_zeros(())
+    return torch.stack([torch.where(valid[e], fn(e, hidden[e]).to(hidden.dtype), zero)
+                        for e in range(hidden.shape[0])])
+
+
+def _run_masked_batched(hidden: torch.Tensor, counts: torch.Tensor, w: StackedSwiGLU) -> torch.Tensor:
+    """One GEMM chain over every expert's whole slab (``bmm``), rows at or beyond its count zeroed."""
+    act = F.silu(torch.bmm(hidden, w.gate)) * torch.bmm(hidden, w.up)
+    return torch.where(_valid_rows(hidden, counts), torch.bmm(act, w.down), hidden.new_zeros(()))
+
+
+def _run_masked_grouped(hidden: torch.Tensor, counts: torch.Tensor, w: StackedSwiGLU) -> torch.Tensor:
+    """The routed rows only: packed expert after expert, one grouped GEMM per projection, unpacked into the slabs.
+
+    Fixed shapes and no host read: the packing is a gather by indices computed on the device, and the counts reach
+    grouped_mm as device-side group ends. Packed rows beyond the last end are never computed (their values are
+    garbage, and are never selected back).
+    """
+    num_experts, slab, h = hidden.shape
+    if num_experts * slab == 0:
+        return torch.zeros_like(hidden)
+    grouped = _grouped_mm()
+    assert grouped is not None
+    dev = hidden.device
+    counts = counts.to(dev).long().clamp(max=slab)
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    rows = torch.arange(num_experts * slab, device=dev)
+    owner = torch.searchsorted(ends, rows, right=True).clamp(max=num_experts - 1)  # the expert of packed row r
+    source = torch.where(rows < ends[-1], owner * slab + rows - starts[owner], torch.zeros_like(rows))
+    packed = hidden.reshape(num_experts * slab, h).index_select(0, source)
+    offs = ends.to(torch.int32)
+    act = F.silu(grouped(packed, w.gate, offs=offs)) * grouped(packed, w.up, offs=offs)
+    out = grouped(act, w.down, offs=offs)
+    back = (starts.unsqueeze(1) + torch.arange(slab, device=dev)).clamp(max=num_experts * slab - 1)
+    return torch.where(_valid_rows(hidden, counts), out[back], hidden.new_zeros(()))
 
 
 def _run_normal(d: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
@@ -60,19 +176,26 @@ def _run_normal(d: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
     return out.to(d.hidden.dtype)
 
 
-def run_experts(dispatched: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
+def run_experts(dispatched: DispatchOutput, fn: ExpertFn, stacked: StackedSwiGLU | None = None) -> torch.Tensor:
     """Apply each local expert to its rows; the result has the layout ``combine_a`` expects for that format.
 
     NORMAL output is already weighted by ``topk_weights`` (DeepEP normal combine only adds); EXPANDED and MASKED
-    outputs are not (their combine applies the weights).
+    outputs are not (their combine applies the weights). ``stacked``: the same experts as stacked SwiGLU weights,
+    which lets MASKED rows off the CPU run in one GEMM chain, or as a grouped GEMM (see `masked_path`).
     """
     if dispatched.scales is not None:  # FP8 rows: the plain-torch runner computes in float32
         dispatched = replace(dispatched, hidden=dequantize_per_token_group(dispatched.hidden, dispatched.scales),
                              scales=None)
     if dispatched.format is DispatchFormat.MASKED:
-        if dispatched.hidden.device.type != "cpu":
-            return _run_masked_static(dispatched.hidden, dispatched.tokens_per_expert, fn)
-        return _run_masked(dispatched.hidden, dispatched.tokens_per_expert.tolist(), fn)
+        hidden, counts = dispatched.hidden, dispatched.tokens_per_expert
+        path = masked_path(hidden, stacked)
+        if path == "grouped":
+            return _run_masked_grouped(hidden, counts, stacked)  # type: ignore[arg-type]
+        if path == "batched":
+            return _run_masked_batched(hidden, counts, stacked)  # type: ignore[arg-type]
+        if path == "per-expert":
+            return _run_masked_static(hidden, counts, fn)
+        return _run_masked(hidden, counts.tolist(), fn)
     if dispatched.format is DispatchFormat.EXPANDED:
         return _run_grouped(dispatched.hidden, dispatched.tokens_per_expert.tolist(), fn)
     return _run_normal(dispatched, fn)

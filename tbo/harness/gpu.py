@@ -6,9 +6,13 @@ prefill steps are captured once per shape. Experts are local, behind a copy-engi
 bytes a real expert-parallel deployment would send (FP8 dispatch, BF16 combine at top-8 of hidden 7168 by
 default), so TBO has a real transfer to hide on one GPU.
 
-Steps are timed by CUDA events around them (on a CPU, by ``perf_counter``), and traced with ``Tracer(cuda=True)``.
-A *front-loaded* trace first parks the GPU (``torch.cuda._sleep``) so the CPU queues the whole step before the GPU
-starts it: its op spans are the GPU's own time, what a replayed graph runs at, without the launch gaps of eager.
+Steps are timed by CUDA events around them (on a CPU, by ``perf_counter``), with the link's per-transfer timing
+events off (each transfer would record four, and TBO makes twice the transfers: a bias against it); they are on only
+inside `GpuWorkload.trace`, which traces a step with ``Tracer(cuda=True)``. A *front-loaded* trace first parks the GPU
+(``torch.cuda._sleep``) so the CPU queues the whole step before the GPU starts it: its op spans are then the GPU's
+own time, what a replayed graph runs at, without the launch gaps of eager. Whether that worked is checked, not
+assumed (`FrontLoad`): the launch queue is finite, and when the CPU cannot queue the whole step before the GPU wakes,
+the spans are CPU-paced again.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from tbo.runtime.cuda_graph import CudaGraphCapturer, EagerCapturer
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 from tbo.tools.trace import Trace, Tracer, traced
 
-__all__ = ["GpuShape", "GpuWorkload", "Timing", "POLICY"]
+__all__ = ["GpuShape", "GpuWorkload", "Timing", "FrontLoad", "POLICY", "tolerance", "max_diff", "traced_step",
+           "sleep_cycles_per_ms"]
 
 #: Split whenever a step can be split: the workloads measure what overlap gives, not where the threshold is.
 POLICY = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=4)
@@ -80,6 +85,85 @@ class GpuShape:
                 f"{self.combine_bytes_per_token or 'payload'} B/token back")
 
 
+def tolerance(dtype: str | torch.dtype) -> float:
+    """The stated tolerance of a result against eager single batch, relative to the reference's largest magnitude:
+    2% in bf16/fp16 (TBO runs every GEMM on half the rows, rounding differently), 1e-4 in fp32 (fast mode)."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+
+
+def max_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """``(max |got - want|, max |want|)``, in float32; NaN when either holds a non-finite value."""
+    got, want = got.float(), want.float()
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return float("nan"), float("nan")
+    return float((got - want).abs().max()), float(want.abs().max())
+
+
+@dataclass(frozen=True)
+class FrontLoad:
+    """Did a front-loaded trace work: was the whole step queued (``queued_s``, host) before the parked GPU woke and
+    started it (``woke_s``, an event after the sleep)? Both on the trace's clock. If not, the CPU was still
+    launching, or was blocked on a full launch queue, while the GPU ran: the "GPU" spans are CPU-paced."""
+
+    woke_s: float
+    queued_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.queued_s < self.woke_s
+
+    def __str__(self) -> str:
+        gap = abs(self.woke_s - self.queued_s) * 1e3
+        return (f"front-loaded: the step was queued {gap:.1f} ms before the GPU woke" if self.ok else
+                f"NOT front-loaded: the CPU was still queuing the step {gap:.1f} ms after the GPU woke (launch queue "
+                "full, or too short a sleep): its spans are CPU-paced")
+
+    @classmethod
+    def of(cls, trace: Trace) -> "FrontLoad | None":
+        """The verdict a front-loaded trace carries (None: the trace was not front-loaded, e.g. without a GPU)."""
+        if "gpu_woke" not in trace.marks or "queued" not in trace.marks:
+            return None
+        return cls(trace.marks["gpu_woke"], trace.marks["queued"])
+
+
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def sleep_cycles_per_ms() -> float:
+    """How many ``torch.cuda._sleep`` cycles make a millisecond on the current GPU (measured once per device)."""
+    device = torch.cuda.current_device()
+    if device not in _SLEEP_CYCLES_PER_MS:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS[device] = cycles / max(start.elapsed_time(end), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[device]
+
+
+def traced_step(tracer: Tracer, run: Callable[[Tracer], Any], label: str, tokens: Sequence[int],
+                front_load_ms: float = 0.0) -> Trace:
+    """Trace one eager step, ``run(observer)``, with ``tracer`` (a new trace, the origin taken again).
+
+    ``front_load_ms`` on a CUDA tracer: park the GPU that long first (``torch.cuda._sleep``) so the CPU queues the
+    whole step ahead of it; the trace then carries the check (`FrontLoad.of`): an event right after the sleep (when
+    the GPU woke) and the host time once the step was queued.
+    """
+    parked = front_load_ms > 0 and tracer.cuda
+    cycles = int(sleep_cycles_per_ms() * front_load_ms) if parked else 0  # calibrated once, before the trace
+    tracer.begin(label + (", front-loaded" if parked else ""), tokens)  # synchronises on a GPU
+    if parked:
+        torch.cuda._sleep(cycles)
+        tracer.mark("gpu_woke")
+    run(tracer)
+    if parked:
+        tracer.mark("queued", time.perf_counter())
+    return tracer.finish()
+
+
 @dataclass
 class Timing:
     """Step times in milliseconds of one mode, and its traced steps."""
@@ -117,21 +201,22 @@ class GpuWorkload:
         slots = max([*decode_sizes, *(s for s, _ in prefill)])
         # a capacity of the step's tokens never overflows (top-k picks distinct experts): capture-safe, no host read
         self.local = LocalBackend(config.num_experts, DispatchFormat.MASKED, masked_capacity=max_tokens)
+        # timing events only inside trace(): timed steps must not record four events per transfer
         self.link = CopyEngineLink(self.local, dispatch_bytes_per_token=shape.dispatch_bytes_per_token,
-                                   combine_bytes_per_token=shape.combine_bytes_per_token)
+                                   combine_bytes_per_token=shape.combine_bytes_per_token, timing=False)
         self.model = ReferenceModel(config, self.link, self.device)
         if any(n > shape.context for _, n in prefill):
             raise ValueError(f"prefill lengths {[n for _, n in prefill]} exceed the KV context {shape.context}")
         self.cache = self.model.static_cache(slots, shape.context)
         self.tracer = Tracer(cuda=self.cuda)
         self.capturer: Any = (CudaGraphCapturer() if self.cuda else EagerCapturer()) if capture else None
-        runner = dict(policy=POLICY, capture=capture, capturer=self.capturer)
+        # decode request t sits in slot t (decode_inputs): attention reads the cache by a view, not a gathered copy
+        runner = dict(policy=POLICY, capture=capture, capturer=self.capturer, slots_in_order=True)
         self.graphs = self.model.graph_runner(self.cache, self.strategy["decode"], decode_sizes, **runner)
         self.eager = self.model.graph_runner(self.cache, self.strategy["decode"], decode_sizes, policy=POLICY,
-                                             capture=False)
+                                             capture=False, slots_in_order=True)
         self.decode_sizes = sorted(decode_sizes)
         self._prefill: dict[tuple[int, int], _Prefill] = {}
-        self._sleep_cycles_per_ms: float | None = None
 
     # ---- batches --------------------------------------------------------------------------------------------------
     def decode_inputs(self, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -209,42 +294,32 @@ class GpuWorkload:
         return start.elapsed_time(end)
 
     # ---- traces -----------------------------------------------------------------------------------------------
-    def trace(self, mode: str, n: int, tbo: bool, length: int = 1, front_load: bool = False) -> Trace:
-        """One eager step traced with CUDA events (ops, transfers, waits on one clock).
+    def trace(self, mode: str, n: int, tbo: bool, length: int = 1, front_load: bool = False,
+              sleep_ms: float = 200.0) -> Trace:
+        """One eager step traced with CUDA events (ops, transfers, waits on one clock); the link's timing events
+        are on for this step only.
 
-        ``front_load``: park the GPU first so the CPU queues the whole step ahead of it; the op spans are then the
-        GPU's own time (what a replayed graph runs at), not the CPU's launch rate.
+        ``front_load``: park the GPU for ``sleep_ms`` first so the CPU queues the whole step ahead of it; the op
+        spans are then the GPU's own time (what a replayed graph runs at), not the CPU's launch rate. The trace
+        carries the check (`FrontLoad.of`); without a GPU there is nothing to park and it carries none.
         """
         plan = self.plan(mode, n, length) if tbo else None
         if mode == "decode":
             inputs = self.decode_inputs(n)
-            meta = StaticAttentionMetadata.decode(inputs["positions"], inputs["slots"], self.cache.scratch_slot)
+            meta = StaticAttentionMetadata.decode(inputs["positions"], inputs["slots"], self.cache.scratch_slot,
+                                                  slot_offset=0)
             ids = inputs["ids"]
         else:
             batch = self.prefill_batch(n, length)
             ids, meta = batch.ids, batch.meta
         tokens = [mb.tokens_len for mb in plan.microbatches] if plan else [ids.shape[0]]
-        self.tracer.trace = Trace(tokens=tokens, label=f"{mode} {ids.shape[0]} tokens, {'TBO' if tbo else 'single'}"
-                                  f"{', front-loaded' if front_load else ''}")
+        label = f"{mode} {ids.shape[0]} tokens, {'TBO' if tbo else 'single'}"
         previous = self.model.use_backend(traced(self.link, self.tracer))
+        self.link.timing = True
         try:
-            if self.cuda:
-                torch.cuda.synchronize()
-                if front_load:
-                    torch.cuda._sleep(int(self._cycles_per_ms() * 200))  # 200 ms for the CPU to queue the step
-            self.model.forward_tbo(ids, meta, self.cache, self.strategy[mode], plan, observer=self.tracer)
-            trace = self.tracer.finish()
+            return traced_step(self.tracer, lambda observer: self.model.forward_tbo(
+                ids, meta, self.cache, self.strategy[mode], plan, observer=observer), label, tokens,
+                sleep_ms if front_load else 0.0)
         finally:
+            self.link.timing = False
             self.model.use_backend(previous)
-        return trace
-
-    def _cycles_per_ms(self) -> float:
-        if self._sleep_cycles_per_ms is None:
-            cycles = 10_000_000
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            self._sleep_cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
-        return self._sleep_cycles_per_ms

@@ -130,8 +130,17 @@ class StaticKVCache:
         self.k[layer].index_put_((slots, positions), k)
         self.v[layer].index_put_((slots, positions), v)
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole ``[S, max_len, heads, dim]`` of each of ``slots``."""
+    def read(self, layer: int, slots: torch.Tensor, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ``[S, max_len, heads, dim]`` of each of ``slots``.
+
+        ``first``: the caller knows that the slots are ``first, first + 1, ...`` (a run of slots in order): then the
+        result is a view of the cache, not a copy. A gather copies each slot's whole ``max_len`` before attention
+        reads it again, three passes over the context instead of one. Padding rows past the run may read the slots
+        after it (or copies are made when the run would leave the cache): their outputs are discarded.
+        """
+        s = slots.shape[0]
+        if first is not None and 0 <= first and first + s <= self.k.shape[1]:
+            return self.k[layer, first : first + s], self.v[layer, first : first + s]
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
     def load(self, cache: KVCache, seq_slots: Sequence[int]) -> "StaticKVCache":
@@ -160,6 +169,10 @@ class StaticAttentionMetadata:
     its slot. Decode (`decode`) is the identity view, one token per sequence, built on the device with no host
     information at all: what a captured decode step takes as input. `build` makes the general (prefill) view from
     host lists. Padding rows use the scratch slot at position 0.
+
+    ``slot_offset``: sequence ``s`` sits in slot ``slot_offset + s`` (its padding rows excepted), so attention reads
+    the cache by a view instead of gathering a copy (`StaticKVCache.read`). `build` finds it in its host lists;
+    for `decode` the caller promises it (checked on the CPU, where reading is free).
     """
 
     position_ids: torch.Tensor  #: [T]
@@ -170,6 +183,7 @@ class StaticAttentionMetadata:
     max_query: int
     scratch_slot: int
     host: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None  #: (slots, extend, prefix) lists
+    slot_offset: int | None = None  #: sequence s sits in slot slot_offset + s: read the cache by a view
     #: per-microbatch views already made: a captured prefill step must not build tensors from host lists
     _views: dict[MicrobatchSlice, "StaticAttentionMetadata"] = field(default_factory=dict, compare=False,
                                                                      repr=False)
@@ -186,14 +200,26 @@ class StaticAttentionMetadata:
         return self.position_ids if device is None else self.position_ids.to(device)
 
     @classmethod
-    def decode(cls, positions: torch.Tensor, slots: torch.Tensor, scratch_slot: int) -> "StaticAttentionMetadata":
-        """One token per sequence: token ``t`` of sequence slot ``slots[t]`` at ``positions[t]``."""
+    def decode(cls, positions: torch.Tensor, slots: torch.Tensor, scratch_slot: int,
+               slot_offset: int | None = None) -> "StaticAttentionMetadata":
+        """One token per sequence: token ``t`` of sequence slot ``slots[t]`` at ``positions[t]``.
+
+        ``slot_offset``: the caller's promise that ``slots[t] == slot_offset + t`` for every real token (padding rows
+        may name the scratch slot): attention then reads the cache by a view. Checked here on the CPU; on a GPU
+        checking would read the device, so a broken promise attends over the wrong slots.
+        """
         if positions.shape != slots.shape or positions.dim() != 1:
             raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be the same "
                              "1-D shape (one entry per token)")
         t = positions.shape[0]
         rows = torch.arange(t, device=positions.device)
-        return cls(positions, slots, slots, rows, torch.zeros_like(rows), 1, scratch_slot)
+        if slot_offset is not None and slots.device.type == "cpu":
+            ok = (slots == rows + slot_offset) | (slots == scratch_slot)
+            if not bool(ok.all()):
+                bad = int((~ok).nonzero()[0, 0])
+                raise ValueError(f"decode: slot_offset={slot_offset} promises token {bad} sits in slot "
+                                 f"{slot_offset + bad}, but slots[{bad}] = {int(slots[bad])}")
+        return cls(positions, slots, slots, rows, torch.zeros_like(rows), 1, scratch_slot, slot_offset=slot_offset)
 
     @classmethod
     def build(cls, seq_slots: Sequence[int], extend_lens: Sequence[int], prefix_lens: Sequence[int],
@@ -210,9 +236,11 @@ class StaticAttentionMetadata:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        return cls(tensor(pos), tensor(slot), tensor([seq_slots[i] for i in keep]), tensor(seq), tensor(row),
+        kept = [int(seq_slots[i]) for i in keep]
+        in_order = bool(kept) and kept == list(range(kept[0], kept[0] + len(kept)))
+        return cls(tensor(pos), tensor(slot), tensor(kept), tensor(seq), tensor(row),
                    max((extend_lens[i] for i in keep), default=1), scratch_slot,
-                   (tuple(seq_slots), tuple(extend_lens), tuple(prefix_lens)))
+                   (tuple(seq_slots), tuple(extend_lens), tuple(prefix_lens)), kept[0] if in_order else None)
 
     def for_microbatch(self, mb: MicrobatchSlice) -> "StaticAttentionMetadata":
         """This microbatch's share, padded to its padded token count with scratch-slot rows.
@@ -235,7 +263,8 @@ class StaticAttentionMetadata:
                                                  self.position_ids.device)
         else:
             sl = slice(mb.tokens_start, mb.tokens_end)
-            meta = StaticAttentionMetadata.decode(self.position_ids[sl], self.slots[sl], self.scratch_slot)
+            offset = None if self.slot_offset is None else self.slot_offset + mb.tokens_start
+            meta = StaticAttentionMetadata.decode(self.position_ids[sl], self.slots[sl], self.scratch_slot, offset)
         return meta.padded(mb.tokens_len)
 
     def padded(self, num_tokens: int) -> "StaticAttentionMetadata":
@@ -250,4 +279,4 @@ class StaticAttentionMetadata:
         return StaticAttentionMetadata(
             torch.cat([self.position_ids, zeros]), torch.cat([self.slots, scratch]),
             torch.cat([self.seq_slots, scratch]), torch.cat([self.token_seq, torch.arange(s, s + missing, device=dev)]),
-            torch.cat([self.token_row, zeros]), self.max_query, self.scratch_slot, self.host)
+            torch.cat([self.token_row, zeros]), self.max_query, self.scratch_slot, self.host, self.slot_offset)

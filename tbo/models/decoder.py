@@ -23,7 +23,7 @@ import torch
 
 from tbo import strategies
 from tbo.comm.alltoall import LocalBackend
-from tbo.experts import run_experts
+from tbo.experts import StackedSwiGLU, run_experts
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.split.plan import MicrobatchSlice, SplitPlan
 from tbo.core.state import State
@@ -128,6 +128,16 @@ class DecoderLayer(DecoderLayerOps):
         g = self._expert_base + e
         return swiglu(rows, wg[g], wu[g], wd[g], self.bi)
 
+    @property
+    def stacked_experts(self) -> StackedSwiGLU | None:  # type: ignore[override]
+        """The local experts' weights, stacked (views): what lets a GPU run them in one GEMM chain or a grouped
+        GEMM. None in batch-invariant mode, where a row's result must not depend on the GEMM's shape."""
+        if self.kind != "moe" or self.bi:
+            return None
+        lo, hi = self._expert_base, self._expert_base + self.backend.num_local_experts
+        wg, wu, wd = self.experts_w
+        return StackedSwiGLU(wg[lo:hi], wu[lo:hi], wd[lo:hi])
+
     def __repr__(self) -> str:
         return f"DecoderLayer({self.layer_idx}, {self.kind})"
 
@@ -198,7 +208,7 @@ class DecoderLayer(DecoderLayerOps):
         if q.shape[0] != t:
             raise ValueError(f"layer {self.layer_idx}: {q.shape[0]} tokens but the metadata describes {t}")
         cache.write(self.layer_idx, meta.slots, meta.position_ids, k, v)
-        k_seq, v_seq = cache.read(self.layer_idx, meta.seq_slots)  # [S, max_len, h, d]
+        k_seq, v_seq = cache.read(self.layer_idx, meta.seq_slots, meta.slot_offset)  # [S, max_len, h, d]
         if meta.max_query == 1 and meta.is_decode:  # decode: sequence t is token t
             q_seq, pos = q.unsqueeze(1), meta.position_ids.unsqueeze(1)
             return attend_static(q_seq, k_seq, v_seq, pos, self.bi).squeeze(1)
@@ -240,7 +250,7 @@ class DecoderLayer(DecoderLayerOps):
             return swiglu(x, *self.mlp_w, self.bi)
         idx, weights = self._select(linear(x, self.w_router, self.bi))
         dispatched = self.backend.dispatch_b(self.backend.dispatch_a(x, idx, weights))
-        out = run_experts(dispatched, self.local_expert)
+        out = run_experts(dispatched, self.local_expert, self.stacked_experts)
         routed = self.backend.combine_b(self.backend.combine_a(out, dispatched.handle))
         return routed + self.shared_experts(x) if self.has_shared_experts else routed
 
@@ -361,26 +371,46 @@ class ReferenceModel:
         """A `StaticKVCache` for this model on its device: ``num_slots`` sequences of up to ``max_len`` tokens."""
         return StaticKVCache.for_model(self.config, num_slots, max_len, self.device)
 
-    def decode_step(self, cache: StaticKVCache, strategy: Any) -> Any:
+    def decode_step(self, cache: StaticKVCache, strategy: Any, slots_in_order: bool = False) -> Any:
         """A decode step as `tbo.runtime.cuda_graph.GraphRunner` calls it: ``step(inputs, plan) -> logits``, where
-        ``inputs`` holds ``ids``, ``positions`` and ``slots`` (one token per sequence, device tensors)."""
+        ``inputs`` holds ``ids``, ``positions`` and ``slots`` (one token per sequence, device tensors).
+
+        ``slots_in_order``: request ``t`` always sits in slot ``t`` (padding requests excepted), so attention reads
+        the cache by a view rather than gathering each request's whole context first (see `StaticKVCache.read`).
+        """
         self.bind(strategy)  # bound once, now: a bad strategy fails here, not inside a capture
+        offset = 0 if slots_in_order else None
 
         def step(inputs: Any, plan: SplitPlan | None) -> torch.Tensor:
-            meta = StaticAttentionMetadata.decode(inputs["positions"], inputs["slots"], cache.scratch_slot)
+            meta = StaticAttentionMetadata.decode(inputs["positions"], inputs["slots"], cache.scratch_slot, offset)
             return self.forward_tbo(inputs["ids"], meta, cache, strategy, plan)
 
         return step
 
     def graph_runner(self, cache: StaticKVCache, strategy: Any, batch_sizes: Sequence[int],
-                     **kwargs: Any) -> "GraphRunner":
+                     slots_in_order: bool = False, **kwargs: Any) -> "GraphRunner":
         """A `GraphRunner` over `decode_step`: padding requests write to the cache's scratch slot at position 0.
 
-        Capture needs a capture-safe backend (`LocalBackend` MASKED with a fixed ``masked_capacity`` of at least the
-        largest bucket, or a `CopyEngineLink` over one); ``kwargs`` go to `GraphRunner` (``policy``, ``capture``,
-        ``capturer``, ...).
+        Capture needs a capture-safe backend: `LocalBackend` MASKED with a fixed ``masked_capacity`` of at least the
+        largest bucket (checked here), or a `CopyEngineLink` over one. Above the largest bucket the runner goes
+        eager, and the backend sizes that step for its own tokens. ``slots_in_order``: see `decode_step`.
+        ``kwargs`` go to `GraphRunner` (``policy``, ``capture``, ``capturer``, ...).
         """
         from tbo.runtime.cuda_graph import GraphRunner
 
+        capacity = _masked_capacity(self.backend)
+        if kwargs.get("capture", True) and capacity is not None and max(batch_sizes) > capacity:
+            raise ValueError(f"graph_runner: the largest bucket ({max(batch_sizes)} requests) exceeds the backend's "
+                             f"masked_capacity={capacity}; a captured step may carry at most masked_capacity tokens")
         pad = {"ids": 0, "positions": 0, "slots": cache.scratch_slot, **kwargs.pop("pad_values", {})}
-        return GraphRunner(self.decode_step(cache, strategy), batch_sizes, pad_values=pad, **kwargs)
+        return GraphRunner(self.decode_step(cache, strategy, slots_in_order), batch_sizes, pad_values=pad, **kwargs)
+
+
+def _masked_capacity(backend: Any) -> int | None:
+    """The fixed MASKED capacity of ``backend`` or of the backend it wraps (None: none is set)."""
+    while backend is not None:
+        capacity = getattr(backend, "masked_capacity", None)
+        if capacity is not None:
+            return int(capacity)
+        backend = getattr(backend, "inner", None)
+    return None

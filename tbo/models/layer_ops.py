@@ -26,6 +26,9 @@ class ExpertParallelOps:
     ``local_expert(e, rows)``."""
 
     backend: Any
+    #: the local experts as stacked SwiGLU weights (`tbo.experts.StackedSwiGLU`), when the layer can give them: lets
+    #: MASKED rows on a GPU run in one GEMM chain or a grouped GEMM instead of one chain per expert
+    stacked_experts: Any = None
 
     def local_expert(self, e: int, rows: Any) -> Any:  # provided by the layer
         raise NotImplementedError
@@ -35,7 +38,7 @@ class ExpertParallelOps:
 
     def op_experts(self, state: State) -> None:
         dispatched = state.pop("dispatched")  # dropped here: nothing reads the received rows after the experts
-        state.expert_out = (run_experts(dispatched, self.local_expert), dispatched.handle)
+        state.expert_out = (run_experts(dispatched, self.local_expert, self.stacked_experts), dispatched.handle)
 
     def op_combine_a(self, state: State) -> None:
         state.combine = self.backend.combine_a(*state.pop("expert_out"))

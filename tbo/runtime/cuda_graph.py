@@ -5,11 +5,14 @@ loses. Captured, a step is one launch. The runner captures ``step_fn`` once per 
 bucket's fixed split plan (decode splits by request count, so a bucket decides its plan), warming up on a side
 stream and sharing one memory pool. ``run(batch)`` pads the batch to the nearest bucket, copies it into that
 bucket's static buffers, replays, and returns the outputs sliced to the real batch; above the largest bucket it runs
-eager, and ``capture=False`` runs eager always.
+eager (unpadded: a capture-safe backend sizes that step for its own tokens, see `tbo.comm.alltoall`), and
+``capture=False`` runs eager always. Every capture, the first of a bucket or a lazy one in the other mode, starts from
+static buffers refilled with ``pad_values``, so warm-up and capture touch only what padding rows may touch.
 
 Bucket choice, padding, plans and the fallback are plain Python. Capturing is a `Capturer`: `CudaGraphCapturer`
 (``torch.cuda.graph``) by default, or `EagerCapturer`, which records nothing and replays by re-running the step on
-the same static buffers, so everything around the graph behaves the same on a CPU.
+the same static buffers, so everything around the graph behaves the same on a CPU. When the step raises during a
+capture, that error is what the caller sees (not the capture's own failure to end that follows it).
 
 What a step must do to be captured: no host sync and no data-dependent shape (LocalBackend MASKED with a fixed
 capacity, a static KV cache; see `tbo.comm.alltoall`), every per-step value in an input tensor, and padding rows
@@ -65,10 +68,26 @@ class CudaGraphCapturer:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
+        failed: list[BaseException] = []
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                try:
+                    out = fn()
+                except BaseException as exc:
+                    failed.append(exc)
+                    raise
+        except BaseException as exc:
+            if failed and exc is not failed[0]:  # ending the broken capture failed too: the step's error comes first
+                _note(failed[0], f"ending the CUDA graph capture then failed too: {type(exc).__name__}: {exc}")
+                raise failed[0] from None
+            raise
         self.graphs.append(graph)
         return graph.replay, out
+
+
+def _note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)
 
 
 class EagerCapturer:
@@ -210,7 +229,8 @@ class GraphRunner:
         """Capture every bucket and mode now, largest bucket first (smaller graphs then reuse its pool memory).
 
         ``example`` gives each input's dtype, trailing shape and device; its values are not used: static buffers
-        start filled with ``pad_values``, so warm-up and capture touch only what padding rows may touch.
+        are filled with ``pad_values`` before each capture, so warm-up and capture touch only what padding rows
+        may touch.
         """
         if not self.capture:
             return
@@ -231,9 +251,14 @@ class GraphRunner:
             self._spec = {k: (v.dtype, tuple(v.shape[1:]), v.device) for k, v in example.items()}
         static = self._static.get(bucket)
         if static is None:
-            static = {k: torch.full((bucket, *tail), self.pad_values.get(k, 0), dtype=dtype, device=device)
+            static = {k: torch.empty((bucket, *tail), dtype=dtype, device=device)
                       for k, (dtype, tail, device) in self._spec.items()}
             self._static[bucket] = static
+        # Every capture starts from padding, also when the bucket's other mode already ran: the buffers are shared,
+        # and warm-up and capture run the step for real, so the last request's inputs would write its slots and
+        # positions again (live KV entries, by then maybe another sequence's).
+        for k, buf in static.items():
+            buf.fill_(self.pad_values.get(k, 0))
         replay, outputs = self.capturer.capture(lambda: self.step_fn(static, plan))
         self._graphs[key] = captured = _Captured(replay, outputs)
         return captured

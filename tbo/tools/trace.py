@@ -7,8 +7,11 @@ sharpens this: it reports each transfer's bytes, its completion when known (an `
 the exact time the ``_b`` blocked. The simulator produces the same `Trace`, so the same
 exporters (Perfetto JSON, PNG) and the same `summary` serve both.
 
-Times are seconds from ``perf_counter``; on a GPU, ``Tracer(cuda=True)`` times ops and device transfers with CUDA
-events and maps host-timed spans onto the same clock (seconds since one origin), so all lanes line up.
+Times are seconds from ``perf_counter``; on a GPU, ``Tracer(cuda=True)`` times every op, the start of every ``_a``
+and both ends of every ``_b`` of a `traced` backend whatever the backend, with CUDA events on the current stream (a
+wait is then how long the stream stalled, not how long the Python call took), a `CopyEngineLink`'s copies with its
+own events on its copy stream, and maps the few host-timed stamps left (an `EmulatedLink`'s completion) onto the
+same clock: seconds since one origin, taken again at each `Tracer.begin`, so all lanes line up.
 """
 
 from __future__ import annotations
@@ -52,16 +55,20 @@ class Trace:
     spans: list[Span] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     label: str = ""
+    #: named instants on the trace's clock (`Tracer.mark`), e.g. when a parked GPU woke up
+    marks: dict[str, float] = field(default_factory=dict)
 
     def lane(self, lane: str) -> list[Span]:
         return [s for s in self.spans if s.lane == lane]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "tokens": self.tokens, "spans": [asdict(s) for s in self.spans]}
+        return {"label": self.label, "tokens": self.tokens, "spans": [asdict(s) for s in self.spans],
+                "marks": dict(self.marks)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Trace":
-        return cls([Span(**s) for s in data["spans"]], list(data.get("tokens", [])), data.get("label", ""))
+        return cls([Span(**s) for s in data["spans"]], list(data.get("tokens", [])), data.get("label", ""),
+                   dict(data.get("marks", {})))
 
 
 def _union(spans: Iterable[Span]) -> float:
@@ -126,8 +133,9 @@ class _CudaClock:
 
     The origin is an event recorded on an idle device and waited for, paired with the host time right after: an
     event's time is its ``elapsed_time`` from the origin, a host stamp ``t`` is ``t - origin_host``. Recalibrated
-    after each `Tracer.finish` (which synchronises anyway), so a step never pays a synchronisation for it.
-    ``event_factory``/``synchronize`` default to CUDA's.
+    at each `Tracer.begin` (before a traced step, which is when a caller synchronises anyway) and after each
+    `Tracer.finish`, so host stamps never drift far from the device clock, and a step never pays a synchronisation
+    for it. ``event_factory``/``synchronize`` default to CUDA's.
     """
 
     cuda = True
@@ -173,24 +181,46 @@ def _is_time(stamp: Any) -> bool:
 class Tracer(Observer):
     """Records ops (from the executor) and transfers (from comm ops, or `traced` backends) into a `Trace`.
 
-    Host tracer (default): every time is a ``perf_counter`` second. ``cuda=True``: ops are timed by CUDA events on
-    the current stream, transfers of a `tbo.comm.copy_engine.CopyEngineLink` by its events on its copy stream, and
-    host-timed transfers and waits (an `EmulatedLink`, a host wait) are mapped onto the same clock: every span is
-    seconds since one origin (see `_CudaClock`), so a step's spans line up and its length is the GPU's. Event
-    times are read in `finish`, which synchronises the device.
+    Host tracer (default): every time is a ``perf_counter`` second. ``cuda=True``: ops, the start of every ``_a``
+    and both ends of every ``_b`` of any `traced` backend are CUDA events on the current stream; transfers of a
+    `tbo.comm.copy_engine.CopyEngineLink` by its events on its copy stream; the host-timed stamps left (an
+    `EmulatedLink`'s completion) are mapped onto the same clock: every span is seconds since one origin (see
+    `_CudaClock`), so a step's spans line up and its length is the GPU's. Event times are read in `finish`, which
+    synchronises the device. Call `begin` before each traced step (a new trace, and the origin taken again).
     """
 
     def __init__(self, cuda: bool = False, label: str = "") -> None:
         self.trace = Trace(label=label)
         self.cuda = cuda
         self._time: Any = _CudaClock() if cuda else _HostClock()
+        self._reset()
+
+    def _reset(self) -> None:
         self._open: dict[int, tuple[int, str, Any]] = {}
         self._unresolved: list[tuple[Span, Any, Any, str]] = []  # (span, start stamp, end stamp, which to set)
+        self._deferred: set[int] = set()  # ids of spans whose start waits for `finish`
+        self._marks: list[tuple[str, Any]] = []
         self._current = (0, 0)
         #: per (microbatch, kind), transfers launched and not yet waited, and whether their completion is known
         self._pending_comm: dict[tuple[int, str], deque[tuple[Span, bool]]] = defaultdict(deque)
         self._reported = False  # did a traced backend report the current op's transfer itself?
         self._generic: list[tuple[Span, tuple[str, str]]] = []  # comm ops whose transfers only the op shows
+
+    def begin(self, label: str = "", tokens: Iterable[int] = ()) -> None:
+        """Start a new trace: the one-clock origin is taken again now (a device synchronisation on CUDA, none on
+        the host), so a long-lived tracer's host stamps do not drift from the device clock."""
+        self.trace = Trace(tokens=list(tokens), label=label)
+        self._reset()
+        self._time.calibrate()
+
+    def stamp(self) -> Any:
+        """Now on this tracer's clock, as a stamp: a CUDA event recorded on the current stream (``cuda=True``), or
+        a ``perf_counter`` time."""
+        return self._time.stamp()
+
+    def mark(self, name: str, stamp: Any = None) -> None:
+        """Name an instant (``stamp``, default now); `finish` puts its time on the trace's clock in ``marks``."""
+        self._marks.append((name, self.stamp() if stamp is None else stamp))
 
     def _clock(self) -> float:
         """Now, as a host time on this tracer's clock."""
@@ -200,11 +230,13 @@ class Tracer(Observer):
         """Give ``span`` its times from stamps: now when they are host times, in `finish` when they are events."""
         if which == "both" and _is_time(start) and _is_time(end):
             span.start, span.end = self._time.resolve(start), self._time.resolve(end)
-        elif which == "end" and _is_time(end):
+        elif which == "end" and _is_time(end) and id(span) not in self._deferred:
             span.end = max(span.start, self._time.resolve(end))
         else:
             if not self._time.cuda:
                 self._time.resolve(start if which == "both" and not _is_time(start) else end)  # raises
+            if which == "both":
+                self._deferred.add(id(span))
             self._unresolved.append((span, start, end, which))
         return span
 
@@ -235,8 +267,11 @@ class Tracer(Observer):
 
     def finish(self) -> Trace:
         """Resolve event timings (synchronising the device; a no-op on a host tracer) and return the trace."""
-        if self._unresolved:
+        if self._unresolved or self._marks:
             self._time.sync()
+            for name, stamp in self._marks:
+                self.trace.marks[name] = self._time.resolve(stamp)
+            self._marks.clear()
             for span, start, end, which in self._unresolved:
                 if which == "both":
                     span.start = self._time.resolve(start)
@@ -244,6 +279,7 @@ class Tracer(Observer):
                 else:
                     span.end = max(span.start, self._time.resolve(end))
             self._unresolved.clear()
+            self._deferred.clear()
             self.trace.spans[:] = [s for s in self.trace.spans if s.lane != "wait" or s.end > s.start]
         for span, role in self._generic:
             self._comm_from_op(span, role)
@@ -252,19 +288,22 @@ class Tracer(Observer):
         return self.trace
 
     # ---- backend callbacks --------------------------------------------------------------------------------------
-    def on_comm_launch(self, kind: str, nbytes: int, complete: float | None) -> None:
-        """A traced backend launched a ``kind`` transfer in the current op (``complete``: when the link finishes,
-        a host time)."""
-        self._reported = True
-        self._launch(kind, nbytes, None if complete is None else self._time.resolve(complete), at=self._clock())
+    def on_comm_launch(self, kind: str, nbytes: int, complete: float | None, at: Any = None) -> None:
+        """A traced backend launched a ``kind`` transfer in the current op, at stamp ``at`` (default now), that
+        completes at ``complete`` (a host time; None: unknown, it was done by the time it was waited for)."""
+        start = time.perf_counter() if at is None else at
+        self._comm_span(kind, nbytes, start, start if complete is None else complete, complete is not None)
 
     def on_comm_span(self, kind: str, nbytes: int, start: Any, end: Any) -> None:
         """A traced backend launched a ``kind`` transfer whose start and end it stamped (CUDA events on its copy
         stream, or host times)."""
+        self._comm_span(kind, nbytes, start, end, True)
+
+    def _comm_span(self, kind: str, nbytes: int, start: Any, end: Any, known: bool) -> None:
         self._reported = True
         mb, stage = self._current
         span = self._place(Span("comm", mb, stage, kind, 0.0, 0.0, nbytes), start, end)
-        self._pending_comm[(mb, kind)].append((span, True))
+        self._pending_comm[(mb, kind)].append((span, known))
         self.trace.spans.append(span)
 
     def on_comm_wait(self, kind: str, start: Any, end: Any) -> None:
@@ -302,40 +341,44 @@ class Tracer(Observer):
 
 
 class _Traced(BackendWrapper):
-    """An `EPBackend` wrapper reporting launches and waits to a tracer."""
+    """An `EPBackend` wrapper reporting launches and waits to a tracer, stamped on the tracer's clock (CUDA events on
+    the current stream under ``Tracer(cuda=True)``, whatever the backend): a launch when its ``_a`` starts, a wait
+    from before its ``_b`` to after it (on a stream, how long the stream stalled)."""
 
     def __init__(self, inner: Any, tracer: Tracer) -> None:
         super().__init__(inner)
         self.tracer = tracer
 
-    def _launch(self, kind: str, state: Any) -> Any:
+    def _launch(self, kind: str, fn: Any, *args: Any) -> Any:
+        start = self.tracer.stamp()
+        state = fn(*args)
         transfer = getattr(state, "transfer", None)
         nbytes = getattr(transfer, "nbytes", getattr(state, "nbytes", 0))
-        if transfer is not None and hasattr(transfer, "end"):  # a CopyEngineLink stamps its copies
-            if transfer.start is not None:  # None: untimed (captured in a graph); the op itself then shows it
-                self.tracer.on_comm_span(kind, nbytes, transfer.start, transfer.end)
+        if getattr(transfer, "start", None) is not None and hasattr(transfer, "end"):  # a CopyEngineLink, timed
+            self.tracer.on_comm_span(kind, nbytes, transfer.start, transfer.end)
         else:  # an EmulatedLink knows when its transfer completes; others complete when waited
-            self.tracer.on_comm_launch(kind, nbytes, getattr(transfer, "complete", None))
+            self.tracer.on_comm_launch(kind, nbytes, getattr(transfer, "complete", None), at=start)
         return state
 
     def _wait(self, kind: str, state: Any, fn: Any) -> Any:
-        start = time.perf_counter()
+        start = self.tracer.stamp()
         out = fn(state)
+        end = self.tracer.stamp()
         transfer = getattr(state, "transfer", None)
-        if transfer is not None and transfer.wait_start is not None:  # the link knows exactly how long it blocked
+        if getattr(transfer, "wait_start", None) is not None:  # the link knows exactly how long it blocked
             self.tracer.on_comm_wait(kind, transfer.wait_start, transfer.wait_end)
         else:
-            self.tracer.on_comm_wait(kind, start, time.perf_counter())
+            self.tracer.on_comm_wait(kind, start, end)
         return out
 
     def dispatch_a(self, hidden: Any, topk_idx: Any, topk_weights: Any) -> Any:
-        return self._launch("dispatch", self.inner.dispatch_a(hidden, topk_idx, topk_weights))
+        return self._launch("dispatch", self.inner.dispatch_a, hidden, topk_idx, topk_weights)
 
     def dispatch_b(self, state: Any) -> Any:
         return self._wait("dispatch", state, self.inner.dispatch_b)
 
     def combine_a(self, expert_out: Any, handle: Any) -> Any:
-        return self._launch("combine", self.inner.combine_a(expert_out, handle))
+        return self._launch("combine", self.inner.combine_a, expert_out, handle)
 
     def combine_b(self, state: Any) -> Any:
         return self._wait("combine", state, self.inner.combine_b)
