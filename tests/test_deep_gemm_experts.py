@@ -38,9 +38,9 @@ def _batch(n=20):
 def test_deep_gemm_runner_matches_plain_torch(monkeypatch, generation, fmt):
     mod = deep_gemm_standin.install(monkeypatch, generation=generation)
     experts = SwiGLUExperts.build(E, H, I, seed=1)
-    runner = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, out_dtype=torch.float32)
+    runner = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down)
     x, idx, w = _batch()
-    got, want = _through(runner, fmt, x, idx, w), _reference(experts, fmt, x, idx, w)
+    got, want = _through(runner, fmt, x, idx, w).float(), _reference(experts, fmt, x, idx, w)
     # FP8 activations and weights: a few percent, relative to the output's scale
     assert (got - want).norm() / want.norm() < 0.08
     layout = "masked" if fmt is DispatchFormat.MASKED else "contiguous"
@@ -60,8 +60,8 @@ def test_bf16_path_runs_the_bf16_gemms_without_fp8(monkeypatch, generation, fmt)
     layout = "masked" if fmt is DispatchFormat.MASKED else "contiguous"
     assert mod.calls == [f"m_grouped_bf16_gemm_nt_{layout}"] * 2  # no FP8 kernel ran
     bf16_err = ((got - want).norm() / want.norm()).item()
-    fp8 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, out_dtype=torch.float32)
-    fp8_err = ((_through(fp8, fmt, x, idx, w) - want).norm() / want.norm()).item()
+    fp8 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down)
+    fp8_err = ((_through(fp8, fmt, x, idx, w).float() - want).norm() / want.norm()).item()
     assert bf16_err < 0.02 and bf16_err < fp8_err / 2, (bf16_err, fp8_err)  # BF16 rounding only, well under FP8's
 
 
@@ -126,11 +126,11 @@ def test_standin_rejects_what_deep_gemm_rejects(monkeypatch):
     q, s = quantize_per_block(torch.randn(2, 128, 128))
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     lhs = (torch.randn(2, 4, 128), torch.ones(2, 4, 1))  # not FP8
-    assert "float8_e4m3fn" in _contract_error(mod.fp8_m_grouped_gemm_nt_masked, lhs, (q, s),
-                                              torch.empty(2, 4, 128), i32(1, 2), 2)
+    out = torch.empty(2, 4, 128, dtype=torch.bfloat16)
+    assert "float8_e4m3fn" in _contract_error(mod.fp8_m_grouped_gemm_nt_masked, lhs, (q, s), out, i32(1, 2), 2)
     fp8_lhs = quantize_per_token_group(torch.randn(2, 4, 128))
     assert "expected_m must be a positive int" in _contract_error(
-        mod.m_grouped_fp8_fp4_gemm_nt_masked, fp8_lhs, (q, s), torch.empty(2, 4, 128), i32(1, 2), 0)
+        mod.m_grouped_fp8_fp4_gemm_nt_masked, fp8_lhs, (q, s), out, i32(1, 2), 0)
 
 
 def test_standin_enforces_the_bf16_contracts(monkeypatch):
@@ -167,3 +167,62 @@ def test_block_quantisation_round_trip():
     assert (dequantize_per_block(q, s) - w).abs().max() < 0.07 * w.abs().max()
     with pytest.raises(ValueError, match="multiple of the 128x128"):
         quantize_per_block(torch.randn(100, 128))
+
+
+def test_fp8_gemms_write_bf16_only(monkeypatch):
+    """DeepGEMM's FP8 grouped GEMMs assert a BF16 output (gemm.hpp:193, :275): the runner refuses float32 up front,
+    and the stand-in refuses it at the call, as DeepGEMM does."""
+    mod = deep_gemm_standin.install(monkeypatch)
+    experts = SwiGLUExperts.build(E, H, I, seed=1)
+    with pytest.raises(ValueError, match="out_dtype=torch.float32: DeepGEMM's FP8 grouped GEMMs write bfloat16"):
+        DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, out_dtype=torch.float32)
+    q, s = quantize_per_block(torch.randn(2, 128, 128))
+    lhs = quantize_per_token_group(torch.randn(2, 4, 128))
+    i32 = torch.tensor([1, 2], dtype=torch.int32)
+    assert "output of an FP8 grouped GEMM must be bfloat16, got torch.float32" in _contract_error(
+        mod.m_grouped_fp8_fp4_gemm_nt_masked, lhs, (q, s), torch.empty(2, 4, 128), i32, 2)
+    rows = quantize_per_token_group(torch.randn(128, 128))
+    assert "must be bfloat16, got torch.float32" in _contract_error(
+        mod.m_grouped_fp8_fp4_gemm_nt_contiguous, rows, (q, s), torch.empty(128, 128), torch.zeros(128).int())
+    mod.m_grouped_fp8_fp4_gemm_nt_masked(lhs, (q, s), torch.empty(2, 4, 128, dtype=torch.bfloat16), i32, 2)
+
+
+@pytest.mark.parametrize("fmt", [DispatchFormat.MASKED, DispatchFormat.EXPANDED])
+def test_sm100_takes_ue8m0_scales(monkeypatch, fmt):
+    """SM100's DeepGEMM keeps only the exponent of float32 scales: the stand-in (arch=10) refuses scales that are
+    not powers of two, which the runner's default on SM90 makes; with ``ue8m0`` (chosen by the device) they are."""
+    deep_gemm_standin.install(monkeypatch, arch=10)
+    experts = SwiGLUExperts.build(E, H, I, seed=1)
+    x, idx, w = _batch()
+    sm90 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down)
+    assert sm90.ue8m0 is False  # no CUDA here: ue8m0_wanted() says SM90's float scales
+    with pytest.raises(deep_gemm_standin.DeepGemmContractError, match="not powers of two: SM100 casts"):
+        _through(sm90, fmt, x, idx, w)
+    sm100 = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, ue8m0=True)
+    got, want = _through(sm100, fmt, x, idx, w).float(), _reference(experts, fmt, x, idx, w)
+    assert (got - want).norm() / want.norm() < 0.1
+
+
+def test_ue8m0_packed_scales_are_sm100_only(monkeypatch):
+    """DeepEP low-latency's ``use_ue8m0`` gives int32-packed exponents: SM100's DeepGEMM reads them, SM90's refuses
+    them (gemm.hpp:286-295, "Unsupported architecture or scaling factor types")."""
+    from tbo.comm.fp8 import pack_ue8m0
+
+    experts = SwiGLUExperts.build(E, H, I, seed=1)
+    x, idx, w = _batch()
+    backend = LocalBackend(E, DispatchFormat.MASKED)
+    d = backend.dispatch_b(backend.dispatch_a(x, idx, w))
+    q, s = quantize_per_token_group(d.hidden, round_scale=True)
+    packed = DispatchOutput(d.format, q, d.tokens_per_expert, d.handle, scales=pack_ue8m0(s))
+    assert packed.scales.dtype == torch.int32 and packed.scales.shape[-1] == H // 512 + (H % 512 > 0)
+    runner = DeepGemmSwiGLUExperts(experts.w_gate, experts.w_up, experts.w_down, ue8m0=True)
+    deep_gemm_standin.install(monkeypatch, arch=9)
+    with pytest.raises(deep_gemm_standin.DeepGemmContractError, match="scales must be float32 on SM90"):
+        runner(packed)
+    deep_gemm_standin.install(monkeypatch, arch=10)
+    got = backend.combine_b(backend.combine_a(runner(packed), d.handle)).float()
+    want = _reference(experts, DispatchFormat.MASKED, x, idx, w)
+    assert (got - want).norm() / want.norm() < 0.1
+    assert torch.equal(run_experts(packed, experts.local(0, E)),
+                       run_experts(DispatchOutput(d.format, q, d.tokens_per_expert, d.handle, scales=s),
+                                   experts.local(0, E)))  # the plain runner unpacks them

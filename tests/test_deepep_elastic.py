@@ -45,6 +45,8 @@ def moe(backend, x, idx, w, fn):
 
 
 def buffer(**kw):
+    """A V2 buffer built as tbo's `DeepEPElasticBackend.create` builds it: with V2's sorted receive order."""
+    kw.setdefault("deterministic", True)
     return ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=MAX_TOKENS, hidden=128, num_topk=3,
                          num_cpu_timeout_secs=30, **kw)
 
@@ -233,8 +235,11 @@ def test_decode_strategies_budget_deep_gemm_beside_v2():
     assert deepseek_prefill(comm_num_sms=20, device_sms=132).deep_gemm_num_sms == 112
     assert deepseek_decode(comm_num_sms=14).deep_gemm_num_sms == gemm_num_sms_beside(14)  # None without a GPU
     assert gemm_num_sms_beside(0, 132) is None
-    with pytest.raises(ValueError, match="none would be left"):
-        gemm_num_sms_beside(132, 132)
+    # every SM (V2 on one rank): its kernels run alone, DeepGEMM keeps the device between them; more is an error
+    assert gemm_num_sms_beside(132, 132) is None
+    assert deepseek_decode(comm_num_sms=132, device_sms=132).deep_gemm_num_sms is None
+    with pytest.raises(ValueError, match="140 SMs of the device's 132: not a count the device has"):
+        gemm_num_sms_beside(140, 132)
 
 
 def _choose(rank, world):
@@ -244,7 +249,7 @@ def _choose(rank, world):
     v2.__version__, v2.Buffer, v2.ElasticBuffer = "2.1.0-standin", Buffer, ElasticBuffer
     v2_only = types.ModuleType("deep_ep")
     v2_only.__version__, v2_only.Buffer, v2_only.ElasticBuffer = "2.1.0-standin", None, ElasticBuffer
-    size = dict(hidden=16, num_max_tokens_per_rank=MAX_TOKENS, num_topk=2)
+    size = dict(hidden=2048, num_max_tokens_per_rank=MAX_TOKENS, num_topk=2)  # a size V1 low-latency has kernels for
     buffer_kwargs = dict(num_cpu_timeout_secs=30)
     kinds = {}
     for name, module, kw in (("auto v2", v2, {}), ("auto v1 decode", v1, dict(mode="decode")),
@@ -289,7 +294,8 @@ def test_deepep_backend_picks_v2_when_there_is_one():
             "v2 expanded": ("DeepEPElasticBackend", "EXPANDED"),
         }
         assert "needs DeepEP V2 (deep_ep.ElasticBuffer" in errors["v2 on v1"] and "1.2.1" in errors["v2 on v1"]
-        assert "DISABLE_LEGACY=1" in errors["v1 without legacy"]
+        assert "does not export it (DeepEP 1.x and 2.x both do" in errors["v1 without legacy"]
+        assert "DISABLE_LEGACY" not in errors["v1 without legacy"]  # no such build flag upstream
         assert "get_buffer_size_hint" in errors["too small"]
         assert "no MASKED layout" in errors["masked"] and "DeepEPLowLatencyBackend" in errors["masked"]
         assert "expert_alignment=128 with EXPANDED" in errors["aligned expanded"]
@@ -323,7 +329,7 @@ def _model_over_v2(rank, world, fmt):
 
     config = ModelConfig.deepseek_v3_tiny(num_experts=E, dtype="bfloat16")
     shared = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=64, hidden=config.hidden_size,
-                           num_topk=config.top_k, num_cpu_timeout_secs=30)
+                           num_topk=config.top_k, num_cpu_timeout_secs=30, deterministic=True)
     model = ReferenceModel(config, DeepEPElasticBackend(shared, E, format=DispatchFormat(fmt)))
     policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
     lens = [[5, 9, 3], [2, 7]][rank]
@@ -353,3 +359,80 @@ def test_reference_model_tbo_over_v2(fmt):
         for mode, split, ops_equal, tbo_equal, finite in steps:
             assert split and finite, mode
             assert ops_equal and tbo_equal, f"{fmt} {mode}: the op path or TBO differs from forward()"
+
+
+def _receive_order(rank, world, fmt):
+    """The same dispatch through a deterministic buffer, a non-deterministic one, and a second non-deterministic one
+    with the same seed: the order of the rows received, and what the MoE computes."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(9, 16, generator=g).to(torch.bfloat16)
+    idx, w = make_routing(9, E, 2, seed=rank)
+    fn = expert_fn(16, 3, rank, E // world)
+    got = []
+    for deterministic in (True, False, False):
+        backend = DeepEPElasticBackend(buffer(deterministic=deterministic), E, format=fmt)
+        d, y = moe(backend, x, idx, w, fn)
+        source = d.handle.handle.recv_src_metadata[:, 0]  # each received token's global source index
+        got.append((backend.deterministic, d.hidden, d.tokens_per_expert, source, y))
+    return got
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fmt", [NORMAL, EXPANDED])
+def test_receive_order_is_free_unless_deterministic(fmt):
+    """V2 receives in landing order unless built with deterministic=True; the stand-in permutes when the flag is
+    off (seeded: reproducible), so code that relied on the sorted order fails here as it would on GPUs."""
+    for (flag_d, rows_d, counts_d, src_d, y_d), (flag_n, rows_n, counts_n, src_n, y_n), again in launch(
+            _receive_order, 2, fmt, timeout_s=120):
+        assert (flag_d, flag_n) == (True, False)
+        assert torch.equal(counts_d, counts_n)
+        assert not torch.equal(rows_d, rows_n), "with deterministic=False the rows must land in another order"
+        if fmt is NORMAL:  # the same tokens, permuted: the handle's metadata says where each came from
+            assert torch.equal(torch.sort(src_d).values, torch.sort(src_n).values)
+            assert torch.equal(rows_n[torch.argsort(src_n)], rows_d[torch.argsort(src_d)])
+        else:  # each expert's rows, permuted within the expert
+            start = 0
+            for n in counts_d.tolist():
+                block = slice(start, start + n)
+                assert torch.equal(torch.sort(rows_d[block].float(), 0).values,
+                                   torch.sort(rows_n[block].float(), 0).values)
+                start += n
+        torch.testing.assert_close(y_n.float(), y_d.float(), rtol=2e-2, atol=2e-2)  # combined back correctly
+        assert torch.equal(again[1], rows_n) and torch.equal(again[4], y_n)  # seeded: the same order again
+
+
+def _determinism_by_default(rank, world):
+    v2 = types.ModuleType("deep_ep")
+    v2.__version__, v2.Buffer, v2.ElasticBuffer = "2.1.0-standin", Buffer, ElasticBuffer
+    size = dict(hidden=16, num_max_tokens_per_rank=MAX_TOKENS, num_topk=2, buffer_kwargs=dict(num_cpu_timeout_secs=30))
+    made = deepep_backend(dist.group.WORLD, E, deep_ep=v2, **size)
+    fast = deepep_backend(dist.group.WORLD, E, deep_ep=v2, deterministic=False, **size)
+    try:
+        deepep_backend(dist.group.WORLD, E, deep_ep=v2, buffer=fast.buffer, **size)
+        mismatch = None
+    except ValueError as exc:
+        mismatch = str(exc)
+    return made.deterministic, made.buffer.deterministic, fast.deterministic, mismatch
+
+
+@pytest.mark.dist
+def test_tbo_builds_deterministic_v2_buffers_by_default():
+    for made, buffer_flag, fast, mismatch in launch(_determinism_by_default, 2, timeout_s=120):
+        assert made and buffer_flag and not fast  # tbo's bit-exact promise by default; speed when asked
+        assert "was built with deterministic=False, but deterministic=True was asked for" in mismatch
+
+
+def _one_rank_budget(rank, world):
+    buf = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=MAX_TOKENS, hidden=16, num_topk=2,
+                        deterministic=True, num_cpu_timeout_secs=30)
+    backend = DeepEPElasticBackend(buf, E)
+    budget = sized_for(deepseek_decode(), backend, 2, device_sms=buf.num_device_sms).deep_gemm_num_sms
+    return backend.comm_num_sms(2), buf.num_device_sms, backend.epilogue_num_sms(), budget
+
+
+@pytest.mark.dist
+def test_v2_on_one_rank_takes_every_sm_and_leaves_no_budget():
+    """get_theoretical_num_sms has no traffic to size by on one rank and returns every SM (elastic.py:816-818):
+    there is nothing to leave DeepGEMM beside the kernels, which used to raise in gemm_num_sms_beside."""
+    (comm, device, epilogue, budget), = launch(_one_rank_budget, 1, timeout_s=60)
+    assert comm == device == epilogue == 132 and budget is None

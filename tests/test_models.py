@@ -188,3 +188,28 @@ def test_scaled_config_follows_hidden_size():
     assert ModelConfig.scaled("deepseek", 8, 2).num_heads == 1  # at least one head
     with pytest.raises(KeyError):
         ModelConfig.scaled("llama", 64, 2)
+
+
+class _OneUnreceivedBackend(LocalBackend):
+    """LocalBackend declaring DeepEP low-latency's limit: one un-received transfer at a time, across microbatches."""
+
+    from tbo.comm.deepep import LOW_LATENCY_LIMIT as in_flight_limit
+
+
+def test_binding_checks_the_schedule_against_the_backend_limit():
+    """Binding over a backend with an in-flight limit checks the compiled schedule (every microbatch, every layer
+    boundary): prefill's delta 0 is refused up front, decode's delta 2 runs bit-exact with two microbatches, and a
+    plan of three microbatches, which decode's lead cannot serve, is refused at the step instead of hanging."""
+    config = ModelConfig.deepseek_v3_tiny(num_layers=3)
+    model = ReferenceModel(config, _OneUnreceivedBackend(config.num_experts))
+    with pytest.raises(StrategyError, match="deepseek_prefill cannot run over DeepEP low-latency with 2 microbatches"):
+        model.bind("deepseek_prefill")
+    ids, meta = step_inputs([2, 2, 2])
+    ref = model.forward(ids, meta, KVCache())
+    two = SplitPolicy(prefill_token_threshold=2).plan(ForwardMode.EXTEND, 6, [2, 2, 2])
+    assert torch.equal(model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", two), ref)
+    three = SplitPolicy(prefill_token_threshold=3, decode_token_threshold=3, num_microbatches=3).plan(
+        ForwardMode.EXTEND, 6, [2, 2, 2])
+    assert len(three.microbatches) == 3
+    with pytest.raises(StrategyError, match="with 3 microbatches and delta_stages=2: microbatch 0's 'dispatch_a'"):
+        model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", three)

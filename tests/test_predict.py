@@ -316,3 +316,51 @@ def test_published_benchmark_runs_and_reports():
     last = out.strip().splitlines()[-1]
     worst = float(re.fullmatch(rf"max error: {FLOAT}", last).group(1))
     assert math.isfinite(worst) and worst == pytest.approx(max(float(e) for _, e, _ in rows), abs=1e-3)
+
+
+# ---- what DeepEP's SMs and buffers ask (issue 21) ---------------------------------------------------------------------
+def prefill(ep=8, tokens=4096, **kw):
+    return Deployment(ep=ep, tokens_per_device=tokens, context=4096, mode="prefill", **kw)
+
+
+def test_v2_epilogues_are_device_wide_compute():
+    """V2's copy and reduce epilogues run on every SM: the receive-side passes are the transfers' epilogues, not ops
+    slowed by the GEMM budget, and the timeline shows them at the waits."""
+    p = predict("h800", "deepseek-v3", prefill(kernel="v2"))
+    assert set(p.costs.epilogues) == {"dispatch", "combine"}
+    assert p.costs.op("dispatch_b", 2048) == 0 and p.costs.epilogue("dispatch", 2048) > 0
+    assert any("epilogues run on all 132 SMs" in n for n in p.notes)
+    trace = p.compare().tbo.trace
+    assert {s.name for s in trace.lane("compute")} >= {"dispatch_epilogue", "combine_epilogue"}
+    normal = predict("h800", "deepseek-v3", prefill(kernel="normal"))
+    assert normal.costs.epilogues == {} and normal.costs.op("dispatch_b", 2048) > 0
+
+
+def test_v2_on_one_rank_takes_every_sm():
+    """get_theoretical_num_sms gives every SM on one rank: no GEMM budget (it used to raise), nothing overlaps the
+    kernels, so TBO only fragments compute and is not recommended."""
+    p = predict("h800", "deepseek-v3", prefill(ep=1, kernel="v2"))
+    assert p.layer.deep_gemm_num_sms is None and p.costs.transfers == {}
+    assert any("one rank takes all 132 SMs" in n for n in p.notes)
+    assert not p.recommend().split
+    assert prefill(ep=1, kernel="v2").comm_sms_of(132) == 132 and prefill(kernel="v2").comm_sms_of(132) == 12
+
+
+def test_v1_normal_sm_count_comes_with_the_buffer_note(capsys):
+    note = "DeepEP V1 normal buffers are sized for the Buffer.num_sms in effect when made: set it to 24"
+    assert any(note in n for n in predict("h800", "deepseek-v3", prefill(kernel="normal", comm_sms=24)).notes)
+    assert predict("h800", "deepseek-v3", prefill(kernel="normal")).notes == ()  # the default 20 it was sized for
+    assert main(["predict", "step", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "8", "--mode", "prefill",
+                 "--kernel", "normal", "--comm-sms", "24", "--tokens-per-device", "4096", "--context", "4096"]) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+
+
+def test_low_latency_kernels_refuse_a_schedule_that_would_hang(capsys):
+    """The prefill strategy (delta 0) launches B's dispatch while A's is un-received: over DeepEP low-latency that
+    hangs, so there is no step time to predict."""
+    with pytest.raises(ValueError, match="cannot run over DeepEP low-latency .* DeepEP issue #513"):
+        predict("h800", "deepseek-v3", prefill(kernel="low_latency"))
+    predict("h800", "deepseek-v3", decode())  # the decode strategy keeps one call un-received at a time
+    assert main(["predict", "step", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "8", "--mode", "prefill",
+                 "--kernel", "low_latency", "--tokens-per-device", "4096", "--context", "4096"]) == 2
+    assert "microbatch 1's 'dispatch_a'" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tbo import OperationsStrategy, Yield
+from tbo import OperationsStrategy, StrategyError, Yield
 from tbo.comm import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
@@ -257,3 +257,38 @@ def test_png_labels_ops_and_draws_exposed_waits_apart(tmp_path, monkeypatch):
     (hatch, face, zorder), = seen["hatched"]
     assert hatch == "////" and face == (1.0, 1.0, 1.0, 1.0) and zorder > 2  # white, over the compute bars
     assert "exposed wait (a _b op blocked)" in seen["legend"]
+
+
+def test_tune_never_proposes_a_schedule_the_backend_cannot_run():
+    """Over DeepEP low-latency (one un-received call at a time) the search skips every placement and lead that
+    launches over an un-received call, at any layer boundary; unrestricted, its best choice would hang the GPUs."""
+    from tbo.comm.deepep import LOW_LATENCY_LIMIT
+    from tbo.core.inflight import InFlightLimit, in_flight_violations
+
+    c = CostModel(ops={"attn": per_token(1.0), "experts": per_token(1.0), "output": per_token(0.5)},
+                  transfers={"dispatch": TransferCost(bytes_per_token=1.0),
+                             "combine": TransferCost(bytes_per_token=1.0)}, bandwidth=1.0)
+    ops = ["attn", "dispatch_a", "dispatch_b", "experts", "combine_a", "combine_b", "output"]
+    free = tune(ops, c, 4)
+    assert in_flight_violations(OperationsStrategy.concat([free] * 2), LOW_LATENCY_LIMIT)
+    safe = tune(ops, c, 4, in_flight_limit=LOW_LATENCY_LIMIT)
+    for layers in (2, 3):
+        assert not in_flight_violations(OperationsStrategy.concat([safe] * layers), LOW_LATENCY_LIMIT)
+    OperationsStrategy.concat([safe] * 3).check_in_flight(LOW_LATENCY_LIMIT)  # binding would accept it
+    with pytest.raises(StrategyError, match="every placement of .* breaks the strict link's limit of 1"):
+        tune(["attn", "dispatch_a", "dispatch_b", "output"], c, 4, microbatches=3,
+             in_flight_limit=InFlightLimit(1, backend="the strict link"))  # 3 microbatches: a launch per round
+
+
+def test_device_wide_epilogue_is_compute_at_the_wait():
+    """DeepEP V2's epilogues take every SM: the simulator charges them at the wait, where nothing overlaps them."""
+    c = costs(1.0, 1.0, 1.0)
+    c.epilogues["dispatch"] = Cost(kind="constant", seconds=0.5)
+    single = simulate(LAYER, c, [4], 0)
+    assert single.step_s == pytest.approx(12.5)  # attn 0-4, link 4-8, epilogue 8-8.5, mlp 8.5-12.5
+    epilogue = [s for s in single.trace.lane("compute") if s.name == "dispatch_epilogue"]
+    assert [(s.start, s.end) for s in epilogue] == [(8.0, 8.5)]
+    tbo = simulate(LAYER, c, [2, 2])
+    # A attn 0-2, link 2-4; B attn 2-4, link 4-6; A: epilogue 4-4.5, mlp 4.5-6.5; B: epilogue 6.5-7, mlp 7-9
+    assert tbo.step_s == pytest.approx(9.0)
+    assert summary(tbo.trace).compute_s == pytest.approx(9.0)  # counted once, as compute

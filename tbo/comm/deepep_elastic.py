@@ -28,7 +28,23 @@ V2 has **no zero-SM receive-hook mode** ("0 SM RDMA low-latency EP is no longer 
 ``ElasticBuffer.get_theoretical_num_sms(num_experts, top_k)`` (through `tbo.comm.sm_budget.deep_ep_elastic_num_sms`),
 and the same count is what `comm_num_sms` tells a strategy to leave free of DeepGEMM.
 
-V2 moves BF16 or FP8 only: ``hidden`` must be bfloat16 unless ``use_fp8`` (which quantises any float input).
+V2's **copy and reduce epilogues run on every SM** of the device, whatever ``num_sms`` says (the dispatch's copy
+epilogue and the combine's reduce epilogue are launched with the device's SM count: csrc/elastic/buffer.hpp:1125-1141
+and :1315-1326): ``num_sms`` is what the transfer kernels hold while data moves, and each transfer then ends with a
+short phase that takes the whole GPU. ``epilogue_num_sms`` says so; the simulator and ``tbo predict`` charge that
+phase to compute (``CostModel.epilogues``). On **one rank** there is nothing to move and
+``get_theoretical_num_sms`` returns every SM (elastic.py:816-818): the kernels then take the whole device, so there is
+nothing to leave DeepGEMM beside them (`tbo.comm.sm_budget.gemm_num_sms_beside` gives no budget).
+
+**Receive order.** V2 receives in the order transfers land, which differs from run to run, unless the buffer is
+built with ``deterministic=True`` (a sort epilogue, elastic.py:1019-1027). tbo promises that the overlapped step
+equals the single-batch step bit for bit; with the order free, rows meet the experts in another order each run and
+sums of many rows round differently. So `create` builds deterministic buffers by default (``deterministic=False``
+trades that for the sort's cost; results then agree to rounding, not bits), and `deterministic` reports what the
+buffer in use does.
+
+V2 moves BF16 or FP8 only: ``hidden`` must be bfloat16 unless ``use_fp8`` (which quantises any float input; on SM100
+with power-of-two scales, ``round_scale``, as DeepGEMM's UE8M0 needs: `tbo.comm.fp8.ue8m0_wanted`).
 Written against DeepEP 2.0/2.1 (``deep_ep.ElasticBuffer``); keyword arguments the installed version does not accept
 are left out, detected by signature. ``deep_ep`` is imported only by `create`.
 """
@@ -44,7 +60,7 @@ import torch
 from tbo.util.optional import require
 from tbo.comm.sm_budget import deep_ep_elastic_num_sms
 from tbo.comm.deepep import _split_fp8, supported_kwargs
-from tbo.comm.fp8 import quantize_per_token_group
+from tbo.comm.fp8 import quantize_per_token_group, ue8m0_wanted
 from tbo.comm.layout import check_routing
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
@@ -96,7 +112,7 @@ class DeepEPElasticBackend:
 
     def __init__(self, buffer: Any, num_experts: int, *, format: DispatchFormat = DispatchFormat.NORMAL,
                  num_max_tokens_per_rank: int | None = None, use_fp8: bool = False, expert_alignment: int = 1,
-                 num_sms: int | None = None) -> None:
+                 num_sms: int | None = None, round_scale: bool | None = None) -> None:
         self.buffer = buffer
         self.rank, self.num_ranks = buffer.rank_idx, buffer.num_ranks
         if num_experts < 1 or num_experts % self.num_ranks:
@@ -116,21 +132,40 @@ class DeepEPElasticBackend:
         if not self.max_tokens or self.max_tokens < 1:
             raise ValueError("num_max_tokens_per_rank is needed: the buffer was not built with one, pass it here")
         self.use_fp8, self.expert_alignment = use_fp8, expert_alignment
+        self.round_scale = bool(use_fp8 and (ue8m0_wanted() if round_scale is None else round_scale))
         if num_sms is not None and (num_sms < 1 or num_sms % 2):
             raise ValueError(f"num_sms must be a positive even count, got {num_sms}")
         self._num_sms = num_sms
         self._sms_by_topk: dict[int, int] = {}
         self._unwaited: dict[int, Any] = {}  # launched, not yet waited (kept alive until then): drain() waits them
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether the buffer sorts what it receives (``ElasticBuffer(deterministic=True)``): tbo's bit-exact
+        promise needs it (see the module docstring)."""
+        return bool(getattr(self.buffer, "deterministic", False))
+
+    def epilogue_num_sms(self) -> int | None:
+        """SMs V2's copy and reduce epilogues take at the end of each transfer: every SM of the device (None where
+        that cannot be asked: no GPU and a buffer that does not say)."""
+        sms = getattr(self.buffer, "num_device_sms", None)
+        if sms is None:
+            if not torch.cuda.is_available():
+                return None
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        return int(sms)
+
     @classmethod
     def create(cls, group: Any, num_experts: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int, *,
-               use_fp8: bool = False, buffer: Any = None, buffer_kwargs: dict[str, Any] | None = None,
-               deep_ep: ModuleType | None = None, **kwargs: Any) -> "DeepEPElasticBackend":
+               use_fp8: bool = False, deterministic: bool = True, buffer: Any = None,
+               buffer_kwargs: dict[str, Any] | None = None, deep_ep: ModuleType | None = None,
+               **kwargs: Any) -> "DeepEPElasticBackend":
         """Build (or reuse) an ``ElasticBuffer`` sized with ``get_buffer_size_hint`` for this model, and wrap it.
 
+        ``deterministic`` (default True: tbo's bit-exact promise) builds the buffer with V2's sorted receive order.
         ``buffer``: an existing ElasticBuffer to share (V2 serves prefill and decode from one), checked to be big
-        enough. ``buffer_kwargs`` go to the ElasticBuffer constructor (e.g. ``deterministic=True``). ``deep_ep``:
-        the module to use instead of importing it.
+        enough; it keeps its own ``deterministic``, and asking for another is an error. ``buffer_kwargs`` go to the
+        ElasticBuffer constructor. ``deep_ep``: the module to use instead of importing it.
         """
         module = deep_ep if deep_ep is not None else require("deep_ep", "DeepEPElasticBackend")
         elastic = elastic_buffer_class(module, "DeepEPElasticBackend")
@@ -138,7 +173,11 @@ class DeepEPElasticBackend:
                                             use_fp8_dispatch=use_fp8)
         if buffer is None:
             buffer = elastic(group, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
-                             use_fp8_dispatch=use_fp8, **(buffer_kwargs or {}))
+                             use_fp8_dispatch=use_fp8, **{"deterministic": deterministic, **(buffer_kwargs or {})})
+        elif bool(getattr(buffer, "deterministic", False)) != deterministic:
+            raise ValueError(f"the shared ElasticBuffer was built with deterministic={buffer.deterministic}, but "
+                             f"deterministic={deterministic} was asked for; build the buffer with it, or pass "
+                             f"deterministic={buffer.deterministic}")
         elif buffer.num_bytes < need:
             raise ValueError(f"the shared ElasticBuffer has {buffer.num_bytes} bytes; {num_max_tokens_per_rank} "
                              f"tokens x hidden {hidden} x top-{num_topk} need {need} (get_buffer_size_hint)")
@@ -179,7 +218,7 @@ class DeepEPElasticBackend:
         if not self.use_fp8 and hidden.dtype != torch.bfloat16:
             raise TypeError(f"dispatch_a: DeepEP V2 moves bfloat16 (or FP8) activations, got hidden {hidden.dtype}; "
                             "cast to bfloat16 or build the backend with use_fp8=True")
-        x = quantize_per_token_group(hidden) if self.use_fp8 else hidden
+        x = quantize_per_token_group(hidden, round_scale=self.round_scale) if self.use_fp8 else hidden
         nbytes = x[0].nbytes + x[1].nbytes if self.use_fp8 else hidden.nbytes
         weights = topk_weights.float()
         if cached is None:

@@ -71,6 +71,11 @@ class EPBackend(Protocol):
     ``(r + 1) * num_local_experts - 1``, and its expert function receives the local index
     (``global - r * num_local_experts``). Every rank calls the four methods in the same order, once per microbatch
     and layer, including a rank with no tokens (it dispatches an empty batch): they are collectives.
+
+    Optionally a backend has ``in_flight_limit``, a `tbo.core.inflight.InFlightLimit`, when its transport cannot
+    hold any number of transfers in flight across microbatches (DeepEP low-latency: one un-received call). Binding
+    a strategy to layers over it checks the compiled schedule against that limit. (Not a protocol member: absent
+    means no limit.)
     """
 
     rank: int
@@ -129,6 +134,11 @@ class BackendWrapper:
     @property
     def in_flight(self) -> list[Any]:
         return self.inner.in_flight
+
+    @property
+    def in_flight_limit(self) -> Any:
+        """The inner backend's `tbo.core.inflight.InFlightLimit` (None: it has none): wrapping changes no buffer."""
+        return getattr(self.inner, "in_flight_limit", None)
 
     def drain(self) -> int:
         return self.inner.drain()

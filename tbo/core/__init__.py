@@ -6,6 +6,7 @@ only ops, stages, a schedule and states can serve any model, framework or device
 
 from tbo.core.errors import CommTimeoutError, HangError, OperationError, StrategyError
 from tbo.core.executors import execute_operations, execute_overlapped_operations
+from tbo.core.inflight import InFlightLimit
 from tbo.core.observer import Observer
 from tbo.core.operations import Operation, Yield, comm_role, op_name
 from tbo.core.schedule import Schedule, interleave
@@ -13,5 +14,5 @@ from tbo.core.state import State
 from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["CommTimeoutError", "HangError", "OperationError", "StrategyError", "execute_operations",
-           "execute_overlapped_operations", "Observer", "Operation", "Yield", "comm_role", "op_name", "Schedule",
-           "interleave", "State", "OperationsStrategy"]
+           "execute_overlapped_operations", "InFlightLimit", "Observer", "Operation", "Yield", "comm_role", "op_name",
+           "Schedule", "interleave", "State", "OperationsStrategy"]

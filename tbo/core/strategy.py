@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from tbo.core.errors import StrategyError
+from tbo.core.inflight import InFlightLimit, in_flight_violations
 from tbo.core.operations import YIELD_NAME, Operation, Yield, comm_role, op_name
 from tbo.core.ordering import TransferOrder, transfer_order
 from tbo.core.schedule import Schedule, interleave
@@ -222,6 +223,34 @@ class OperationsStrategy(BaseModel):
             firsts.append(index)
             index += len(stage) + 1
         return tuple(firsts)
+
+    def check_in_flight(self, limit: InFlightLimit | None, num_microbatches: int = 2,
+                        delta_stages: int | Sequence[int] | None = None) -> "OperationsStrategy":
+        """Raise `StrategyError` if the compiled schedule launches a transfer while ``limit`` (a backend's
+        `InFlightLimit`; None: no limit) is reached, naming both ops and both microbatches; return ``self``.
+
+        Checked once per (limit, microbatch count, lead) and remembered, so calling it every step costs a lookup.
+        """
+        if limit is None:
+            return self
+        key = (limit, num_microbatches, delta_stages if not isinstance(delta_stages, list) else tuple(delta_stages))
+        problems = self._in_flight_checked.get(key)
+        if problems is None:
+            problems = self._in_flight_checked[key] = in_flight_violations(self, limit, num_microbatches,
+                                                                           delta_stages)
+        if problems:
+            more = f" ({len(problems) - 1} more launch{'es' if len(problems) > 2 else ''} like it)" if (
+                len(problems) > 1) else ""
+            delta = self.delta_stages if delta_stages is None else delta_stages
+            raise StrategyError(
+                f"strategy {self.name or '(unnamed)'} cannot run over {limit.backend} with {num_microbatches} "
+                f"microbatches and delta_stages={delta}: {problems[0]}{more}. Move the launch after that wait (a "
+                "later stage), or change delta_stages; `tbo lint` lists every such launch.")
+        return self
+
+    @cached_property
+    def _in_flight_checked(self) -> dict:
+        return {}
 
     def render_schedule(self, num_microbatches: int = 2, delta_stages: int | Sequence[int] | None = None,
                         width: int = 44) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tbo.util.optional import require
-from tbo.comm.fp8 import dequantize_per_token_group, quantize_per_block, quantize_per_token_group
+from tbo.comm.fp8 import dequantize_per_token_group, quantize_per_block, quantize_per_token_group, ue8m0_wanted
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
 __all__ = ["DEEP_GEMM_NAMES", "DeepGemmSwiGLUExperts", "contiguous_alignment", "resolve_deep_gemm"]
@@ -68,8 +68,14 @@ class DeepGemmSwiGLUExperts:
     ``w_gate``/``w_up`` are ``[L, H, I]`` and ``w_down`` ``[L, I, H]`` (the reference model's layout); they are
     transposed to NT layout once, here. ``precision="fp8"`` quantises them (128x128 blocks) and runs the FP8 GEMMs,
     quantising activations per token group; ``precision="bf16"`` keeps the weights BF16 and runs the BF16 grouped
-    GEMMs with no FP8 quantisation anywhere (FP8-dispatched rows are dequantised to BF16 first). The BF16 GEMMs
-    write BF16, so ``out_dtype`` must then be bfloat16.
+    GEMMs with no FP8 quantisation anywhere (FP8-dispatched rows are dequantised to BF16 first). DeepGEMM's grouped
+    GEMMs, FP8 and BF16, write BF16 only (FP8: ``csrc/apis/gemm.hpp:193`` contiguous, ``:275`` masked), so
+    ``out_dtype`` must be bfloat16; cast the result if you need another dtype.
+
+    ``ue8m0``: power-of-two scales for everything this runner quantises (weights, activations), which SM100's
+    DeepGEMM needs (it truncates float scales to UE8M0, ``layout.hpp:49-53``); None asks the device
+    (`tbo.comm.fp8.ue8m0_wanted`). Dispatched FP8 rows bring their own scales: on SM100 they must be UE8M0 too
+    (DeepEP low-latency's ``use_ue8m0``, V2's ``round_scale``, both chosen the same way).
 
     ``expected_m`` is the masked GEMM's hint of rows per expert (it picks tile sizes). It is a host integer, so it
     is never read from the device counts: that would block the CPU and break CUDA-graph capture of the DeepEP
@@ -78,18 +84,20 @@ class DeepGemmSwiGLUExperts:
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                  out_dtype: torch.dtype = torch.bfloat16, expected_m: int | None = None, *,
-                 precision: str = "fp8") -> None:
+                 precision: str = "fp8", ue8m0: bool | None = None) -> None:
         if precision not in ("fp8", "bf16"):
             raise ValueError(f"precision must be 'fp8' or 'bf16', got {precision!r}")
-        if precision == "bf16" and out_dtype != torch.bfloat16:
-            raise ValueError(f"precision='bf16': DeepGEMM's BF16 grouped GEMMs write bfloat16, not {out_dtype}")
+        if out_dtype != torch.bfloat16:
+            raise ValueError(f"out_dtype={out_dtype}: DeepGEMM's {precision.upper()} grouped GEMMs write bfloat16 "
+                             "only; cast the result if you need another dtype")
         self.precision, self.out_dtype, self.expected_m = precision, out_dtype, expected_m
+        self.ue8m0 = precision == "fp8" and (ue8m0_wanted() if ue8m0 is None else bool(ue8m0))
         self.intermediate = w_gate.shape[-1]
         w13 = torch.cat([w_gate, w_up], dim=-1).transpose(1, 2).contiguous()  # [L, 2I, H]
         w2 = w_down.transpose(1, 2).contiguous()  # [L, H, I]
         if precision == "fp8":
-            self.w13: Any = quantize_per_block(w13)
-            self.w2: Any = quantize_per_block(w2)
+            self.w13: Any = quantize_per_block(w13, round_scale=self.ue8m0)
+            self.w2: Any = quantize_per_block(w2, round_scale=self.ue8m0)
         else:
             self.w13, self.w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
         self._masked: Any = None
@@ -106,7 +114,7 @@ class DeepGemmSwiGLUExperts:
         """SiLU(gate) * up in float32, as the next GEMM's input: FP8 with scales, or BF16."""
         i = self.intermediate
         y = F.silu(gate_up[..., :i].float()) * gate_up[..., i:].float()
-        return quantize_per_token_group(y) if self.precision == "fp8" else y.to(torch.bfloat16)
+        return quantize_per_token_group(y, round_scale=self.ue8m0) if self.precision == "fp8" else y.to(torch.bfloat16)
 
     def __call__(self, dispatched: DispatchOutput) -> torch.Tensor:
         if dispatched.format is DispatchFormat.MASKED:
@@ -118,7 +126,8 @@ class DeepGemmSwiGLUExperts:
     def _lhs(self, d: DispatchOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The dispatched rows as the first GEMM takes them: (FP8, scales), or (BF16, None)."""
         if self.precision == "fp8":
-            return (d.hidden, d.scales) if d.scales is not None else quantize_per_token_group(d.hidden)
+            return (d.hidden, d.scales) if d.scales is not None else quantize_per_token_group(
+                d.hidden, round_scale=self.ue8m0)
         x = dequantize_per_token_group(d.hidden, d.scales) if d.scales is not None else d.hidden
         return x.to(torch.bfloat16), None
 

@@ -173,8 +173,10 @@ class _Wrapped:
         self.layers = [TboDecoderLayer(layer, backend, i) for i, layer in enumerate(model.model.layers)]
         family = self.layers[0].family
         top_k = model.config.num_experts_per_tok  # a backend whose kernels hold SMs (DeepEP V2) sizes DeepGEMM's
+        # bound for every mode up front, the schedule checked against the backend's in-flight limit only for
+        # the plans that split (model_forward_maybe_tbo): an unsplit prefill over DeepEP low-latency is fine
         self.strategies = {mode: strategies.bind_layers(self.layers, strategies.sized_for(
-                               strategies.get(f"{family}_{mode}"), backend, top_k))
+                               strategies.get(f"{family}_{mode}"), backend, top_k), num_microbatches=None)
                            for mode in ("decode", "prefill")}
 
 

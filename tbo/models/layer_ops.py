@@ -37,7 +37,7 @@ class ExpertParallelOps:
         state.dispatched = self.backend.dispatch_b(state.pop("dispatch"))
 
     def op_experts(self, state: State) -> None:
-        dispatched = state.pop("dispatched")  # dropped here: DeepEP low-latency holds at most two results
+        dispatched = state.pop("dispatched")  # dropped here: nothing reads the received rows after the experts
         state.expert_out = (run_experts(dispatched, self.local_expert, self.stacked_experts), dispatched.handle)
 
     def op_combine_a(self, state: State) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from tbo.core.executors import execute_operations, execute_overlapped_operations
 from tbo.core.executors.guard import Drainable
+from tbo.core.inflight import limit_of
 from tbo.core.observer import Observer
 from tbo.runtime.profile import RecordFunctionObserver
 from tbo.comm.sm_budget import deep_gemm_num_sms
@@ -49,7 +50,9 @@ def model_forward_maybe_tbo(
     their `RequestRule` (``{"extend_lens": "lengths"}``), so that a plan cutting a sequence splits them correctly.
     ``backend``: the layers' communication backend (an `EPBackend`, an AFD connector). Unless ``guard`` names
     ``drain`` itself, a step that fails drains it before raising, so no transfer still writes into buffers the
-    caller is about to free or reuse. ``profile`` adds torch.profiler ranges per stage and op.
+    caller is about to free or reuse. A backend with an ``in_flight_limit`` (DeepEP low-latency) has the plan's
+    schedule checked against it first (`OperationsStrategy.check_in_flight`, once per microbatch count).
+    ``profile`` adds torch.profiler ranges per stage and op.
     ``guard`` passes ``drain``, ``watchdog_s``, ``watchdog_label`` and ``dump_stacks`` to the executor.
     Returns ``{output_key: tensor}``, merged back to the whole batch; ``output_key`` may name several outputs
     (``("hidden_states", "residual")`` for a layer stack that hands the residual on, as vLLM's do), each merged.
@@ -59,7 +62,9 @@ def model_forward_maybe_tbo(
         guard.setdefault("drain", (backend,))
     observers = [RecordFunctionObserver(), observer] if profile else observer
     bound = strategy if isinstance(strategy, OperationsStrategy) and strategy.is_bound else bind_layers(
-        layers, strategy)
+        layers, strategy, backend=backend)
+    if plan is not None:  # the schedule of this plan's microbatch count, against the backend's limit (cached)
+        bound.check_in_flight(limit_of(backend), len(plan.microbatches))
     with deep_gemm_num_sms(bound.deep_gemm_num_sms):
         if plan is None:
             state = State()

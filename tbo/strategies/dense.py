@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from tbo.core.errors import StrategyError
+from tbo.core.inflight import limit_of
 from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["DENSE_OPS", "dense_like", "bind_layers", "LayerStrategies"]
@@ -39,11 +40,25 @@ def _for_layer(strategies: LayerStrategies, layer: Any) -> OperationsStrategy:
     return strategies(layer)
 
 
-def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | None = None) -> OperationsStrategy:
+def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | None = None, *,
+                backend: Any = None, num_microbatches: int | None = 2) -> OperationsStrategy:
     """Bind each layer's strategy to it and join them into the one list the executor runs, by
-    `OperationsStrategy.concat`'s rule (multi-stage layers agree on the lead; a dense layer's one stage takes any)."""
+    `OperationsStrategy.concat`'s rule (multi-stage layers agree on the lead; a dense layer's one stage takes any).
+
+    The joined strategy's schedule (``num_microbatches`` of them) is then checked against the `InFlightLimit` of
+    ``backend``, or of the layers' own ``backend`` attributes when none is given (DeepEP low-latency: one
+    un-received call): a launch over the limit is a `StrategyError` naming both ops and both microbatches, here
+    rather than a hang on the GPUs. `model_forward_maybe_tbo` checks other microbatch counts when a plan has them;
+    ``num_microbatches=None`` leaves the check to it (an adapter that binds every mode up front, some of which may
+    only ever run unsplit).
+    """
     if not layers:
         raise StrategyError("bind_layers needs at least one layer")
     per_layer = [_for_layer(strategies, layer) for layer in layers]
-    return OperationsStrategy.concat([s.bind(layer) for s, layer in zip(per_layer, layers)],
-                                     name=name or per_layer[-1].name)
+    bound = OperationsStrategy.concat([s.bind(layer) for s, layer in zip(per_layer, layers)],
+                                      name=name or per_layer[-1].name)
+    owners = [backend] if backend is not None else list({id(b): b for b in (getattr(layer, "backend", None)
+                                                                           for layer in layers)}.values())
+    for owner in owners if num_microbatches is not None else ():
+        bound.check_in_flight(limit_of(owner), num_microbatches)
+    return bound

@@ -3,7 +3,12 @@
 DeepGEMM needs an SM90+ GPU. This module has the same functions under the names of a chosen DeepGEMM generation,
 computes in float32 from the (dequantised) inputs, and rejects what DeepGEMM rejects:
 
-* FP8 GEMMs: non-FP8 operands, scales of the wrong dtype or shape;
+* FP8 GEMMs: non-FP8 operands, scales of the wrong dtype or shape, an output that is not bfloat16 (the FP8
+  grouped GEMMs write BF16 only: DeepGEMM 54e22612 ``csrc/apis/gemm.hpp:193`` contiguous, ``:275`` masked);
+  the scales the device takes (``install(arch=...)``): float32 on SM90 (``arch=9``, the default; packed int32
+  UE8M0 is SM100's, ``gemm.hpp:286-295``), and on SM100 (``arch=10``) packed int32 UE8M0 or float32 scales that are
+  powers of two: SM100 truncates float scales to their exponent (``layout.hpp:49-53``, ``smxx_layout.hpp:159``),
+  which silently changes any other value, so here it raises;
 * BF16 GEMMs: operands or output that are not bfloat16;
 * both: an output of the wrong shape, weights that are not ``[groups, N, K]`` (NT) for the ``K`` of the rows;
   masked counts that are not int32, negative, or past the capacity, an ``expected_m`` that is not a positive int;
@@ -37,6 +42,9 @@ __all__ = ["install", "DeepGemmContractError", "GENERATIONS", "ALIGNMENT"]
 #: rows per group of the contiguous layout, as ``get_mk_alignment_for_contiguous_layout()`` says on SM90
 ALIGNMENT = 128
 
+#: the device's compute-capability major the stand-in plays (``install(arch=...)``): 9 (SM90) or 10 (SM100)
+_DEVICE = {"arch": 9}
+
 
 class DeepGemmContractError(RuntimeError):
     """A call DeepGEMM would reject."""
@@ -47,18 +55,36 @@ def _check_fp8(name: str, pair: Any) -> None:
         raise DeepGemmContractError(f"{name} of an FP8 GEMM must be an (FP8 tensor, scales) pair, got "
                                     f"{type(pair).__name__}")
     q, s = pair
+    arch = _DEVICE["arch"]
     if q.dtype != torch.float8_e4m3fn:
         raise DeepGemmContractError(f"{name} must be float8_e4m3fn, got {q.dtype}")
+    if s.dtype == torch.int32 and name == "lhs" and arch == 10:
+        return  # packed UE8M0, four exponents per int32
     if s.dtype != torch.float32:
-        raise DeepGemmContractError(f"{name} scales must be float32, got {s.dtype}")
+        raise DeepGemmContractError(f"{name} scales must be float32 on SM{arch}0 (Unsupported architecture or scaling "
+                                    f"factor types), got {s.dtype}")
+
+
+def _check_ue8m0_castable(name: str, scales: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """On SM100, float32 scales of the rows the GEMM reads (``rows``: a mask over the leading dims) must be powers
+    of two: DeepGEMM keeps only their exponent."""
+    if _DEVICE["arch"] != 10 or scales.dtype != torch.float32:
+        return
+    used = scales if rows is None else scales[rows]
+    if bool(((used.contiguous().view(torch.int32) & 0x7FFFFF) != 0).any()):
+        raise DeepGemmContractError(
+            f"{name} scales are not powers of two: SM100 casts float32 scales to UE8M0 by keeping only their "
+            "exponent, which changes these values; quantise with power-of-two scales (round_scale)")
 
 
 def _fp8_operands(lhs: Any, rhs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     _check_fp8("lhs", lhs)
     _check_fp8("rhs", rhs)
     k = lhs[0].shape[-1]
-    if lhs[1].shape[-1] != k // 128:
-        raise DeepGemmContractError(f"lhs scales must be per token per 128 channels ([..., {k // 128}])")
+    groups = -(-k // 512) if lhs[1].dtype == torch.int32 else k // 128
+    if lhs[1].shape[-1] != groups:
+        raise DeepGemmContractError(f"lhs scales must be per token per 128 channels ([..., {groups}]"
+                                    f"{' int32, four per int' if lhs[1].dtype == torch.int32 else ''})")
     if rhs[0].shape[-1] != k or tuple(rhs[1].shape[-2:]) != (rhs[0].shape[-2] // 128, k // 128):
         raise DeepGemmContractError("rhs must be [groups, N, K] (NT) with [groups, N/128, K/128] block scales")
     return dequantize_per_token_group(*lhs), dequantize_per_block(*rhs)
@@ -123,17 +149,28 @@ def _contiguous(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, m_indices: 
             out[rows] = (a[rows] @ b[g].T).to(out.dtype)
 
 
+def _check_fp8_out(out: torch.Tensor) -> None:
+    if out.dtype != torch.bfloat16:
+        raise DeepGemmContractError(f"the output of an FP8 grouped GEMM must be bfloat16, got {out.dtype}")
+
+
 def m_grouped_fp8_masked(lhs: Any, rhs: Any, out: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
                          **_options: Any) -> None:
     a, b = _fp8_operands(lhs, rhs)
+    _check_fp8_out(out)
     _check_masked(a, b, out, masked_m, expected_m)
+    _check_ue8m0_castable("lhs", lhs[1], torch.arange(a.shape[1]) < masked_m.unsqueeze(1))
+    _check_ue8m0_castable("rhs", rhs[1])
     _masked(a, b, out, masked_m)
 
 
 def m_grouped_fp8_contiguous(lhs: Any, rhs: Any, out: torch.Tensor, m_indices: torch.Tensor,
                              **_options: Any) -> None:
     a, b = _fp8_operands(lhs, rhs)
+    _check_fp8_out(out)
     _check_contiguous(a, b, out, m_indices)
+    _check_ue8m0_castable("lhs", lhs[1], m_indices >= 0)
+    _check_ue8m0_castable("rhs", rhs[1])
     _contiguous(a, b, out, m_indices)
 
 
@@ -176,14 +213,19 @@ GENERATIONS: dict[str, dict[str, tuple[Callable, tuple[str, ...]]]] = {
 }
 
 
-def install(monkeypatch: Any, old_names: bool = False, generation: str | None = None) -> types.ModuleType:
+def install(monkeypatch: Any, old_names: bool = False, generation: str | None = None,
+            arch: int = 9) -> types.ModuleType:
     """Put the stand-in in ``sys.modules`` as ``deep_gemm`` for a test (through pytest's monkeypatch).
 
     ``generation`` picks the names (default ``"fp8_fp4"``, today's); ``old_names=True`` means ``"legacy"``.
+    ``arch`` is the device played: 9 (SM90, float32 scales) or 10 (SM100, UE8M0 scales).
     """
     generation = generation or ("legacy" if old_names else "fp8_fp4")
     if generation not in GENERATIONS:
         raise ValueError(f"unknown DeepGEMM generation {generation!r}; expected one of {', '.join(GENERATIONS)}")
+    if arch not in (9, 10):
+        raise ValueError(f"arch must be 9 (SM90) or 10 (SM100), got {arch}")
+    monkeypatch.setitem(_DEVICE, "arch", arch)
     mod = types.ModuleType("deep_gemm")
     mod.__version__ = f"standin-{generation}"
     mod.calls = []

@@ -15,7 +15,8 @@ it enforces the rules real V2 asserts or silently depends on:
 * every rank makes the same calls in the same order (a cached dispatch is a different call from a fresh one), with
   the same ``num_experts``, ``num_max_tokens_per_rank``, ``expert_alignment`` and layout;
 * ``x`` is BF16 ``[T, H]`` or FP8 ``(data, scales)``; ``topk_idx`` is int64, ``topk_weights`` float32; combine takes
-  BF16; everything fits the size the buffer was built for.
+  BF16; ``num_sms`` at most the device's; everything fits the size the buffer was built for;
+* no call while torch's deterministic algorithms and ``fill_uninitialized_memory`` are both on (V2 asserts, as V1).
 
 Violations raise `DeepEPContractError`, the V1 stand-in's error. Layouts, as V2 produces them:
 
@@ -23,8 +24,12 @@ Violations raise `DeepEPContractError`, the V1 stand-in's error. Layouts, as V2 
   ``recv_topk_idx`` holding local expert ids (-1 for experts elsewhere) and ``recv_topk_weights`` ``[N, K]``;
 * ``do_expand=True``: one row per (token, local expert), grouped by expert, each expert's rows starting at a
   multiple of ``expert_alignment`` (padding zeroed with ``do_zero_padding``), ``recv_topk_idx`` None and
-  ``recv_topk_weights`` one weight per row. Within an expert, rows are in (source rank, token) order, which is
-  what real V2 gives with ``deterministic=True``;
+  ``recv_topk_weights`` one weight per row. Within an expert, rows are in (source rank, token) order;
+* that sorted order is what real V2 gives with ``deterministic=True`` (its sort epilogue); without it V2 receives
+  in whatever order the transfers land, different from run to run. So the stand-in, built with
+  ``deterministic=False`` (V2's default), permutes the received tokens (NORMAL) or each expert's rows (EXPANDED),
+  by a seeded permutation (``receive_order_seed``, the rank and the call number: reproducible), never the identity
+  when there are two or more to permute; the handle routes the combine back, as V2's metadata does;
 * ``combine`` only sums (weights are not applied; ``topk_weights`` are reduced and returned, as for a backward
   pass), in float32, once within the rank and once at the source, like V2's default ``allow_multiple_reduction``.
 
@@ -44,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 
 from tbo.comm.layout import normal_route
 from tbo.comm.transport import TorchDistributedTransport
-from tbo.testing.deepep_standin import DeepEPContractError, _Event, check_call_order
+from tbo.testing.deepep_standin import DeepEPContractError, _Event, check_call_order, check_torch_deterministic
 from tbo.testing.deepep_standin import EventOverlap as _V1EventOverlap
 
 __all__ = ["ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "DeepEPContractError", "topk_idx_t"]
@@ -171,6 +176,19 @@ class _Route:
     src_global: torch.Tensor  # [N] received rows' source token, as ``rank * num_max_tokens_per_rank + token``
     num_tokens: int
     hidden: int
+    order: torch.Tensor | None = None  # NORMAL, not deterministic: received row i is sorted row order[i]
+
+    def received(self, sorted_rows: torch.Tensor) -> torch.Tensor:
+        """Rows in sorted (source rank, token) order, as they land."""
+        return sorted_rows if self.order is None else sorted_rows[self.order]
+
+    def sorted(self, received_rows: torch.Tensor) -> torch.Tensor:
+        """The inverse: rows as they landed, back in sorted order (what the combine sends)."""
+        if self.order is None:
+            return received_rows
+        out = torch.empty_like(received_rows)
+        out[self.order] = received_rows
+        return out
 
 
 class EPHandle:
@@ -207,6 +225,8 @@ class ElasticBuffer:
 
     num_device_sms: int = 132
     nvlink_gbs: float = 450.0
+    #: seeds the receive order of a buffer built with ``deterministic=False`` (with the rank and the call number)
+    receive_order_seed: int = 0
 
     def __init__(self, group: Any, num_bytes: int | None = None, num_cpu_bytes: int = 0,
                  num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
@@ -337,6 +357,7 @@ class ElasticBuffer:
                  do_cpu_sync: bool | None = None, do_expand: bool = False, do_zero_padding: bool = False,
                  use_tma_aligned_col_major_sf: bool = False):
         op = "dispatch"
+        check_torch_deterministic(op)
         self._check_events(op, previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         data, scales = self._check_x(op, x)
         num_tokens, hidden = data.shape
@@ -395,6 +416,8 @@ class ElasticBuffer:
         if expert_alignment < 1:
             raise DeepEPContractError(f"{op}: expert_alignment must be >= 1, got {expert_alignment}")
         num_sms = num_sms or self.get_theoretical_num_sms(num_experts, num_topk)
+        if num_sms > self.num_device_sms:
+            raise DeepEPContractError(f"{op}: num_sms={num_sms} exceeds the device's {self.num_device_sms} SMs")
         self._agree("dispatch (cached handle)" if cached else "dispatch",
                     (("num_experts", num_experts), ("num_max_tokens_per_rank", max_tokens),
                      ("expert_alignment", expert_alignment), ("do_expand", int(do_expand))))
@@ -434,7 +457,7 @@ class ElasticBuffer:
             for t in (out_x, out_scales, out_w):
                 if t is not None:
                     t[pad] = 0
-        out_idx = route.recv_local_idx.clone() if not do_expand else None
+        out_idx = route.received(route.recv_local_idx).clone() if not do_expand else None
 
         def complete() -> None:
             got = [self._t.finish(p) for p in pend]
@@ -442,11 +465,11 @@ class ElasticBuffer:
             s_rows = got.pop(0) if scales is not None else None
             w_rows = got.pop(0) if topk_weights is not None else None
             if not do_expand:
-                out_x.copy_(x_rows)
+                out_x.copy_(route.received(x_rows))
                 if out_scales is not None:
-                    out_scales.copy_(s_rows)
+                    out_scales.copy_(route.received(s_rows))
                 if out_w is not None:
-                    out_w.copy_(w_rows)
+                    out_w.copy_(route.received(w_rows))
                 return
             token, slot = torch.nonzero(valid, as_tuple=True)
             dest = route.slots[token, slot]
@@ -478,6 +501,7 @@ class ElasticBuffer:
         metadata = torch.full((n, 2 + num_topk), -1, dtype=torch.int32)
         src = torch.repeat_interleave(torch.arange(w), torch.tensor(recv, dtype=torch.int64))
         metadata[:, 0], metadata[:, 1], metadata[:, 2:] = route.src_global, src.int(), route.slots.int()
+        metadata = route.received(metadata)
         new = EPHandle(owner=id(self), route=route, do_expand=do_expand, num_experts=num_experts,
                        expert_alignment=expert_alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms,
                        topk_idx=topk_idx.clone() if do_handle_copy else topk_idx, num_recv_tokens=n,
@@ -499,13 +523,25 @@ class ElasticBuffer:
         src_global = self.rank_idx * self.num_max_tokens_per_rank + r.token_ids
         src_global = self._t.finish(self._t.start(src_global.long(), send, recv, "ElasticBuffer.dispatch (sources)"))
         slots = torch.full(recv_idx.shape, -1, dtype=torch.int64)
+        order = None
         if do_expand:
             offset = 0
             for e in range(local):
                 token, slot = torch.nonzero(recv_idx == e, as_tuple=True)  # row-major: source rank, then token
-                slots[token, slot] = torch.arange(offset, offset + token.numel())
+                slots[token, slot] = offset + self._landing_order(token.numel(), e)
                 offset = _align(offset + token.numel(), expert_alignment)
-        return _Route(r.token_ids, r.local_idx, send, recv, recv_idx, slots, src_global.int(), num_tokens, hidden)
+        elif not self.deterministic and recv_idx.shape[0] > 1:
+            order = self._landing_order(recv_idx.shape[0], 0)
+        return _Route(r.token_ids, r.local_idx, send, recv, recv_idx, slots, src_global.int(), num_tokens, hidden,
+                      order)
+
+    def _landing_order(self, n: int, salt: int) -> torch.Tensor:
+        """Where ``n`` received rows land: sorted when deterministic, else a seeded permutation that moves some."""
+        if self.deterministic or n < 2:
+            return torch.arange(n)
+        g = torch.Generator().manual_seed(hash((self.receive_order_seed, self.rank_idx, self._seq, salt)) % 2**62)
+        perm = torch.randperm(n, generator=g)
+        return perm.roll(1) if torch.equal(perm, torch.arange(n)) else perm
 
     # ---- combine ------------------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None, bias: Any = None,
@@ -513,6 +549,7 @@ class ElasticBuffer:
                 previous_event_before_epilogue: EventHandle | None = None, async_with_compute_stream: bool = False,
                 allocate_on_comm_stream: bool = False):
         op = "combine"
+        check_torch_deterministic(op)
         self._check_events(op, previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         h = self._check_handle(op, handle)
         route = h._route
@@ -543,8 +580,8 @@ class ElasticBuffer:
             send_w = None
             if topk_weights is not None:
                 send_w = torch.where(valid, topk_weights[route.slots.clamp(min=0)], torch.zeros(()))
-        else:
-            send, send_w = x, topk_weights
+        else:  # back to sorted order: the order the sources sent them in
+            send, send_w = route.sorted(x), None if topk_weights is None else route.sorted(topk_weights)
         back = self._t.start(send, route.recv_counts, route.send_counts, "ElasticBuffer.combine (x)")
         back_w = None if send_w is None else self._t.start(send_w, route.recv_counts, route.send_counts,
                                                            "ElasticBuffer.combine (topk_weights)")

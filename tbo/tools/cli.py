@@ -82,12 +82,22 @@ def _cmd_lint(args: argparse.Namespace) -> int:
 
     layer = load_strategy(args.strategy, fragment=True)  # ordering problems are findings here, not a load error
     strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name, fragment=True)
-    findings = lint(strategy, args.microbatches, args.low_latency)
+    limit = None
+    if args.low_latency or args.backend == "deepep_low_latency":
+        from tbo.comm.deepep import LOW_LATENCY_LIMIT
+
+        limit = LOW_LATENCY_LIMIT
+    if args.max_in_flight is not None:
+        from tbo.core.inflight import InFlightLimit
+
+        limit = InFlightLimit(args.max_in_flight, backend=f"--max-in-flight {args.max_in_flight}")
+    findings = lint(strategy, args.microbatches, backend=limit)
     for f in findings:
         print(f)
     errors = sum(f.level == "error" for f in findings)
+    over = f", over {limit.backend}" if limit is not None else ""
     print(f"{layer.name or args.strategy}: {errors} error(s), {len(findings) - errors} warning(s) "
-          f"({args.layers} layers, {args.microbatches} microbatches{', low-latency' if args.low_latency else ''})")
+          f"({args.layers} layers, {args.microbatches} microbatches{over})")
     return 1 if errors else 0
 
 
@@ -111,7 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
     lint.add_argument("--microbatches", type=int, default=2)
     lint.add_argument("--layers", type=int, default=2, help="layers of the strategy to chain (default 2)")
-    lint.add_argument("--low-latency", action="store_true", help="check DeepEP's two-transfers-in-flight limit")
+    lint.add_argument("--backend", choices=("deepep_low_latency",),
+                      help="check the schedule against this backend's limit on transfers in flight (DeepEP V1 "
+                           "low-latency: one un-received call at a time, across microbatches and layers)")
+    lint.add_argument("--low-latency", action="store_true", help="the same as --backend deepep_low_latency")
+    lint.add_argument("--max-in-flight", type=int, default=None,
+                      help="check against a limit of your own: at most N transfers (any kind) in flight at once")
     lint.set_defaults(func=_cmd_lint)
     from tbo.tools.predict.cli import add_parser as add_predict_parser
 

@@ -3,8 +3,9 @@
 Overlap bugs show up as hangs, silent drift, or only on one rank; most are visible in the op list already:
 
 * errors: a wait with no earlier launch (in the same microbatch), a launch never waited (both checked by the core,
-  `tbo.core.ordering`, when a strategy is built; reported here for fragments), and in low-latency mode more than two
-  transfers in flight at once across microbatches (DeepEP double-buffers);
+  `tbo.core.ordering`, when a strategy is built; reported here for fragments), and, given a backend's
+  `InFlightLimit`, every launch made while that many transfers are already in flight across microbatches
+  (`tbo.core.inflight`; DeepEP low-latency tolerates one un-received call, the check binding a strategy makes);
 * warnings: a launch and its wait in the same stage (nothing can overlap), or no compute at all between a launch and
   its wait, in either microbatch.
 """
@@ -12,8 +13,9 @@ Overlap bugs show up as hangs, silent drift, or only on one rank; most are visib
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from tbo.core.inflight import InFlightLimit, in_flight_violations, limit_of
 from tbo.core.strategy import OperationsStrategy
 
 __all__ = ["Finding", "lint"]
@@ -41,15 +43,28 @@ class _Launch:
     computed: bool = False  # did any compute op run since the launch?
 
 
-def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: bool = False) -> list[Finding]:
+def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: bool = False,
+         backend: Any = None) -> list[Finding]:
     """Findings for ``strategy`` run as ``num_microbatches`` interleaved microbatches (errors first).
 
     The errors about pairing are the ones `OperationsStrategy` raises at construction (`tbo.core.ordering`); here
     they come back as findings for strategies built with ``fragment=True``, reported once, at microbatch 0 (every
     microbatch runs the same list). Launches pair with waits as that check paired them.
+
+    ``backend``: an `InFlightLimit`, or a backend declaring one (``in_flight_limit``); every launch over it is an
+    error. ``low_latency=True`` stands for DeepEP V1 low-latency's limit (one un-received call). Lint a strategy of
+    at least two layers (`OperationsStrategy.concat`) to see the layer boundaries, as ``tbo lint --layers`` does.
     """
     order = strategy.transfer_order
     findings = [Finding("error", p.code, str(p), 0, p.stage, p.op) for p in order.problems]
+    limit = backend if isinstance(backend, InFlightLimit) else limit_of(backend)
+    if limit is None and low_latency:
+        from tbo.comm.deepep import LOW_LATENCY_LIMIT  # torch: only when asked for
+
+        limit = LOW_LATENCY_LIMIT
+    if limit is not None:
+        findings += [Finding("error", "too-many-in-flight", str(v), v.launch.mb, v.launch.stage, v.launch.op)
+                     for v in in_flight_violations(strategy, limit, num_microbatches)]
     alive: dict[tuple[int, int], _Launch] = {}  # (microbatch, launch index) -> the transfer in flight
     for visit in strategy.walk(num_microbatches):
         mb, stage, name, role = visit.mb, visit.stage, visit.op, visit.role
@@ -59,10 +74,6 @@ def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: b
             continue
         if role[0] == "launch":
             alive[(mb, visit.index)] = _Launch(mb, stage, name)
-            if low_latency and len(alive) > 2:
-                where = ", ".join(f"{a.op} of microbatch {a.mb} (stage {a.stage})" for a in alive.values())
-                findings.append(Finding("error", "too-many-in-flight", f"{len(alive)} low-latency transfers in "
-                                        f"flight ({where}); DeepEP double-buffers: at most two", mb, stage, name))
             continue
         launch_index = order.pairs.get(visit.index)
         if launch_index is None:

@@ -5,7 +5,10 @@ full one: weights are read twice, small GEMMs run less efficiently). The simulat
 
 * ``X_a`` books transfer ``X`` on the link after earlier transfers (FIFO on bandwidth, latencies overlapping, as in
   `EmulatedLink`) and never blocks compute;
-* ``X_b`` blocks compute until transfer ``X`` of its microbatch has arrived.
+* ``X_b`` blocks compute until transfer ``X`` of its microbatch has arrived;
+* a transfer with an epilogue that takes the whole device (DeepEP V2's copy and reduce epilogues run on every SM)
+  costs that much compute on arrival: ``CostModel.epilogues``, charged at the wait as a ``X_epilogue`` span, since
+  no other kernel runs beside it.
 
 It returns the same `Trace` type as real runs, so `summary`, the Perfetto and PNG exporters, `fit_costs` and the
 examples' printouts all apply. `recommend`, `find_threshold` and `tune` build on it.
@@ -21,6 +24,8 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tbo.core.errors import StrategyError
+from tbo.core.inflight import InFlightLimit, in_flight_violations
 from tbo.core.operations import Yield, comm_role
 from tbo.core.strategy import OperationsStrategy
 from tbo.tools.trace import Span, Trace, summary
@@ -105,6 +110,12 @@ class CostModel(BaseModel):
     #: replace ``ops``. Interleaving changes what is warm in caches: a later microbatch runs an op right after
     #: another ran it on the same weights, and the first one finds them evicted by the other's different op.
     overlapped: dict[str, tuple[Cost, Cost]] = Field(default_factory=dict)
+    #: per transfer kind, device-wide work each transfer ends with (DeepEP V2's epilogues, on every SM): it hides
+    #: behind nothing, so it is compute time, spent when the transfer is waited for
+    epilogues: dict[str, Cost] = Field(default_factory=dict)
+
+    def epilogue(self, kind: str, tokens: int) -> float:
+        return self.epilogues[kind](tokens) if kind in self.epilogues else 0.0
 
     def op(self, name: str, tokens: int, mb: int = 0, overlapped: bool = False) -> float:
         if overlapped and name in self.overlapped:
@@ -145,6 +156,10 @@ def simulate(strategy: OperationsStrategy, costs: CostModel, tokens: Sequence[in
             if arrival > t:
                 trace.spans.append(Span("wait", mb, stage, f"{role[1]}_wait", t, arrival))
                 t = arrival
+            epilogue = costs.epilogue(role[1], n)
+            if epilogue > 0:  # inside the op's span, as its wait is: the op's compute time excludes only the wait
+                trace.spans.append(Span("compute", mb, stage, f"{role[1]}_epilogue", t, t + epilogue))
+                t += epilogue
         t += costs.op(name, n, mb, len(tokens) > 1)
         trace.spans.append(Span("compute", mb, stage, name, start, t))
         if role is not None and role[0] == "launch":
@@ -252,19 +267,30 @@ def _candidates(layer_ops: Sequence[str], costs: CostModel, max_yields: int) -> 
 
 
 def tune(layer_ops: Sequence[str], costs: CostModel, num_tokens: int, num_layers: int = 2,
-         max_yields: int | None = None, name: str = "tuned") -> OperationsStrategy:
-    """The Yield placement (same op order) and ``delta_stages`` with the lowest simulated TBO step time."""
+         max_yields: int | None = None, name: str = "tuned", in_flight_limit: InFlightLimit | None = None,
+         microbatches: int = 2) -> OperationsStrategy:
+    """The Yield placement (same op order) and ``delta_stages`` with the lowest simulated TBO step time.
+
+    ``in_flight_limit``: the backend's limit on transfers in flight (`tbo.comm.deepep.LOW_LATENCY_LIMIT` for DeepEP
+    low-latency); a schedule that breaks it, at any layer boundary, is never proposed. StrategyError if none fits.
+    """
     best: tuple[float, OperationsStrategy] | None = None
-    tokens = split_tokens(num_tokens)
+    tokens = split_tokens(num_tokens, microbatches)
+    refused = 0
     for ops in _candidates(layer_ops, costs, len(layer_ops) - 1 if max_yields is None else max_yields):
         layer = OperationsStrategy(operations=ops)
-        joined = OperationsStrategy.concat([layer] * num_layers)
-        for delta in range(joined.num_stages):
+        joined = OperationsStrategy.concat([layer] * max(num_layers, 2 if in_flight_limit else 1))
+        for delta in range(layer.num_stages):  # a strategy's lead is less than its stage count
+            if in_flight_limit is not None and in_flight_violations(joined, in_flight_limit, microbatches, delta):
+                refused += 1
+                continue
             step = simulate(joined, costs, tokens, delta).step_s
             if best is None or step < best[0] - 1e-15:
-                best = (step, OperationsStrategy(operations=ops, delta_stages=min(delta, layer.num_stages - 1),
-                                                 name=name))
-    assert best is not None
+                best = (step, OperationsStrategy(operations=ops, delta_stages=delta, name=name))
+    if best is None:
+        raise StrategyError(f"tune: every placement of {list(layer_ops)} breaks {in_flight_limit.backend}'s limit "
+                            f"of {in_flight_limit.max_unreceived} transfer(s) in flight ({refused} refused)"
+                            if in_flight_limit else f"tune: no placement of {list(layer_ops)} to try")
     return best[1]
 
 

@@ -52,12 +52,14 @@ def breakdown(p: Prediction, tokens: int) -> list[str]:
     parts = split_tokens(tokens)
     tbo = simulate(p.layer, p.costs, parts).trace
     lines = []
+    def ops(trace, stage, mb=None):  # op spans (an epilogue span lies inside its op's), waits excluded
+        busy = sum(s.duration for s in trace.lane("compute") if s.stage == stage and mb in (None, s.mb)
+                   and not s.name.endswith("_epilogue"))
+        return busy - sum(s.duration for s in trace.lane("wait") if s.stage == stage and mb in (None, s.mb))
+
     for stage, names in enumerate(p.layer.stage_names):
-        one = sum(s.duration for s in single.lane("compute") if s.stage == stage)
-        one -= sum(s.duration for s in single.lane("wait") if s.stage == stage)
-        per_mb = [sum(s.duration for s in tbo.lane("compute") if s.stage == stage and s.mb == mb)
-                  - sum(s.duration for s in tbo.lane("wait") if s.stage == stage and s.mb == mb)
-                  for mb in range(len(parts))]
+        one = ops(single, stage)
+        per_mb = [ops(tbo, stage, mb) for mb in range(len(parts))]
         lines.append(f"stage {stage} [{', '.join(names)}]: single_us: {one * 1e6:.1f} | tbo_us: "
                      + " + ".join(f"{x * 1e6:.1f}" for x in per_mb))
     for kind in p.costs.transfers:
@@ -85,6 +87,8 @@ def _cmd_step(args: argparse.Namespace) -> int:
           f"(layers only: no embedding, LM head or sampling); one MoE layer ({p.layer.name}):")
     for line in breakdown(p, dep.tokens_per_device):
         print(line)
+    for note in p.notes:
+        print(f"note: {note}")
     print(p.recommend().reason)
     if args.costs_out:
         Path(args.costs_out).write_text(p.costs.model_dump_json(indent=1))

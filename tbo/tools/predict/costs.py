@@ -6,7 +6,14 @@ batch reads every weight twice, which is what TBO pays. Summed over kernels an o
 microbatch's tokens; it is stored as a ``table`` `Cost` at its breakpoints, which the simulator interpolates exactly.
 Dispatch and combine are transfers on one link (the bottleneck one) with DeepEP's latency (see `comm`). In prefill
 the normal and V2 kernels hold ``comm_sms`` SMs while microbatches overlap: the overlapped costs run compute on the
-rest, the SMs the prefill strategy's ``deep_gemm_num_sms`` leaves to DeepGEMM.
+rest, the SMs the prefill strategy's ``deep_gemm_num_sms`` leaves to DeepGEMM. SMs beyond that, accounted here:
+
+* V2's copy (dispatch) and reduce (combine) epilogues run on **every** SM, so the receive-side passes are the
+  transfers' ``epilogues``, device-wide compute at the wait, not ops that share the GPU with the other microbatch;
+* V2 on one rank takes every SM (``get_theoretical_num_sms``'s no-traffic case): nothing runs beside its kernels, so
+  the whole transfer is an epilogue and DeepGEMM gets no budget;
+* V1 normal's buffers are sized for the ``Buffer.num_sms`` in effect when they are made: a ``comm_sms`` other than
+  the default 20 comes with the note to set it before building them (`Prediction.notes`).
 
 Everything runs through the existing `simulate`/`compare`/`recommend`/`find_threshold` on the real strategies
 (``deepseek_decode``/``deepseek_prefill``, or the Qwen3-MoE ones for models without a shared expert), so a prediction
@@ -177,6 +184,7 @@ class Prediction:
     costs: CostModel
     traffic: dict[str, Traffic] = field(default_factory=dict)
     kernels: dict[str, list[Kernel]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  #: what the deployment asks of DeepEP's SMs and buffers, in words
 
     def compare(self, tokens: int | None = None) -> Comparison:
         """Single batch vs TBO for the whole model at ``tokens`` (default: the deployment's tokens per device)."""
@@ -198,17 +206,23 @@ def _strategies(model: ModelShape, dep: Deployment, hw: Hardware) -> tuple[Opera
     else:
         layer = deepseek_prefill() if shared else qwen3_moe_prefill()
     # low-latency kernels hold SMs only to send and receive (ops of their own); the others hold comm_sms throughout
-    comm_sms = dep.resolved_comm_sms if dep.resolved_kernel != "low_latency" else 0
-    if comm_sms >= hw.num_sms:
+    comm_sms = dep.comm_sms_of(hw.num_sms) if dep.resolved_kernel != "low_latency" else 0
+    whole_device = dep.comm_sms is None and comm_sms >= hw.num_sms  # V2 on one rank: every SM, by V2's own count
+    if comm_sms >= hw.num_sms and not whole_device:
         raise ValueError(f"comm_sms={comm_sms} leaves no SMs for compute on {hw.name} ({hw.num_sms} SMs)")
-    num_sms = hw.num_sms - comm_sms if comm_sms else None
+    num_sms = hw.num_sms - comm_sms if comm_sms and not whole_device else None
     # the strategy's own SM budget is the local GPU's (None without one): set the predicted cluster's instead
     layer = OperationsStrategy(operations=layer.operations, delta_stages=layer.delta_stages,
                                deep_gemm_num_sms=num_sms, name=layer.name)
     # dense layers first, their ops one stage (as `bind_layers` joins them): it takes the MoE layers' lead
     ops = list(DENSE_OPS) * model.num_dense_layers + list(layer.operations) * model.num_moe_layers
-    return layer, OperationsStrategy(operations=ops, delta_stages=layer.delta_stages, deep_gemm_num_sms=num_sms,
-                                     name=f"{model.name}_{layer.name}")
+    whole = OperationsStrategy(operations=ops, delta_stages=layer.delta_stages, deep_gemm_num_sms=num_sms,
+                               name=f"{model.name}_{layer.name}")
+    if dep.resolved_kernel == "low_latency":  # a schedule that would hang the GPUs has no step time to predict
+        from tbo.comm.deepep import LOW_LATENCY_LIMIT
+
+        whole.check_in_flight(LOW_LATENCY_LIMIT)
+    return layer, whole
 
 
 def predict(hardware: str | Hardware, model: str | ModelShape, deployment: Deployment,
@@ -220,6 +234,14 @@ def predict(hardware: str | Hardware, model: str | ModelShape, deployment: Deplo
     kernel = dep.resolved_kernel
     layer, strategy = _strategies(shape, dep, hw)
     kernels = layer_kernels(shape, dep, hw)
+    whole_device = dep.comm_sms_of(hw.num_sms) >= hw.num_sms  # V2 on one rank
+    notes: list[str] = []
+    epilogue_kernels: dict[str, list[Kernel]] = {}
+    if kernel == "v2":  # the receive-side passes are V2's epilogues, on every SM
+        epilogue_kernels = {"dispatch": kernels.pop("dispatch_b"), "combine": kernels.pop("combine_b")}
+        kernels["dispatch_b"], kernels["combine_b"] = [], []
+        notes.append(f"DeepEP V2's copy and reduce epilogues run on all {hw.num_sms} SMs: charged as device-wide "
+                     "compute when each transfer is waited for")
     ops = {name: _op_cost(ks, hw, eff) for name, ks in kernels.items()}
     overlapped: dict[str, tuple[Cost, Cost]] = {}
     if layer.deep_gemm_num_sms is not None:  # communication holds SMs while microbatches overlap
@@ -227,6 +249,10 @@ def predict(hardware: str | Hardware, model: str | ModelShape, deployment: Deplo
         for name, ks in kernels.items():
             c = _op_cost(ks, hw, eff, fraction)
             overlapped[name] = (c, c)
+    if kernel == "normal" and dep.resolved_comm_sms != 20:
+        notes.append(f"DeepEP V1 normal buffers are sized for the Buffer.num_sms in effect when made: set it to "
+                     f"{dep.resolved_comm_sms} (tbo.comm.sm_budget.deep_ep_num_sms) before building them, or the "
+                     "kernels overrun them")
     slots = dep.slots(shape)
     grouped = slots == shape.num_experts
     flows = {kind: traffic(kind, kernel, shape.hidden, shape.topk, dep.ep, hw.gpus_per_node, slots,
@@ -242,9 +268,21 @@ def predict(hardware: str | Hardware, model: str | ModelShape, deployment: Deplo
     skew = 1.0 / dep.balancedness  # the busiest receiver sets the pace
     transfers = {kind: TransferCost(bytes_per_token=t.seconds_per_token(hw, eff) * rate * skew)
                  for kind, t in flows.items()}
-    costs = CostModel(ops=ops, transfers=transfers, latency_s=hw.message_latency_s, bandwidth=rate,
-                      overlapped=overlapped)
-    return Prediction(hw, shape, dep, eff, layer, strategy, costs, flows, kernels)
+    latency = hw.message_latency_s
+    epilogues = {kind: _op_cost(ks, hw, eff) for kind, ks in epilogue_kernels.items()}
+    if whole_device:  # nothing overlaps a kernel that holds every SM: the transfer is device-wide time too
+        notes.append(f"DeepEP V2 on one rank takes all {hw.num_sms} SMs (get_theoretical_num_sms with no traffic): "
+                     "nothing runs beside its kernels, so TBO cannot hide them and DeepGEMM gets no budget")
+        for kind in ("dispatch", "combine"):
+            base = epilogues.get(kind, Cost(kind="constant"))
+            per_token = transfers[kind].bytes_per_token / rate
+            epilogues[kind] = Cost(kind="table", points=[(x, y + latency + per_token * x) for x, y in
+                                                         (base.points or [(0.0, base.seconds), (1.0, base.seconds)])])
+        transfers, latency = {}, 0.0
+    costs = CostModel(ops=ops, transfers=transfers, latency_s=latency, bandwidth=rate, overlapped=overlapped,
+                      epilogues=epilogues)
+    kernels.update({f"{kind}_epilogue": ks for kind, ks in epilogue_kernels.items()})
+    return Prediction(hw, shape, dep, eff, layer, strategy, costs, flows, kernels, tuple(notes))
 
 
 def split_policy(hardware: str | Hardware, model: str | ModelShape, decode: Deployment | None = None,

@@ -163,7 +163,8 @@ class Deployment(BaseModel):
     microbatch; causal attention sees half of it on average). ``kernel`` defaults by mode: DeepEP's low-latency
     kernels for decode, the normal ones for prefill; ``v2`` is DeepEP V2's unified kernels. ``comm_sms`` is the SMs the
     normal and V2 kernels take from compute while they run (DeepEP V1 ``Buffer.num_sms`` defaults to 20; V2's
-    README: 12 at EP 8x2, 6 at EP 8x4); low-latency kernels hold no SMs while in flight. ``expert_slots``
+    README: 12 at EP 8x2, 6 at EP 8x4; on one rank V2's ``get_theoretical_num_sms`` gives every SM, see
+    `comm_sms_of`); low-latency kernels hold no SMs while in flight. ``expert_slots``
     (default: the model's experts) counts physical expert copies, e.g. 288 with EPLB's 32 redundant experts.
     ``balancedness`` is mean over max expert load per GPU (SGLang's measure): the busiest GPU sets the pace.
     """
@@ -193,6 +194,13 @@ class Deployment(BaseModel):
         if self.comm_sms is not None:
             return self.comm_sms
         return {"low_latency": 0, "normal": 20, "v2": 12 if self.ep <= 16 else 6}[self.resolved_kernel]
+
+    def comm_sms_of(self, device_sms: int) -> int:
+        """``resolved_comm_sms`` on a device of ``device_sms`` SMs: V2 on one rank (EP1) has no traffic to size by,
+        and ``get_theoretical_num_sms`` then returns every SM (DeepEP elastic.py:816-818)."""
+        if self.comm_sms is None and self.resolved_kernel == "v2" and self.ep == 1:
+            return device_sms
+        return self.resolved_comm_sms
 
     def slots(self, model: ModelShape) -> int:
         n = self.expert_slots or model.num_experts
