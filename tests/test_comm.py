@@ -74,6 +74,27 @@ def test_local_backend_matches_dense_formula(fmt, top_k):
     torch.testing.assert_close(got, dense_moe_reference(x, idx, w, experts), rtol=1e-5, atol=1e-5)
 
 
+def test_one_rank_normal_moves_nothing_when_every_token_is_routed():
+    """On one rank, with every token routed, NORMAL dispatch is the identity: no gather out, no scatter back (the
+    vLLM plugin's unsplit steps pay for nothing else). A token with no expert takes the general route."""
+    experts = SwiGLUExperts.build(8, HIDDEN, INTER, seed=3)
+    b = LocalBackend(8, DispatchFormat.NORMAL)
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(2))
+    idx, w = make_routing(6, 8, 2, seed=5)
+    d = b.dispatch_b(b.dispatch_a(x, idx, w))
+    assert d.handle.route.identity and d.hidden is x
+    assert torch.equal(d.tokens_per_expert, torch.bincount(idx.flatten(), minlength=8))
+    y = run_experts(d, experts.local(0, 8))
+    assert b.combine_b(b.combine_a(y, d.handle)) is y
+    torch.testing.assert_close(y, dense_moe_reference(x, idx, w, experts), rtol=1e-5, atol=1e-5)
+    idx[3] = -1  # token 3 goes nowhere: 5 rows travel, and token 3 comes back as zeros
+    d = b.dispatch_b(b.dispatch_a(x, idx, w))
+    assert not d.handle.route.identity and d.hidden.shape[0] == 5
+    assert torch.equal(d.tokens_per_expert, torch.bincount(idx[idx >= 0], minlength=8))
+    torch.testing.assert_close(moe(b, x, idx, w, experts.local(0, 8)), dense_moe_reference(x, idx, w, experts),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_masked_capacity_bounds_captured_steps_not_eager_ones():
     """A step above ``masked_capacity`` runs eagerly with slabs of its size (capture refuses it: test_capture_safe)."""
     b = LocalBackend(4, DispatchFormat.MASKED, masked_capacity=2)

@@ -64,7 +64,10 @@ def _sum_by_token(rows: torch.Tensor, route: NormalRoute, num_tokens: int) -> to
     """NORMAL combine: each token's rows from every rank that computed for it, summed (zero for a token sent
     nowhere). Rows come back in (rank, token) order and a token appears at most once per rank, so the first rank's
     rows are copied into place and only the others are added: on one rank no ``index_add_`` runs at all (on the CPU
-    it can take milliseconds where a copy takes microseconds)."""
+    it can take milliseconds where a copy takes microseconds), and when that rank has every token, in order, nothing
+    moves at all (the combined output is the experts' output itself)."""
+    if route.identity:  # one rank, every token there once, in order: its rows are the sum
+        return rows
     out = rows.new_zeros((num_tokens, rows.shape[1]))
     start = 0
     for n in route.send_counts.tolist():
@@ -121,11 +124,12 @@ class AllToAllBackend:
         """`EPBackend.dispatch_a`: exchange the row counts (small, blocking), then launch the rows; on the
         capture-safe path (MASKED, fixed capacity, one rank), scatter into fixed-shape slabs with no host read.
         ``topk_idx`` comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
-        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a", sync_free=self.capture_safe)
+        min_id = check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a",
+                               sync_free=self.capture_safe)
         if self.capture_safe:
             return self._dispatch_a_static(hidden, topk_idx, topk_weights)
         if self.format is DispatchFormat.NORMAL:
-            return self._dispatch_a_normal(hidden, topk_idx, topk_weights)
+            return self._dispatch_a_normal(hidden, topk_idx, topk_weights, min_id)
         route = expanded_route(topk_idx, self.num_ranks, self.num_local_experts)
         recv_counts = self.transport.exchange(route.send_counts.reshape(-1), "dispatch_a (row counts)")
         recv_counts = recv_counts.view(self.num_ranks, self.num_local_experts)
@@ -135,12 +139,15 @@ class AllToAllBackend:
         return DispatchState(pending, rows.nbytes, {"route": route, "recv_counts": recv_counts,
                                                     "topk_weights": topk_weights})
 
-    def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
-                           topk_weights: torch.Tensor) -> DispatchState:
-        route = normal_route(topk_idx, topk_weights, self.num_ranks, self.num_local_experts)
+    def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                           min_id: int | None) -> DispatchState:
+        route = normal_route(topk_idx, topk_weights, self.num_ranks, self.num_local_experts, min_id)
         recv_counts = self.transport.exchange(route.send_counts, "dispatch_a (token counts)")
-        send, recv = route.send_counts.tolist(), recv_counts.tolist()
-        rows = hidden[route.token_ids]
+        if route.identity:  # one rank: what is sent is what arrives, and its size needs no host read
+            send = recv = [hidden.shape[0]]
+        else:
+            send, recv = route.send_counts.tolist(), recv_counts.tolist()
+        rows = hidden if route.identity else hidden[route.token_ids]  # identity: one rank has every token, in order
         pending = (
             self.transport.start(rows, send, recv, "dispatch_b (tokens)"),
             self.transport.start(route.local_idx, send, recv, "dispatch_b (topk_idx)"),
@@ -191,8 +198,8 @@ class AllToAllBackend:
                                   _StaticMaskedHandle(route, info["topk_weights"]))
         if self.format is DispatchFormat.NORMAL:
             rows, idx, weights = (self.transport.finish(p) for p in state.pending)
-            counts = torch.stack([(idx == e).sum() for e in range(self.num_local_experts)]) if idx.numel() else (
-                torch.zeros(self.num_local_experts, dtype=torch.long, device=idx.device))
+            valid = idx.flatten() if info["route"].identity else idx[idx >= 0]  # -1: an expert on another rank
+            counts = torch.bincount(valid, minlength=self.num_local_experts)
             handle = _NormalHandle(info["route"], info["recv_counts"], info["num_tokens"])
             return DispatchOutput(DispatchFormat.NORMAL, rows, counts, handle, topk_idx=idx, topk_weights=weights)
         rows = self.transport.finish(state.pending)
@@ -239,11 +246,13 @@ class AllToAllBackend:
         return CombineState(pair_rows, pair_rows.nbytes, {"handle": handle})
 
     def _combine_a_normal(self, expert_out: torch.Tensor, handle: _NormalHandle) -> CombineState:
-        expected = int(handle.recv_counts.sum())
+        identity = handle.route.identity
+        expected = handle.num_tokens if identity else int(handle.recv_counts.sum())
         if expert_out.dim() != 2 or expert_out.shape[0] != expected:
             raise ValueError(f"combine_a: NORMAL expert output must be [{expected}, H], got {tuple(expert_out.shape)}")
-        pending = self.transport.start(expert_out, handle.recv_counts.tolist(), handle.route.send_counts.tolist(),
-                                       "combine_b (tokens)")
+        send = [expected] if identity else handle.recv_counts.tolist()
+        recv = [expected] if identity else handle.route.send_counts.tolist()
+        pending = self.transport.start(expert_out, send, recv, "combine_b (tokens)")
         return CombineState(pending, expert_out.nbytes, {"handle": handle})
 
     def combine_b(self, state: CombineState) -> torch.Tensor:

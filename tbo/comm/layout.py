@@ -50,12 +50,14 @@ def device_check(ok: torch.Tensor, message: str) -> None:
 
 
 def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                  op: str, sync_free: bool = False) -> None:
+                  op: str, sync_free: bool = False) -> int | None:
     """Reject inputs that would silently misroute, naming the tensor and what was expected.
 
     Shapes, dtypes and devices are checked on the host (they are metadata, free to read). The expert ids' range is
     a value: with ``sync_free`` it is checked by `device_check` (a device-side assertion off the CPU), so that
     capture-safe backends never read a device tensor on the host; otherwise it is read and reported exactly.
+    Returns the smallest id when it was read on the host (-1: some slot names no expert), else None: the caller's
+    route can use it instead of reading the ids again.
     """
     if hidden.dim() != 2:
         raise ValueError(f"{op}: hidden must be [num_tokens, hidden], got shape {tuple(hidden.shape)}")
@@ -79,14 +81,15 @@ def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
             f"({hidden.device}, {topk_idx.device}, {topk_weights.device})"
         )
     if not topk_idx.numel():
-        return
+        return None
     if sync_free and topk_idx.device.type != "cpu":
         device_check(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
                      f"{op}: topk_idx values must be in [-1, {num_experts})")
-        return
-    if int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts:
-        raise ValueError(f"{op}: topk_idx values must be in [-1, {num_experts}), got "
-                         f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
+        return None
+    lo, hi = (int(v) for v in topk_idx.aminmax())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"{op}: topk_idx values must be in [-1, {num_experts}), got [{lo}, {hi}]")
+    return lo
 
 
 @dataclass(frozen=True)
@@ -118,12 +121,20 @@ class NormalRoute:
     local_idx: torch.Tensor  #: [S, top_k] the destination's local expert ids, -1 for experts elsewhere
     weights: torch.Tensor  #: [S, top_k]
     send_counts: torch.Tensor  #: [num_ranks]
+    #: one rank and every slot routed: rows go in token order, unchanged (no gather on dispatch, no scatter back),
+    #: and ``local_idx`` names an expert in every slot
+    identity: bool = False
 
 
 def normal_route(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_ranks: int,
-                 num_local_experts: int) -> NormalRoute:
+                 num_local_experts: int, min_id: int | None = None) -> NormalRoute:
+    """``min_id``: the smallest id, when the caller has read it (`check_routing` returns it). On one rank with
+    every slot naming an expert (``min_id >= 0``), the route is the identity: every token, in order."""
     t = topk_idx.shape[0]
     idx = topk_idx.long()
+    if num_ranks == 1 and min_id is not None and min_id >= 0:
+        return NormalRoute(torch.arange(t, device=idx.device), idx, topk_weights,
+                           torch.tensor([t], device=idx.device), identity=True)
     dest = torch.where(idx >= 0, idx // num_local_experts, torch.full_like(idx, -1))
     in_rank = torch.stack([(dest == r).any(dim=1) for r in range(num_ranks)]) if t else torch.zeros(
         num_ranks, 0, dtype=torch.bool, device=idx.device)  # [W, T]
