@@ -238,6 +238,9 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, caplog):
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     model = runner.model.model
     assert "forward" in vars(model) and {"execute_model", "shutdown", "tbo"} <= set(vars(runner))
+    # Qwen3-MoE's attention runs as two ops (projections + rotary | attention + output), so a strategy's Yield
+    # between attn_prepare and attn_core is real; the dense layer's too
+    assert [layer.split_attention for layer in runner.tbo.layers] == [True] * 3
     out, delta = _run(llm, SCENARIOS["decode"])
     assert delta["split_steps"] > 0 and delta["microbatches"] == 3 * delta["split_steps"], delta
     with caplog.at_level("INFO", logger="vllm.tbo"):

@@ -1,8 +1,8 @@
 """`VllmDecoderLayer`: one of vLLM's own Qwen3-MoE or DeepSeek-V2/V3 decoder layers, as the ops tbo's strategies name.
 
 Every op calls the layer's own modules, so the math is vLLM's: the fused residual-add RMSNorms, the attention module
-(projections, rotary, vLLM's attention backend with its KV cache, output projection: one call, so ``attn_prepare``
-has nothing to do), the router (``gate`` for the logits, the router's ``select_experts`` for top-k, DeepSeek's
+(for Qwen3-MoE its projections, q/k norms and rotary in ``attn_prepare``, vLLM's attention backend with its KV cache
+and the output projection in ``attn_core``; DeepSeek's MLA module whole, in ``attn_core``), the router (``gate`` for the logits, the router's ``select_experts`` for top-k, DeepSeek's
 grouped and bias-corrected routing included) and the fused-MoE experts kernel. What tbo changes is where the tokens
 go between routing and the experts: through an `EPBackend` (dispatch, combine), in the NORMAL layout that kernel
 takes (each token once, with its top-k ids and weights). The routed output is then scaled, added to the shared
@@ -33,6 +33,14 @@ def _moe_runner(mlp: Any) -> Any:
     return runner if runner is not None and hasattr(runner, "routed_experts") else None
 
 
+def _is_qwen3_moe_attention(attn: Any) -> bool:
+    """Whether ``attn`` runs exactly vLLM's ``Qwen3MoeAttention.forward``, which the two attention ops reproduce
+    from its own modules (a subclass with another forward runs whole, in ``attn_core``)."""
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention
+
+    return type(attn).forward is Qwen3MoeAttention.forward
+
+
 class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
@@ -45,6 +53,8 @@ class VllmDecoderLayer(ExpertParallelOps):
             self._all_reduce = tensor_model_parallel_all_reduce
         attn = layer.self_attn
         self._attn_extra = (None,) if "llama_4_scaling" in inspect.signature(attn.forward).parameters else ()
+        #: attention as two ops (Qwen3-MoE), or one call in attn_core (DeepSeek MLA)
+        self.split_attention = _is_qwen3_moe_attention(attn)
         self.runner = _moe_runner(layer.mlp)
         self.kind = "dense" if self.runner is None else "moe"
         self.shared = None
@@ -92,10 +102,24 @@ class VllmDecoderLayer(ExpertParallelOps):
             state.attn_in = attn_in
 
     def op_attn_prepare(self, state: State) -> None:
-        """vLLM's attention module is one call (projections, rotary, attention, output): ``attn_core`` makes it."""
+        """Qwen3-MoE: the QKV projection, the q/k norms and rotary, with vLLM's modules, in its forward's order (so
+        the other microbatch's dispatch has that compute to hide behind). Other attention modules (DeepSeek's MLA)
+        are one call: ``attn_core`` makes it."""
+        if self.split_attention:
+            attn = self.layer.self_attn
+            qkv, _ = attn.qkv_proj(state.pop("attn_in"))
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q = attn.q_norm(q.view(*q.shape[:-1], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
+            k = attn.k_norm(k.view(*k.shape[:-1], k.shape[-1] // attn.head_dim, attn.head_dim)).view(k.shape)
+            q, k = attn.rotary_emb(state.positions, q, k)
+            state.qkv = (q, k, v)
 
     def op_attn_core(self, state: State) -> None:
-        state.attn_out = self.layer.self_attn(state.positions, state.pop("attn_in"), *self._attn_extra)
+        attn = self.layer.self_attn
+        if self.split_attention:
+            state.attn_out, _ = attn.o_proj(attn.attn(*state.pop("qkv")))
+        else:
+            state.attn_out = attn(state.positions, state.pop("attn_in"), *self._attn_extra)
 
     def op_comm_prepare_mlp(self, state: State) -> None:
         mlp_in, residual = self.layer.post_attention_layernorm(state.pop("attn_out"), state.pop("residual"))
