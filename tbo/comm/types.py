@@ -140,6 +140,11 @@ class BackendWrapper:
         """The inner backend's `tbo.core.inflight.InFlightLimit` (None: it has none): wrapping changes no buffer."""
         return getattr(self.inner, "in_flight_limit", None)
 
+    @property
+    def masked_capacity(self) -> int | None:
+        """The inner backend's fixed MASKED capacity (None: none is set): a wrapper moves the same slabs."""
+        return getattr(self.inner, "masked_capacity", None)
+
     def drain(self) -> int:
         return self.inner.drain()
 

@@ -398,19 +398,9 @@ class ReferenceModel:
         """
         from tbo.runtime.cuda_graph import GraphRunner
 
-        capacity = _masked_capacity(self.backend)
+        capacity = getattr(self.backend, "masked_capacity", None)  # through any BackendWrapper
         if kwargs.get("capture", True) and capacity is not None and max(batch_sizes) > capacity:
             raise ValueError(f"graph_runner: the largest bucket ({max(batch_sizes)} requests) exceeds the backend's "
                              f"masked_capacity={capacity}; a captured step may carry at most masked_capacity tokens")
         pad = {"ids": 0, "positions": 0, "slots": cache.scratch_slot, **kwargs.pop("pad_values", {})}
         return GraphRunner(self.decode_step(cache, strategy, slots_in_order), batch_sizes, pad_values=pad, **kwargs)
-
-
-def _masked_capacity(backend: Any) -> int | None:
-    """The fixed MASKED capacity of ``backend`` or of the backend it wraps (None: none is set)."""
-    while backend is not None:
-        capacity = getattr(backend, "masked_capacity", None)
-        if capacity is not None:
-            return int(capacity)
-        backend = getattr(backend, "inner", None)
-    return None
