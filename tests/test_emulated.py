@@ -5,7 +5,7 @@ import torch
 
 from tbo.comm import LocalBackend
 from tbo.experts import run_experts
-from tbo.comm.emulated import EmulatedLink, SimulatedClock
+from tbo.comm.emulated import EmulatedLink, SimulatedClock, parse_link_spec
 from tbo.testing.moe import SwiGLUExperts, make_routing
 
 H = 8
@@ -67,6 +67,8 @@ def test_spec_parsing_and_errors():
     assert link.latency_s == pytest.approx(20e-6) and link.bandwidth == pytest.approx(50e9)
     with pytest.raises(ValueError, match="LATENCY_US,GBPS"):
         EmulatedLink.from_spec(LocalBackend(2), "fast")
+    with pytest.raises(ValueError, match=r"link spec '-1,50': latency must be >= 0"):
+        parse_link_spec("-1,50")
     with pytest.raises(ValueError, match="bandwidth"):
         EmulatedLink(LocalBackend(2), 0.0, 0.0)
 

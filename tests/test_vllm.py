@@ -53,7 +53,7 @@ def test_no_tbo_key_leaves_the_engine_alone():
     ({"num_microbatches": 3, "decode_token_threshold": 2}, r"decode_token_threshold=2 is lower than "
                                                            r"num_microbatches=3"),
     ({"backend": "nccl"}, r"backend='nccl': Input should be 'local' or 'deepep'"),
-    ({"link": "20us"}, r"link must be 'LATENCY_US,GBPS'"),
+    ({"link": "20us"}, r"link='20us': link spec must be 'LATENCY_US,GBPS'"),
     ({"pad_to_multiple": 8}, r"pad_to_multiple=8: Input should be 1"),
     ("decode", r"must be a dict of tbo settings"),
 ])

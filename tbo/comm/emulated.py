@@ -17,7 +17,7 @@ import torch
 from tbo.util.intervals import interval_union
 from tbo.comm.types import BackendWrapper, DispatchOutput
 
-__all__ = ["EmulatedLink", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer"]
+__all__ = ["EmulatedLink", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer", "parse_link_spec"]
 
 
 class LinkClock(Protocol):
@@ -109,6 +109,19 @@ class _InFlight:
     transfer: Transfer
 
 
+def parse_link_spec(spec: str) -> tuple[float, float]:
+    """``"LATENCY_US,GBPS"`` (e.g. ``"20,50"``) as ``(latency_s, bandwidth_bytes_per_s)``; a ValueError naming the
+    spec when it is malformed, the latency negative or the bandwidth not positive. One parser for every place a link
+    is configured (the examples' ``--link``, the vLLM plugin's ``link`` key)."""
+    try:
+        latency_us, gbps = (float(v) for v in spec.split(","))
+    except ValueError:
+        raise ValueError(f"link spec must be 'LATENCY_US,GBPS' (e.g. '20,50'), got {spec!r}") from None
+    if latency_us < 0 or gbps <= 0:
+        raise ValueError(f"link spec {spec!r}: latency must be >= 0 and bandwidth > 0")
+    return latency_us * 1e-6, gbps * 1e9
+
+
 class EmulatedLink(BackendWrapper):
     """An `EPBackend` wrapper whose transfers take ``latency_s + nbytes / bandwidth`` of (wall or simulated) time."""
 
@@ -125,12 +138,8 @@ class EmulatedLink(BackendWrapper):
 
     @classmethod
     def from_spec(cls, inner: Any, spec: str, clock: LinkClock | None = None) -> "EmulatedLink":
-        """``"LATENCY_US,GBPS"``, e.g. ``"20,50"``: 20 us latency, 50 GB/s."""
-        try:
-            latency_us, gbps = (float(v) for v in spec.split(","))
-        except ValueError:
-            raise ValueError(f"link spec must be 'LATENCY_US,GBPS', got {spec!r}") from None
-        return cls(inner, latency_us * 1e-6, gbps * 1e9, clock)
+        """``"LATENCY_US,GBPS"``, e.g. ``"20,50"``: 20 us latency, 50 GB/s (see `parse_link_spec`)."""
+        return cls(inner, *parse_link_spec(spec), clock)
 
     def transfer_time(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth

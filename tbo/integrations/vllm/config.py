@@ -13,6 +13,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tbo import strategies
+from tbo.comm.emulated import parse_link_spec
 from tbo.split import SplitPolicy
 
 __all__ = ["TboConfigError", "TboVllmConfig", "StrategyNames", "parse_config", "CONFIG_KEY"]
@@ -87,14 +88,8 @@ class TboVllmConfig(BaseModel):
     @field_validator("link")
     @classmethod
     def _link(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        try:
-            latency_us, gbps = (float(v) for v in value.split(","))
-        except ValueError:
-            raise ValueError(f"link must be 'LATENCY_US,GBPS' (e.g. '20,50'), got {value!r}") from None
-        if latency_us < 0 or gbps <= 0:
-            raise ValueError(f"link {value!r}: latency must be >= 0 and bandwidth > 0")
+        if value is not None:
+            parse_link_spec(value)  # the link's own parser: its ValueError names the spec
         return value
 
     def split_policy(self) -> SplitPolicy:
