@@ -43,6 +43,8 @@ def main_cpu() -> None:
           f"{time.perf_counter() - t0:.0f} s")
     if any(r["max_diff"] != 0 for _, r in rows):
         raise SystemExit("TBO differs from forward()")
+    if not all(r["split"] for _, r in rows):
+        raise SystemExit("a case was not split: its TBO figures are one batch's")
 
 
 def main_cuda(repeats: int = 10) -> None:

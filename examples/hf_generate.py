@@ -12,9 +12,11 @@ with tbo (prefill with the prefill strategy, decode with the decode strategy, tw
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 import torch
 
+from tbo import Observer
 from tbo.comm import TorchDistributedBackend
 from tbo.integrations import transformers as tbo_hf
 from tbo.integrations.hf_tiny import MODELS, tiny_model
@@ -34,17 +36,32 @@ def prompts(rank: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def run(rank: int, world: int, name: str, new_tokens: int) -> tuple[float, bool]:
+class OpsPerMicrobatch(Observer):
+    """Counts the ops each microbatch ran: every split step runs its ops once in microbatch 0 and once in 1."""
+
+    def __init__(self) -> None:
+        self.ops: Counter[int] = Counter()
+
+    def on_op_start(self, mb: int, stage: int, name: str) -> None:
+        self.ops[mb] += 1
+
+    @property
+    def every_step_split(self) -> bool:
+        return sorted(self.ops) == [0, 1] and self.ops[0] == self.ops[1]
+
+
+def run(rank: int, world: int, name: str, new_tokens: int) -> tuple[float, bool, bool]:
     model = tiny_model(name)
     backend = TorchDistributedBackend(8) if world > 1 else None
     policy = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
     ids, mask = prompts(rank)
+    seen = OpsPerMicrobatch()
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask).logits
-    logits, _ = tbo_hf.forward(model, ids, mask, policy=policy, backend=backend)
+    logits, _ = tbo_hf.forward(model, ids, mask, policy=policy, backend=backend, observer=seen)
     hf_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-    ours = tbo_hf.generate(model, ids, mask, max_new_tokens=new_tokens, policy=policy, backend=backend)
-    return float((logits - reference).abs().max()), bool(torch.equal(hf_tokens, ours))
+    ours = tbo_hf.generate(model, ids, mask, max_new_tokens=new_tokens, policy=policy, backend=backend, observer=seen)
+    return float((logits - reference).abs().max()), bool(torch.equal(hf_tokens, ours)), seen.every_step_split
 
 
 def main() -> None:
@@ -55,8 +72,10 @@ def main() -> None:
     args = parser.parse_args()
     results = launch(run, args.ranks, args.model, args.new_tokens)
     print(f"{args.model}: {args.ranks} rank(s), batch of 4 left-padded prompts per rank, {args.new_tokens} new tokens")
-    print(f"max diff: {max(d for d, _ in results):.3g}  (prefill logits vs HF's forward; tolerance 1e-5)")
-    print(f"tokens equal: {all(eq for _, eq in results)}")
+    split = all(s for _, _, s in results)
+    print(f"split: {'yes, every step in 2 microbatches' if split else 'no, some steps ran as one batch'}")
+    print(f"max diff: {max(d for d, _, _ in results):.3g}  (prefill logits vs HF's forward; tolerance 1e-5)")
+    print(f"tokens equal: {all(eq for _, eq, _ in results)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Attention-FFN disaggregation over real gloo processes."""
 
-import time
+from collections import Counter
 
 import pytest
 import torch
@@ -22,10 +22,11 @@ def test_one_to_one_equals_colocated_forward(mode):
     assert first_step == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
     assert all(m.hidden == 64 and m.dtype == torch.float32 and m.src == 0 for m in ffn.received)
     assert sum(m.num_tokens for m in ffn.received[:2]) == attention.tokens
+    # every step reached the FFN: 3 unsplit and 3 split (the first, 1 repeat, 1 traced), 3 layers each
+    assert Counter(m.num_microbatches for m in ffn.received) == {1: 3 * 3, 2: 3 * 3 * 2}
     # the benchmark's accounting: FFN busy time per step for each mode, where each step's time went on the attention
-    assert set(ffn.ffn_busy_ms) == {1, 2} and all(ms > 0 for ms in ffn.ffn_busy_ms.values())
+    assert set(ffn.ffn_busy_ms) == {1, 2}
     assert set(attention.attention_ms) == set(attention.wait_ms) == {"no_dbo", "dbo"}
-    assert all(attention.wait_ms[m] > 0 and attention.attention_ms[m] > 0 for m in ("no_dbo", "dbo"))
 
 
 @pytest.mark.dist
@@ -47,14 +48,12 @@ def test_step_below_threshold_runs_unsplit():
 
 @pytest.mark.dist
 def test_ffn_death_raises_comm_timeout_with_context():
+    """The attention rank's 5 s deadline names the wait; a hang would hit launch's 120 s one (a TimeoutError)."""
     case = AFDCase(mode="decode", num_seqs=4, ctx=8, num_layers=3, repeats=1, timeout_s=5, ffn_dies_after=3)
-    t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         launch(run_afd, 2, case, timeout_s=120, failure_grace_s=30)
-    elapsed = time.monotonic() - t0
     message = str(info.value)
     assert "CommTimeoutError" in message and "rank 0: afd_recv (layer" in message and "microbatch" in message
-    assert elapsed < 60  # the deadline, with a wide margin: never a hang
 
 
 def test_config_rejects_three_microbatches_and_bad_topologies():

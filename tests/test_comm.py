@@ -168,41 +168,39 @@ def _skip_collective(rank, world, timeout_s):
     if rank == 1:
         time.sleep(timeout_s + 3)  # alive, but busy elsewhere: it never joins the collective
         return "skipped"
-    t0 = time.monotonic()
     try:
         backend.dispatch_a(torch.randn(2, HIDDEN), torch.tensor([[0], [3]]), torch.ones(2, 1))
     except CommTimeoutError as exc:
-        return str(exc), time.monotonic() - t0
+        return str(exc)
     return "no error"
 
 
 @pytest.mark.dist
 def test_timeout_instead_of_hang():
+    """The backend's 2 s deadline fires, naming the rank and the op; a hang would hit launch's 60 s deadline."""
     r0, r1 = launch(_skip_collective, 2, 2.0, timeout_s=60)
     assert r1 == "skipped"
-    message, elapsed = r0
-    assert "rank 0" in message and "dispatch_a" in message and "timed out after 2s" in message
-    assert elapsed < 20  # the deadline, with a wide margin for a loaded machine; never a hang
+    assert "rank 0" in r0 and "dispatch_a" in r0 and "timed out after 2s" in r0
 
 
 def _peer_dies(rank, world):
     import os
 
-    backend = TorchDistributedBackend(4, timeout_s=20)
+    backend = TorchDistributedBackend(4, timeout_s=600)  # longer than launch's deadlines: the death must be seen
     if rank == 1:
         os._exit(0)  # the process dies without a word
-    t0 = time.monotonic()
     try:
         backend.dispatch_a(torch.randn(2, HIDDEN), torch.tensor([[0], [3]]), torch.ones(2, 1))
     except CommTimeoutError as exc:
-        return str(exc), time.monotonic() - t0
-    return "no error", 0.0
+        return str(exc)
+    return "no error"
 
 
 @pytest.mark.dist
 def test_peer_death_raises_comm_timeout_error():
+    """A dead peer is a named error on the survivor, seen as such: the backend's own deadline is longer than launch's
+    (60 s, and 30 s for the survivor's report after rank 1 is gone), so waiting it out would fail here."""
     with pytest.raises(RankError, match="rank 1 exited") as info:
         launch(_peer_dies, 2, timeout_s=60, failure_grace_s=30)
-    message, elapsed = info.value.results[0]
+    message = info.value.results[0]
     assert "rank 0: dispatch_a" in message and ("peer is gone" in message or "timed out" in message)
-    assert elapsed < 20

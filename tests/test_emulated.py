@@ -73,28 +73,47 @@ def test_spec_parsing_and_errors():
         EmulatedLink(LocalBackend(2), 0.0, 0.0)
 
 
-def test_wall_clock_sleeps_not_spins():
-    import time
+class ManualTime:
+    """A clock for `WallClock` that moves only when slept on (by exactly the delay) or polled (by ``poll_s``, the
+    cost of one spin iteration): every sleep and every poll is seen, and no real time passes."""
 
-    link = EmulatedLink(LocalBackend(4), 0.05, 1e12)
+    def __init__(self, poll_s=1e-4):
+        self.t, self.poll_s, self.sleeps, self.polls = 100.0, poll_s, [], 0
+
+    def clock(self):
+        self.polls += 1
+        self.t += self.poll_s
+        return self.t
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.t += seconds
+
+
+def test_wall_clock_sleeps_not_spins():
+    """The link's wait is one sleep to the transfer's completion, not a spin: the deadline is honoured."""
+    from tbo.comm.emulated import WallClock
+
+    time = ManualTime()
+    link = EmulatedLink(LocalBackend(4), 0.05, 1e12, WallClock(clock=time.clock, sleep=time.sleep))
     x, idx, w = torch.randn(2, H), torch.tensor([[0], [1]]), torch.ones(2, 1)
-    cpu0, wall0 = time.process_time(), time.perf_counter()
     link.dispatch_b(link.dispatch_a(x, idx, w))
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-    assert wall >= 0.05  # the deadline is honoured
-    assert cpu < wall / 2  # sleeping, not spinning (a ratio with a wide margin)
+    transfer, = link.stats.transfers
+    assert transfer.duration == pytest.approx(0.05 + x.nbytes / 1e12)
+    assert len(time.sleeps) == 1 and time.sleeps[0] == pytest.approx(transfer.complete - transfer.wait_start,
+                                                                      abs=2 * time.poll_s)
+    assert transfer.wait_end >= transfer.complete  # woken at (not before) the deadline
+    assert time.polls <= 6  # book, wait start, sleep, one check after waking, wait end: no spinning
 
 
 def test_wall_clock_spins_only_the_tail():
-    """With ``spin_s`` a wait sleeps, then spins its last ``spin_s``: the deadline is honoured to the spin loop's
-    precision, and the CPU time is about the spin, not the whole wait (ratios with wide margins)."""
-    import time
-
+    """With ``spin_s`` a wait sleeps until ``spin_s`` before its deadline, then spins: polls until the deadline."""
     from tbo.comm.emulated import WallClock
 
-    clock = WallClock(spin_s=0.02)
-    cpu0, start = time.process_time(), time.perf_counter()
-    clock.sleep_until(start + 0.06)
-    end, cpu = time.perf_counter(), time.process_time() - cpu0
-    assert end >= start + 0.06
-    assert 0.002 < cpu < 0.05  # spun for about 0.02 s of the 0.06 s wait
+    time = ManualTime(poll_s=1e-3)
+    clock = WallClock(spin_s=0.02, clock=time.clock, sleep=time.sleep)
+    deadline = time.t + 0.06
+    clock.sleep_until(deadline)
+    assert time.sleeps == [pytest.approx(0.04, abs=2e-3)]  # the wait less its spun tail
+    assert time.t >= deadline and time.t - deadline < 2e-3  # spun to the deadline, no further
+    assert 15 <= time.polls <= 25  # about 0.02 s of 1 ms polls

@@ -22,6 +22,11 @@ def max_diff(out):
     return float(re.search(r"^max diff: (\S+)", out, re.M).group(1))
 
 
+def assert_split(out):
+    """The example says its steps were split: its max diff compares TBO, not one batch, with forward()."""
+    assert re.search(r"\bsplit: yes\b", out), f"the example was not split:\n{out[-1500:]}"
+
+
 def test_minimal_example():
     out = run("minimal.py")
     assert "overlapped == each microbatch alone: True" in out
@@ -36,6 +41,7 @@ def test_custom_strategy_example():
 @pytest.mark.parametrize("script", ["deepseek_decode.py", "deepseek_prefill.py"])
 def test_deepseek_examples_one_process(script):
     out = run(script, *SMALL)
+    assert_split(out)
     assert max_diff(out) == 0.0
     assert re.search(r"single: [\d.]+ ms\s+TBO: [\d.]+ ms\s+speedup: [\d.]+x", out)
     assert "round | microbatch A" in out
@@ -45,8 +51,17 @@ def test_deepseek_examples_one_process(script):
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_deepseek_prefill_multi_rank_with_link(ranks):
     out = run("deepseek_prefill.py", "--ranks", str(ranks), "--link", "50,0.05", *SMALL)
-    assert max_diff(out) == 0.0
-    assert f"ranks: {ranks}" in out and "link: busy" in out
+    assert_split(out)
+    assert max_diff(out) == 0.0 and f"ranks: {ranks}" in out
+    # 2 layers, the first dense: one MoE layer's dispatch and combine, once per microbatch (one batch: 2)
+    assert re.search(r"^link: 4 transfers per TBO step, busy [\d.]+ ms", out, re.M), out[-1500:]
+
+
+def test_decode_example_says_when_a_step_is_not_split():
+    """One sequence cannot be split for decode: the example says so, and claims no speedup."""
+    out = run("deepseek_decode.py", "--seqs", "1", "--ctx", "8", "--layers", "2", "--repeats", "1")
+    assert "split: no (a rank's step is below SplitPolicy's thresholds, 2 decode" in out
+    assert "speedup: none (not split, nothing overlapped)" in out and max_diff(out) == 0.0
 
 
 @pytest.mark.dist
@@ -62,6 +77,7 @@ def test_afd_example():
 def test_hf_generate_example(model, ranks):
     pytest.importorskip("transformers", reason="the hf extra (transformers 5.x) is not installed")
     out = run("hf_generate.py", "--model", model, "--ranks", ranks, "--new-tokens", "8")
+    assert_split(out)
     assert max_diff(out) < 1e-5 and "tokens equal: True" in out
 
 

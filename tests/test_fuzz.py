@@ -20,6 +20,8 @@ from tbo.harness.launch import launch
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy, agree_to_split
 
+from split_witness import SplitWitness
+
 MOE_OPS = ["comm_prepare_attn", "attn_prepare", "attn_core", "comm_prepare_mlp", "gate", "select_experts",
            "dispatch_a", "shared_experts", "dispatch_b", "experts", "combine_a", "combine_b", "output",
            "comm_postprocess_layer"]
@@ -37,7 +39,10 @@ def fuzz_strategy(cuts, delta_frac):
 
 
 def run_case(model, strategy, prompt_lens, step_lens, seed):
-    """Prefill, then a mixed step; each through forward() and overlapped TBO from equal caches. Returns diffs."""
+    """Prefill, then a mixed step; each through forward() and overlapped TBO from equal caches.
+
+    Returns, per step, the max diff, the step's token count on this rank, and whether it was split (its ops ran in
+    two microbatches): POLICY splits every step of 2 tokens or more, when every rank has one."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     caches = KVCache(), KVCache()
@@ -52,9 +57,19 @@ def run_case(model, strategy, prompt_lens, step_lens, seed):
         if not agree_to_split(plan):  # every rank splits, or none: a step with zero tokens still joins in
             plan = None
         ref = model.forward(ids, meta, caches[0])
-        got = model.forward_tbo(ids, meta, caches[1], {"moe": strategy}, plan)
-        diffs.append(float((got - ref).abs().max()) if ref.numel() else 0.0)
+        witness = SplitWitness()
+        got = model.forward_tbo(ids, meta, caches[1], {"moe": strategy}, plan, observer=witness)
+        diffs.append((float((got - ref).abs().max()) if ref.numel() else 0.0, meta.num_tokens,
+                      witness.every_step_split))
     return diffs
+
+
+def check_steps(steps, tokens_per_rank, where="one rank"):
+    """Every step equals forward(), and was split exactly when every rank had 2 tokens or more."""
+    for (diff, _, split), tokens in zip(steps, tokens_per_rank):
+        assert diff == 0.0, f"{where}: {steps}"
+        if split != (min(tokens) >= 2):
+            raise AssertionError(f"{where}: a step of {tokens} tokens per rank was {'' if split else 'not '}split")
 
 
 batches = st.integers(1, 5).flatmap(lambda n: st.tuples(
@@ -71,8 +86,8 @@ batches = st.integers(1, 5).flatmap(lambda n: st.tuples(
 def test_fuzz_overlapped_equals_forward(cuts, delta_frac, batch, deepseek, seed):
     make = ModelConfig.deepseek_v3_tiny if deepseek else ModelConfig.qwen3_moe_tiny
     model = ReferenceModel(make(num_layers=3, seed=seed % 7))
-    for diff in run_case(model, fuzz_strategy(cuts, delta_frac), *batch, seed):
-        assert diff == 0.0
+    steps = run_case(model, fuzz_strategy(cuts, delta_frac), *batch, seed)
+    check_steps(steps, [[tokens] for _, tokens, _ in steps])
 
 
 def _two_rank_cases(rank, world, cases):
@@ -94,6 +109,11 @@ def _two_rank_cases(rank, world, cases):
 
 @pytest.mark.dist
 def test_fuzz_two_ranks():
-    for rank_result in launch(_two_rank_cases, 2, 20, timeout_s=300):
-        for case_seed, diffs in rank_result:
-            assert all(d == 0.0 for d in diffs), f"case {case_seed}: {diffs}"
+    ranks = launch(_two_rank_cases, 2, 20, timeout_s=300)
+    split = 0
+    for (case_seed, steps0), (_, steps1) in zip(*ranks):
+        tokens = [[a[1], b[1]] for a, b in zip(steps0, steps1)]
+        for steps in (steps0, steps1):
+            check_steps(steps, tokens, f"case {case_seed}")
+        split += sum(s[2] for s in steps0)
+    assert split >= 10, f"only {split} of 40 steps were split: the cases hardly test overlap"

@@ -11,6 +11,8 @@ from tbo.integrations.hf_tiny import MODELS, tiny_model  # noqa: E402
 from tbo.harness.launch import launch  # noqa: E402
 from tbo.split import SplitPolicy  # noqa: E402
 
+from split_witness import SplitWitness  # noqa: E402
+
 SPLIT = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32; our combine sums the top-k slots in another order than HF's experts
 
@@ -34,10 +36,13 @@ def test_prefill_and_decode_logits_equal_hf(name):
         mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         kv = {tbo_hf.cache_kwarg(model): tbo_hf.output_cache(out)}  # cache= or past_key_values=, by version
         ref_decode = model(input_ids=nxt, attention_mask=mask2, **kv).logits
-    logits, cache = tbo_hf.forward(model, ids, mask, policy=SPLIT)
+    prefill, decode = SplitWitness(), SplitWitness()
+    logits, cache = tbo_hf.forward(model, ids, mask, policy=SPLIT, observer=prefill)
     torch.testing.assert_close(logits, out.logits, **TOL)
-    decode, _ = tbo_hf.forward(model, nxt, mask2, cache, policy=SPLIT)
-    torch.testing.assert_close(decode, ref_decode, **TOL)
+    prefill.expect(True, "the prefill of 4 rows")
+    decode_logits, _ = tbo_hf.forward(model, nxt, mask2, cache, policy=SPLIT, observer=decode)
+    torch.testing.assert_close(decode_logits, ref_decode, **TOL)
+    decode.expect(True, "the decode step of 4 rows")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -45,7 +50,9 @@ def test_greedy_generation_equals_hf(name):
     model = tiny_model(name)
     ids, mask = batch(seed=1)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    assert torch.equal(tbo_hf.generate(model, ids, mask, max_new_tokens=12, policy=SPLIT), expected)
+    witness = SplitWitness()
+    assert torch.equal(tbo_hf.generate(model, ids, mask, max_new_tokens=12, policy=SPLIT, observer=witness), expected)
+    witness.expect(True, "every generation step of 4 rows")
 
 
 def test_batch_below_threshold_runs_unsplit():
@@ -88,17 +95,19 @@ def _two_ranks(rank, world, name):
     backend = TorchDistributedBackend(8, timeout_s=30)
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask).logits
-    logits, _ = tbo_hf.forward(model, ids, mask, policy=SPLIT, backend=backend)
+    witness = SplitWitness()
+    logits, _ = tbo_hf.forward(model, ids, mask, policy=SPLIT, backend=backend, observer=witness)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    tokens = tbo_hf.generate(model, ids, mask, max_new_tokens=6, policy=SPLIT, backend=backend)
-    return float((logits - reference).abs().max()), bool(torch.equal(tokens, expected))
+    tokens = tbo_hf.generate(model, ids, mask, max_new_tokens=6, policy=SPLIT, backend=backend, observer=witness)
+    return float((logits - reference).abs().max()), bool(torch.equal(tokens, expected)), dict(witness.ops)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", MODELS)
 def test_two_ranks_expert_parallel(name):
-    for diff, tokens_equal in launch(_two_ranks, 2, name, timeout_s=180):
+    for rank, (diff, tokens_equal, ops) in enumerate(launch(_two_ranks, 2, name, timeout_s=180)):
         assert diff < 1e-5 and tokens_equal
+        assert sorted(ops) == [0, 1] and ops[0] == ops[1], f"rank {rank}: the steps were not split: {ops}"
 
 
 def test_older_transformers_is_refused_naming_the_supported_range():

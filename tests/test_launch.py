@@ -20,7 +20,7 @@ def _fail_on_one(rank, world):
 
 
 def _hang(rank, world):
-    time.sleep(60)
+    time.sleep(3600)  # stuck, as far as any test can tell
 
 
 @pytest.mark.dist
@@ -36,10 +36,25 @@ def test_launch_reports_failing_rank():
 
 @pytest.mark.dist
 def test_launch_deadline_instead_of_hang():
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s"):
-        launch(_hang, 2, timeout_s=3)
-    assert time.monotonic() - t0 < 30
+    """The 3 s deadline fires (its message says so), and launch returns with the stuck ranks killed. This test's own
+    deadline turns a launch that waits for them (an hour) into a failure; it measures no time."""
+    import multiprocessing
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            launch(_hang, 2, timeout_s=3)
+        except TimeoutError as exc:
+            outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "launch is still waiting for ranks past its 3 s deadline"
+    assert outcome["error"] == "ranks [0, 1] did not finish within 3s"
+    assert multiprocessing.active_children() == []  # killed and reaped, not left behind
 
 
 def _vanish(rank, world):

@@ -14,6 +14,8 @@ from tbo.harness.launch import launch
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy
 
+from split_witness import SplitWitness
+
 POLICY = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
 MODELS = {"deepseek": ModelConfig.deepseek_v3_tiny, "qwen3_moe": ModelConfig.qwen3_moe_tiny}
 
@@ -23,8 +25,17 @@ def step_inputs(lens, seed=0, vocab=256):
     return ids, AttentionMetadata.build(range(len(lens)), lens, [0] * len(lens))
 
 
-def prefill_then_decode(model, strategy_prefix, lens, seed=0, plan_fn=None):
-    """Prefill, then two decode steps; each step via forward(), the unsplit op path, and TBO (own caches)."""
+def should_split(num_tokens):
+    """POLICY's rule for these steps: both thresholds are 2, and any step of 2 tokens or more has a cut (between
+    sequences, or inside one)."""
+    return num_tokens >= 2
+
+
+def prefill_then_decode(model, strategy_prefix, lens, seed=0):
+    """Prefill, then two decode steps; each step via forward(), the unsplit op path, and TBO (own caches).
+
+    Each TBO step is checked to have been split exactly when `should_split` says (its ops ran in microbatch 1 too):
+    an equality with forward() alone would also hold if nothing were ever split."""
     caches = {k: KVCache() for k in ("forward", "ops", "tbo")}
     results = []
     ids, meta = step_inputs(lens, seed)
@@ -39,7 +50,9 @@ def prefill_then_decode(model, strategy_prefix, lens, seed=0, plan_fn=None):
         name = f"{strategy_prefix}_{mode}"
         ref = model.forward(ids, meta, caches["forward"])
         ops = model.forward_tbo(ids, meta, caches["ops"], name, None)
-        tbo = model.forward_tbo(ids, meta, caches["tbo"], name, plan)
+        witness = SplitWitness()
+        tbo = model.forward_tbo(ids, meta, caches["tbo"], name, plan, observer=witness)
+        witness.expect(should_split(meta.num_tokens), f"{mode} of {list(meta.extend_lens)}")
         results.append((mode, plan, ref, ops, tbo))
     return results
 
@@ -157,6 +170,14 @@ def test_dense_layers_join_the_overlapped_region():
     assert model.bind("deepseek_decode") is bound  # cached
     names = [op for s in bound.stage_names for op in s]
     assert names.count("mlp") == 2 and names.count("dispatch_a") == 2
+    # and they run in both microbatches of a split step, which equals forward()
+    witness = SplitWitness()
+    ids, meta = step_inputs([3, 5])
+    plan = POLICY.plan(ForwardMode.EXTEND, meta.num_tokens, [3, 5])
+    got = model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", plan, observer=witness)
+    assert torch.equal(got, model.forward(ids, meta, KVCache()))
+    witness.expect(True, "the prefill of [3, 5]")
+    assert witness.names[0].count("mlp") == witness.names[1].count("mlp") == 2
 
 
 def test_bind_errors_name_the_layer_kind():

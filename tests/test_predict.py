@@ -316,6 +316,20 @@ def test_published_benchmark_runs_and_reports():
     last = out.strip().splitlines()[-1]
     worst = float(re.fullmatch(rf"max error: {FLOAT}", last).group(1))
     assert math.isfinite(worst) and worst == pytest.approx(max(float(e) for _, e, _ in rows), abs=1e-3)
+    # the documented limits (docs/figures.md): every DeepEP row within 20%; SGLang's gains the issue named within
+    # 10 pp of the published range, and every published gain predicted with its sign
+    deepep = [float(e) for who, e, _ in rows if who == "DeepEP"]
+    assert len(deepep) == 20 and max(deepep) <= 0.20, max(deepep)
+    gains = re.findall(r"^SGLang (.*?)\s+([-+]\d+\.?\d*)%(?:\.\.([-+]\d+\.?\d*)%)?\s+([-+]\d+\.\d)%\s+\S+\s+(.*)$",
+                       out, re.M)
+    assert len(gains) == 3, gains
+    for config, lo, hi, predicted, note in gains:
+        lo, hi, predicted = float(lo), float(hi or lo), float(predicted)
+        assert (predicted > 0) == (lo > 0) == (hi > 0), f"{config}: predicted {predicted:+}%, published {lo:+}%"
+        if note.startswith("issue row"):
+            outside = max(lo - predicted, predicted - hi, 0.0)
+            assert outside <= 10.0, f"{config}: {outside:.1f} pp outside {lo:+}%..{hi:+}%"
+    assert sum(note.startswith("issue row") for *_, note in gains) == 2
 
 
 # ---- what DeepEP's SMs and buffers ask (issue 21) ---------------------------------------------------------------------

@@ -251,7 +251,9 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, caplog):
 
 
 def _assert_equal_or_near_tie(got: list, want: list) -> None:
-    """`NEAR_TIE` rule (module docstring): equal tokens, or a near tie in vLLM's own log-probabilities."""
+    """`NEAR_TIE` rule (module docstring): equal tokens, or a near tie in vLLM's own log-probabilities; as many
+    requests, and as many tokens per request up to a near tie (a truncated output is not equal)."""
+    assert len(got) == len(want), f"tbo returned {len(got)} requests, vLLM {len(want)}"
     for r, (g, w) in enumerate(zip(got, want)):
         for i, (tg, tw) in enumerate(zip(g.token_ids, w.token_ids)):
             if tg == tw:
@@ -260,6 +262,9 @@ def _assert_equal_or_near_tie(got: list, want: list) -> None:
             gap = top[0].logprob - top[1].logprob
             assert gap < NEAR_TIE, f"request {r}, token {i}: tbo {tg} != vLLM {tw}, not a near tie (gap {gap:.3f})"
             break
+        else:
+            assert len(g.token_ids) == len(w.token_ids), \
+                f"request {r}: tbo gave {len(g.token_ids)} tokens, vLLM {len(w.token_ids)}"
 
 
 @needs_vllm

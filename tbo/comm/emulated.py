@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -33,20 +33,23 @@ class WallClock:
     ``time.sleep`` wakes 50-120 us late on a VM, which makes every exposed wait longer than the transfer it emulates
     (and a simulator that models the link wrong by that much per wait). Spinning fixes that where one process owns
     its core (`tbo.harness.workload.TracedModel`); where several ranks share few cores, a spinning rank takes CPU from
-    transports' threads, so the default is 0: sleep only.
+    transports' threads, so the default is 0: sleep only. ``clock`` and ``sleep`` default to ``time.perf_counter``
+    and ``time.sleep`` (tests pass a clock they move themselves, and see every sleep and every poll).
     """
 
-    def __init__(self, spin_s: float = 0.0) -> None:
+    def __init__(self, spin_s: float = 0.0, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.spin_s = spin_s
+        self._clock, self._sleep = clock, sleep
 
     def now(self) -> float:
-        return time.perf_counter()
+        return self._clock()
 
     def sleep_until(self, t: float) -> None:
-        delay = t - time.perf_counter() - self.spin_s
+        delay = t - self._clock() - self.spin_s
         if delay > 0:
-            time.sleep(delay)
-        while time.perf_counter() < t:
+            self._sleep(delay)
+        while self._clock() < t:
             pass
 
 

@@ -60,6 +60,7 @@ class CaseResult:
     tbo_ms: list[float] = field(default_factory=list)
     comm_ms: float = 0.0
     exposed_ms: float = 0.0
+    transfers: int = 0  #: transfers an `EmulatedLink` carried in one TBO step (dispatch and combine, per microbatch)
     trace: Trace | None = None
 
     @property
@@ -146,6 +147,7 @@ def run_case(rank: int, world: int, case: Case) -> CaseResult:
             if isinstance(backend, EmulatedLink):
                 result.comm_ms += backend.stats.comm_s * 1e3 / case.repeats
                 result.exposed_ms += backend.stats.exposed_s * 1e3 / case.repeats
+                result.transfers = len(backend.stats.transfers)
     if tracer is not None:
         tracer.trace.spans.clear()
         tracer.trace.tokens = [mb.tokens_len for mb in plan.microbatches] if plan else [meta.num_tokens]
@@ -155,14 +157,15 @@ def run_case(rank: int, world: int, case: Case) -> CaseResult:
 
 
 def summarize(results: list[CaseResult]) -> dict[str, float]:
-    """One row for all ranks: total tokens, max diff, slowest-rank median step times, speedup, link figures."""
+    """One row for all ranks: total tokens, max diff, slowest-rank median step times, speedup, link figures
+    (``transfers``: the most any rank's link carried in one TBO step), and whether every rank's step was split."""
     single = max(r.single for r in results)
     tbo = max(r.tbo for r in results)
     comm = max(r.comm_ms for r in results)
     exposed = max(r.exposed_ms for r in results)
     return {"tokens": sum(r.tokens for r in results), "max_diff": max(r.max_diff for r in results),
             "single_ms": single, "tbo_ms": tbo, "speedup": single / tbo, "comm_ms": comm, "exposed_ms": exposed,
-            "split": all(r.split for r in results)}
+            "transfers": max(r.transfers for r in results), "split": all(r.split for r in results)}
 
 
 def example_main(model: str, mode: str, argv: list[str] | None = None, *, default_link: str | None = None) -> dict:
@@ -197,13 +200,19 @@ def example_main(model: str, mode: str, argv: list[str] | None = None, *, defaul
     strategy = strategies.get(case.strategy_name)
     print(strategy.describe())
     print(f"\nschedule, one layer, two microbatches:\n{render_schedule(strategy)}\n")
-    print(f"ranks: {world}, tokens on this host: {row['tokens']}, split: {'yes' if row['split'] else 'no'}, "
-          f"link: {case.link or 'none'}")
+    split = "yes" if row["split"] else (
+        f"no (a rank's step is below SplitPolicy's thresholds, {POLICY.decode_token_threshold} decode / "
+        f"{POLICY.prefill_token_threshold} prefill tokens, or has no cut: 'TBO' below ran as one batch)")
+    print(f"ranks: {world}, tokens on this host: {row['tokens']}, split: {split}, link: {case.link or 'none'}")
     tolerance = "bit-exact expected" if case.batch_invariant else "tolerance 1e-4"
     print(f"max diff: {row['max_diff']:.3g}  ({tolerance})")
-    print(f"single: {row['single_ms']:.1f} ms   TBO: {row['tbo_ms']:.1f} ms   speedup: {row['speedup']:.2f}x")
-    if case.link:
-        print(f"link: busy {row['comm_ms']:.1f} ms per TBO step, exposed (waited) {row['exposed_ms']:.1f} ms")
+    speedup = f"speedup: {row['speedup']:.2f}x" if row["split"] else "speedup: none (not split, nothing overlapped)"
+    print(f"single: {row['single_ms']:.1f} ms   TBO: {row['tbo_ms']:.1f} ms   {speedup}")
+    if case.link and row["transfers"]:
+        print(f"link: {row['transfers']} transfers per TBO step, busy {row['comm_ms']:.1f} ms, "
+              f"exposed (waited) {row['exposed_ms']:.1f} ms")
+    elif case.link:
+        print("link: idle (no transfer crossed it in a TBO step)")
     traced_step = results[0].trace
     if traced_step is not None:
         print(f"traced TBO step (rank 0): {summary(traced_step)}")

@@ -276,11 +276,13 @@ def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
 
 def generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             max_new_tokens: int = 16, policy: SplitPolicy | None = None, backend: Any = None) -> torch.Tensor:
+             max_new_tokens: int = 16, policy: SplitPolicy | None = None, backend: Any = None,
+             **run: Any) -> torch.Tensor:
     """Greedy decoding: the prompt with the prefill strategy, then one token per step with the decode strategy.
 
     Returns prompt and new tokens, like ``model.generate(do_sample=False)``; a row that emits the model's EOS is
-    padded with its pad token from then on, as HF does.
+    padded with its pad token from then on, as HF does. ``run`` goes to every step's executor, as in `forward`
+    (``observer=`` sees every step's ops, ``watchdog_s``, ...).
     """
     hf = _transformers()
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -293,7 +295,7 @@ def generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     tokens, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
     step_ids = input_ids
     for _ in range(max_new_tokens):
-        logits, cache = forward(model, step_ids, mask, cache, policy, backend)
+        logits, cache = forward(model, step_ids, mask, cache, policy, backend, **run)
         nxt = logits[:, -1].argmax(-1)
         nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
         finished |= torch.isin(nxt, torch.tensor(sorted(eos_ids), dtype=nxt.dtype)) if eos_ids else finished

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from tbo.core.observer import Observer
 from tbo.core.operations import comm_role
@@ -135,12 +135,15 @@ class _CudaClock:
     event's time is its ``elapsed_time`` from the origin, a host stamp ``t`` is ``t - origin_host``. Recalibrated
     at each `Tracer.begin` (before a traced step, which is when a caller synchronises anyway) and after each
     `Tracer.finish`, so host stamps never drift far from the device clock, and a step never pays a synchronisation
-    for it. ``event_factory``/``synchronize`` default to CUDA's.
+    for it. ``event_factory``/``synchronize`` default to CUDA's, ``host_clock`` to ``time.perf_counter`` (tests
+    pass host-time event stand-ins and a clock they move themselves).
     """
 
     cuda = True
 
-    def __init__(self, event_factory: Any = None, synchronize: Any = None) -> None:
+    def __init__(self, event_factory: Any = None, synchronize: Any = None,
+                 host_clock: Callable[[], float] = time.perf_counter) -> None:
+        self._host_clock = host_clock
         if event_factory is None:
             import torch
 
@@ -155,7 +158,7 @@ class _CudaClock:
         origin = self._event()
         origin.record()
         origin.synchronize()
-        self.origin, self.origin_host = origin, time.perf_counter()
+        self.origin, self.origin_host = origin, self._host_clock()
 
     def stamp(self) -> Any:
         event = self._event()
