@@ -241,8 +241,9 @@ def main() -> None:
     lines = [line for rank_lines in results for line in rank_lines if not line.startswith("max diff")]
     print("\n".join(lines))
     worst = max(float(r[-1].split()[-1]) for r in results)
-    print(f"max diff: {worst:.3g}")
     assert worst <= TOLERANCE, f"TBO differs from the plain forward by {worst:.3g} > {TOLERANCE:g}"
+    # the bits of the difference depend on the CPU and its kernels; what holds everywhere is the bound just asserted
+    print(f"max diff: {worst:.3g} (within the tolerance {TOLERANCE:g})")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,15 @@
 - ```console blocks run each `$ command` line through the shell, from that same directory, with this venv's `tbo`
   and `python` first on PATH; the command must exit 0 and print the lines shown under it (a line `...` stands for
   any number of lines, and `...` inside a line for any text).
+- Nothing a console block expects may depend on the CPU's float bits (`test_console_blocks_pin_no_varying_floats`).
+  A figure computed by torch kernels varies with the CPU, its SIMD width and its thread count, so such a figure is
+  written `...` (or the example prints what it asserts: "within the tolerance 1e-05"). Precisely: an expected line
+  of a command outside ANALYTIC may not hold a number with a decimal point or an exponent, unless it equals a
+  literal of the command line or of the script it runs (a constant such as a tolerance, not a result); no expected
+  line may follow a difference ("diff") with a figure; and no line may pin part of a number (`...e-06`, `0.00...`).
+  ANALYTIC commands (`tbo predict`, `tbo simulate`, benchmarks/published.py) compute their figures in Python floats
+  from the page's inputs, with no torch and no numpy (`test_analytic_commands_compute_in_python`): IEEE 754 makes
+  those the same on every CPU, so their pages may show them.
 - The line before a fence may say why a block is not run as it stands. The reason is required and shows in pytest's
   summary, so nothing is skipped silently:
     `<!-- fragment: WHY -->`      not run (a sketch; code for hardware this machine lacks)
@@ -194,6 +203,75 @@ def test_console_blocks_run(block: Block, tmp_path):
         actual = out.stdout.splitlines()
         assert _matches([e for e in expected], actual), (
             f"{block.id}: `{command}` printed\n{out.stdout}\nbut the page shows\n" + "\n".join(expected))
+
+
+# Commands whose printed figures are Python float arithmetic on their inputs; the modules computing them, checked
+# to import neither torch nor numpy (whose kernels differ by CPU) by test_analytic_commands_compute_in_python.
+ANALYTIC = ("tbo predict", "tbo simulate", "python benchmarks/published.py")
+ANALYTIC_SOURCES = ["tbo/tools/simulate.py", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "tbo/tools/predict").glob("*.py")), "benchmarks/published.py"]
+
+_NUMBER = r"(?:\d+\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)"
+_FLOAT = re.compile(rf"(?<![\w.]){_NUMBER}(?![\d.]*\.\d)")             # 1.5, 3.58e-06, 1e-05, 1.43x; not 0.32.0
+_PARTIAL = re.compile(r"(?<=[\d.])\.\.\.|\.\.\.(?=\.?\d|[eE][-+]?\d)")  # ...e-06, 0.00..., ....5
+_DIFF = re.compile(r"\bdiff\w*\b\W{0,3}\d")                               # max diff 0, diff: 3
+
+
+def _constants(command: str) -> set[float]:
+    """Float literals of the command line and of the Python script it runs: constants, not results."""
+    text = command
+    for script in re.findall(r"(?:^|\s)(\S+\.py)\b", command):
+        if (ROOT / script).is_file():
+            text += "\n" + (ROOT / script).read_text()
+    return {float(m) for m in re.findall(rf"(?<![\w.]){_NUMBER}|(?<![\w.])\d+(?![\w.])", text)}
+
+
+def varying_floats(command: str, expected: list[str]) -> list[str]:
+    """The expected lines that pin a figure whose bits can vary by CPU, each with why (empty: none)."""
+    analytic = any(command.startswith(a) for a in ANALYTIC)
+    constants = _constants(command)
+    flaws = []
+    for line in expected:
+        if _PARTIAL.search(line):
+            flaws.append(f"{line!r}: pins part of a number; write the whole figure as '...'")
+        elif _DIFF.search(line):
+            flaws.append(f"{line!r}: a difference of computed values varies by CPU; write it '...'")
+        elif not analytic:
+            pinned = [m for m in _FLOAT.findall(line) if float(m) not in constants]
+            if pinned:
+                flaws.append(f"{line!r}: {', '.join(pinned)} computed by a command outside ANALYTIC (its bits "
+                             f"vary by CPU); write '...' or print what the command asserts")
+    return flaws
+
+
+def test_float_rule_can_fail():
+    assert varying_floats("python x.py", ["max diff ...e-06"]) and varying_floats("python x.py", ["max diff 0"])
+    assert varying_floats("python x.py", ["loss 0.0012..."]) and varying_floats("python x.py", ["took 1.43 ms"])
+    assert varying_floats("python x.py", ["error 3e-07"]) and varying_floats("tbo simulate s", ["max diff 0.5"])
+    assert not varying_floats("python x.py", ["max diff ...", "vllm 0.32.0", "132 tokens", "...", "a ... b"])
+    assert not varying_floats("tbo simulate s --tokens 64", ["speedup: 0.89x", "single: 2.557 ms"])
+    assert not varying_floats("python examples/integrating.py", ["ranks: 1, tolerance 1e-05"])   # TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("block", [b for b in CONSOLE if b.mark != ("output", "varies")], ids=lambda b: b.id)
+def test_console_blocks_pin_no_varying_floats(block: Block):
+    """A console block that expects float bits passes on the machine that wrote it and fails on another."""
+    flaws = [f"`{command}`: {flaw}" for command, expected in _commands(block)
+             for flaw in varying_floats(command, expected)]
+    assert not flaws, f"{block.id}:\n" + "\n".join(flaws)
+
+
+def test_analytic_commands_compute_in_python():
+    """The commands allowed to show figures compute them without torch or numpy kernels (see ANALYTIC)."""
+    import ast
+
+    for source in ANALYTIC_SOURCES:
+        tree = ast.parse((ROOT / source).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {"torch", "numpy"}, f"{source} imports {imported & {'torch', 'numpy'}}"
 
 
 BASH = [b for b in ALL if b.lang == "bash"]
