@@ -71,8 +71,18 @@ def breakdown(p: Prediction, tokens: int) -> list[str]:
     return lines
 
 
+def _fits(p: Prediction, args: argparse.Namespace) -> None:
+    """Refuse a deployment the GPU cannot hold, with the figures (unless --no-memory-check)."""
+    if not p.memory.fits and not args.no_memory_check:
+        dep = p.deployment
+        raise ValueError(f"{p.model.name} at EP{dep.ep}, {dep.tokens_per_device} tokens/device, context "
+                         f"{dep.context} does not fit: {p.memory.describe()}. Fewer tokens or a shorter context, a "
+                         "larger EP, --kv-bytes 1 (FP8 KV cache), or --no-memory-check to predict it anyway")
+
+
 def _cmd_step(args: argparse.Namespace) -> int:
     p = predict(args.hardware, args.model, _deployment(args))
+    _fits(p, args)
     c = p.compare()
     tbo = summary(c.tbo.trace)
     print(f"single_ms: {c.single.step_s * 1e3:.4f}")
@@ -82,6 +92,7 @@ def _cmd_step(args: argparse.Namespace) -> int:
     print(f"tbo_exposed_comm_ms: {tbo.exposed_s * 1e3:.4f}")
     print(f"per_layer_us: single {c.single.step_s / p.model.num_layers * 1e6:.1f}, "
           f"tbo {c.tbo.step_s / p.model.num_layers * 1e6:.1f}")
+    print(f"memory: {p.memory.describe()}")
     dep = p.deployment
     print(f"# {p.model.name} on {p.hardware.name}: {dep.mode}, EP{dep.ep}, {dep.tokens_per_device} tokens/device, "
           f"context {dep.context}, {dep.resolved_kernel} kernels, {p.model.num_layers} layers "
@@ -89,7 +100,8 @@ def _cmd_step(args: argparse.Namespace) -> int:
     for line in breakdown(p, dep.tokens_per_device):
         print(line)
     for note in p.notes:
-        print(f"note: {note}")
+        if not note.startswith("does not fit"):  # said as the memory line (and only seen with --no-memory-check)
+            print(f"note: {note}")
     print(p.recommend().reason)
     if args.costs_out:
         Path(args.costs_out).write_text(p.costs.model_dump_json(indent=1))
@@ -101,7 +113,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     curves: dict[int, list[tuple[int, float]]] = {}
     for ep in args.ep:
         for n in args.tokens:
-            s = predict(args.hardware, args.model, _deployment(args, ep=ep, tokens=n)).compare().speedup
+            p = predict(args.hardware, args.model, _deployment(args, ep=ep, tokens=n))
+            if not p.memory.fits and not args.no_memory_check:  # a point that cannot run is left off the plot
+                print(f"ep: {ep} tokens_per_device: {n} does not fit: {p.memory.describe()}")
+                continue
+            s = p.compare().speedup
             curves.setdefault(ep, []).append((n, s))
             print(f"ep: {ep} tokens_per_device: {n} speedup: {s:.4f}")
     try:
@@ -146,6 +162,8 @@ def _deployment_args(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element (2: BF16, 1: FP8)")
     p.add_argument("--balancedness", type=float, default=1.0, help="mean/max expert load per GPU (1: balanced)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="predict a deployment whose weights, KV cache and DeepEP buffers exceed the GPU's memory")
 
 
 def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
