@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tbo.tools.cli import positive
 from tbo.tools.simulate import simulate, split_tokens, summary
 from tbo.tools.predict.comm import traffic, transfer_seconds
 from tbo.tools.predict.costs import Prediction, predict
@@ -15,16 +16,6 @@ from tbo.util.optional import extra_hint
 __all__ = ["add_parser", "breakdown"]
 
 KERNELS = ("low_latency", "normal", "v2")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
@@ -147,18 +138,18 @@ def _deployment_args(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
     p.add_argument("--model", required=True, help=f"{', '.join(MODELS)} or a Hugging Face config.json")
     if many:
-        p.add_argument("--ep", type=_positive, nargs="+", required=True, help="EP sizes, one line each")
-        p.add_argument("--tokens", type=_positive, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024],
+        p.add_argument("--ep", type=positive, nargs="+", required=True, help="EP sizes, one line each")
+        p.add_argument("--tokens", type=positive, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024],
                        help="tokens per device to sweep")
     else:
-        p.add_argument("--ep", type=_positive, required=True, help="expert-parallel size (GPUs)")
-        p.add_argument("--tokens-per-device", type=_positive, required=True,
+        p.add_argument("--ep", type=positive, required=True, help="expert-parallel size (GPUs)")
+        p.add_argument("--tokens-per-device", type=positive, required=True,
                        help="tokens one GPU runs per step (prefill: prompt tokens)")
     p.add_argument("--mode", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--context", type=_positive, required=True, help="KV length (decode) or prompt length (prefill)")
+    p.add_argument("--context", type=positive, required=True, help="KV length (decode) or prompt length (prefill)")
     p.add_argument("--kernel", choices=KERNELS, default=None, help="DeepEP kernels (default: by mode)")
     p.add_argument("--comm-sms", type=int, default=None, help="SMs the normal/V2 kernels hold (default 20 / 12-6)")
-    p.add_argument("--expert-slots", type=_positive, default=None, help="expert copies, e.g. 288 with EPLB")
+    p.add_argument("--expert-slots", type=positive, default=None, help="expert copies, e.g. 288 with EPLB")
     p.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element (2: BF16, 1: FP8)")
     p.add_argument("--balancedness", type=float, default=1.0, help="mean/max expert load per GPU (1: balanced)")
@@ -172,14 +163,14 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     cmds = top.add_subparsers(dest="predict_command", required=True)
     comm = cmds.add_parser("comm", help="DeepEP dispatch and combine times from message sizes")
     comm.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
-    comm.add_argument("--ep", type=_positive, required=True)
-    comm.add_argument("--tokens", type=_positive, required=True, help="tokens one GPU sends")
-    comm.add_argument("--hidden", type=_positive, required=True)
-    comm.add_argument("--topk", type=_positive, required=True)
+    comm.add_argument("--ep", type=positive, required=True)
+    comm.add_argument("--tokens", type=positive, required=True, help="tokens one GPU sends")
+    comm.add_argument("--hidden", type=positive, required=True)
+    comm.add_argument("--topk", type=positive, required=True)
     comm.add_argument("--kernel", choices=KERNELS, default="low_latency")
-    comm.add_argument("--experts", type=_positive, default=256, help="routed experts (normal/V2 deduplicate by them)")
-    comm.add_argument("--groups", type=_positive, default=1, help="expert groups (group-limited routing)")
-    comm.add_argument("--topk-groups", type=_positive, default=1, help="groups a token may use")
+    comm.add_argument("--experts", type=positive, default=256, help="routed experts (normal/V2 deduplicate by them)")
+    comm.add_argument("--groups", type=positive, default=1, help="expert groups (group-limited routing)")
+    comm.add_argument("--topk-groups", type=positive, default=1, help="groups a token may use")
     comm.add_argument("--dispatch-dtype", choices=("fp8", "bf16"), default="fp8")
     comm.set_defaults(func=_cmd_comm)
     step = cmds.add_parser("step", help="single-batch vs TBO step time for a deployment, with a per-stage breakdown")

@@ -9,11 +9,12 @@ batch or the EP size, so a configuration nobody measured gets the same treatment
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from tbo.util.inputs import load_json_model
 
 __all__ = ["Hardware", "Efficiency", "HARDWARE", "get_hardware", "DEFAULT_EFFICIENCY", "FITTED_FACTORS"]
 
@@ -107,18 +108,9 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
         return HARDWARE[key]
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
-        try:
-            return Hardware.model_validate(json.loads(path.read_text()))
-        except ValidationError as exc:
-            raise ValueError(f"hardware file {path}: {_first_error(exc)}") from None
+        return load_json_model(Hardware, path, "hardware file")
     raise ValueError(f"unknown hardware {name_or_path!r}; known: {', '.join(sorted(HARDWARE))} "
                      "(or a JSON file with the Hardware fields)")
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "(root)"
-    return f"field {field!r}: {err['msg']} (got {err.get('input')!r})"
 
 
 class Efficiency(BaseModel):

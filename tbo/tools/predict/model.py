@@ -7,13 +7,12 @@ routing (experts, their size, top-k, group-limited routing). Presets come from t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tbo.tools.predict.hardware import _first_error
+from tbo.util.inputs import describe_validation_error, read_json
 
 __all__ = ["ModelShape", "Deployment", "MODELS", "get_model"]
 
@@ -75,7 +74,9 @@ class ModelShape(BaseModel):
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            config = json.loads(path.read_text())
+            config = read_json(path, "model config")
+            if not isinstance(config, Mapping):
+                raise ValueError(f"model config {path}: expected a JSON object, got {type(config).__name__}")
         c = dict(config)
         label = name or c.get("_name_or_path") or c.get("model_type") or "hf-model"
         try:
@@ -103,7 +104,7 @@ class ModelShape(BaseModel):
         except KeyError as exc:
             raise ValueError(f"config {label!r} lacks key {exc.args[0]!r}") from None
         except ValidationError as exc:
-            raise ValueError(f"config {label!r}: {_first_error(exc)}") from None
+            raise ValueError(f"config {label!r}: {describe_validation_error(exc)}") from None
 
     # ---- derived sizes ------------------------------------------------------------------------------------------
     @property
