@@ -27,6 +27,7 @@ from tbo import OperationsStrategy, SplitPolicy, State, Yield
 from tbo.comm import EPBackend, LocalBackend, TorchDistributedBackend
 from tbo.experts import run_experts
 from tbo.split import split_inputs
+from tbo.tools.lint import tally
 
 HIDDEN, HEADS, EXPERTS, TOP_K, INTER, LAYERS = 64, 4, 8, 2, 96, 3
 HEAD_DIM = HIDDEN // HEADS
@@ -223,8 +224,8 @@ def main() -> None:
     parser.add_argument("--save-strategy", help="write the strategy as JSON, for `tbo lint` / `tbo simulate`")
     args = parser.parse_args()
 
-    findings = tbo.lint(OperationsStrategy.concat([MOE] * 2), 2)
-    print(f"lint {MOE.name}: {sum(f.level == 'error' for f in findings)} errors, {len(findings)} findings")
+    findings = tbo.lint(MOE, 2, layers=2)  # two layers joined, to see the layer boundary
+    print(f"lint {MOE.name}: {tally(findings)}")
     for f in findings:
         print(f"  {f}")
     if args.save_strategy:

@@ -93,10 +93,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:
-    from tbo.tools.lint import lint
+    from tbo.tools.lint import lint, tally
 
     layer = load_strategy(args.strategy, fragment=True)  # ordering problems are findings here, not a load error
-    strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name, fragment=True)
     limit = None
     if args.low_latency or args.backend == "deepep_low_latency":
         from tbo.comm.deepep import LOW_LATENCY_LIMIT
@@ -106,13 +105,13 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         from tbo.core.inflight import InFlightLimit
 
         limit = InFlightLimit(args.max_in_flight, backend=f"--max-in-flight {args.max_in_flight}")
-    findings = lint(strategy, args.microbatches, backend=limit)
+    findings = lint(layer, args.microbatches, backend=limit, layers=args.layers)  # placed in the user's layer
     for f in findings:
         print(f)
     errors = sum(f.level == "error" for f in findings)
     over = f", over {limit.backend}" if limit is not None else ""
-    print(f"{layer.name or args.strategy}: {errors} error(s), {len(findings) - errors} warning(s) "
-          f"({args.layers} layers, {args.microbatches} microbatches{over})")
+    print(f"{layer.name or args.strategy}: {tally(findings)} ({args.layers} layers, {args.microbatches} "
+          f"microbatches{over})")
     return 1 if errors else 0
 
 
