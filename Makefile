@@ -1,5 +1,7 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv when missing and installs what it needs.
-# `make docs` builds the documentation site (MkDocs Material, --strict) into site/ from the `docs` extra.
+# `make docs` builds the documentation site (MkDocs Material, --strict) into site/ from the `docs` extra, then checks
+# it in headless Chromium from file:// (scripts/check_site.py: links, search, code width; screenshots in
+# site/_screenshots/). It needs a `chromium` on PATH: `apt-get install -y chromium` (.ci/run installs it).
 # torch is installed on its own first, pinned, so pip never resolves `torch>=2.11` to a multi-GB CUDA build;
 # on these machines torch==2.13.0 is a local CPU wheel. `make test-hf-floor` runs the Hugging Face tests again in
 # .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both). `make test-vllm` runs
@@ -79,6 +81,7 @@ $(DOCS_STAMP): pyproject.toml $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean -d site
 	$(PY) scripts/check_api_docs.py site
+	$(PY) scripts/check_site.py site
 
 bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py

@@ -326,3 +326,70 @@ def test_distribution_name_and_plugin_entry_point():
                      r'register"$', pyproject, re.M), "the vLLM plugin's entry point is gone"
     assert re.search(r'^\[project\.scripts\]\ntbo = "tbo\.tools\.cli:main"$', pyproject, re.M)
     assert f"'{DISTRIBUTION}[hf]'" in extra_hint("hf") and "-e '.[hf]'" in extra_hint("hf")
+
+
+# ---- the built site, from disk (issue 27) ------------------------------------------------------------------------
+def test_site_is_built_for_file_urls_and_checked_in_a_browser():
+    """Opened from file://, directory URLs showed listings and search was missing. The site is built with page URLs
+    and the offline search (its worker shim served from the site, not a CDN), and `make docs` checks it in headless
+    Chromium (scripts/check_site.py), which CI installs when missing."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^use_directory_urls: false$", config, re.M)
+    assert re.search(r"^  - offline$", config, re.M) and re.search(r"^  - search$", config, re.M)
+    for asset in re.findall(r"^    - (assets/\S+)$", config, re.M) + re.findall(r"^  - (assets/\S+\.css)$", config,
+                                                                               re.M):
+        assert (ROOT / "docs" / asset).is_file(), asset
+    assert "iframe-worker-shim.js" in config and "tbo.css" in config
+    docs_target = (ROOT / "Makefile").read_text().split("\ndocs:", 1)[1].split("\n\n", 1)[0]
+    assert "scripts/check_site.py site" in docs_target
+    assert "apt-get install -y -qq chromium" in (ROOT / ".ci" / "run").read_text()
+
+
+def _check_site():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import check_site
+    finally:
+        sys.path.pop(0)
+    return check_site
+
+
+def test_site_check_finds_directory_links_missing_pages_and_cdn_scripts(tmp_path):
+    check = _check_site()
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "search_index.js").write_text("var __index = {}")
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "index.html").write_text('<a href="../index.html#top">home</a>')
+    (tmp_path / "index.html").write_text('<a href="api/index.html">ok</a><a href="#here">anchor</a>'
+                                         '<a href="https://example.org/">away</a>')
+    assert check.link_problems(tmp_path) == []
+    (tmp_path / "index.html").write_text('<a href="api/">dir</a><a href="gone.html">gone</a>'
+                                         '<script src="https://unpkg.com/iframe-worker/shim"></script>')
+    (tmp_path / "search" / "search_index.js").unlink()
+    found = check.link_problems(tmp_path)
+    assert any("'api/' is a directory" in p for p in found) and any("'gone.html' names no file" in p for p in found)
+    assert any("comes from another host" in p for p in found) and any("search_index.js" in p for p in found)
+
+
+def test_pyproject_comments_point_to_what_exists():
+    """pyproject.toml's comments named README sections that no longer existed ("Tested versions", "GPU users")."""
+    text = (ROOT / "pyproject.toml").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    pages = re.findall(r"(README|docs/[\w/.-]+\.md)(?:, \"([^\"]+)\")?", comments)
+    assert pages, "the comments name no page"
+    for page, section in pages:
+        path = ROOT / ("README.md" if page == "README" else page)
+        assert path.is_file(), f"pyproject.toml names {page}, which does not exist"
+        if section:
+            assert re.search(rf"^#+ {re.escape(section)}$", path.read_text(), re.M), f"{page} has no {section!r}"
+
+
+def test_api_index_names_every_integration():
+    """The API index called tbo.integrations "Hugging Face" while its page documents the vLLM plugin too."""
+    index = (ROOT / "docs" / "api" / "index.md").read_text()
+    entry = re.search(r"^- \[`tbo\.integrations`\]\(integrations\.md\): (.*(?:\n  .*)*)", index, re.M)
+    assert entry, "the API index does not list integrations.md"
+    documented = re.findall(r"^::: (tbo\.integrations\.\w+)$", (ROOT / "docs/api/integrations.md").read_text(), re.M)
+    assert len(documented) >= 2
+    for module in documented:
+        assert module in entry.group(1), f"the API index's line for tbo.integrations does not name {module}"
