@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlsplit
 PAGES = ["index.html", "vllm.html", "integrating.html", "hardening.html"]
 SEARCH = "microbatch"
 SIZES = [(1280, 900), (1920, 1080)]
-MIN_CONTENT_PX = 700   # at 1280 px: 118 characters of Material's code font need about 830 px; wrapping covers the rest
+MIN_CONTENT_PX = 700  # at 1280 px; 118 characters of Material's code font need about 830 px, wrapping does the rest
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
@@ -199,7 +199,8 @@ def browser_problems(site: Path, shots: Path, browser: str) -> tuple[list[str], 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("site", type=Path, help="the built site (mkdocs build -d SITE)")
-    parser.add_argument("--screenshots", type=Path, default=None, help="where the PNGs go (default SITE/_screenshots)")
+    parser.add_argument("--screenshots", type=Path, default=None,
+                        help="where the PNGs go (default SITE/_screenshots)")
     parser.add_argument("--no-browser", action="store_true", help="skip the Chromium checks")
     args = parser.parse_args(argv)
     site = args.site

@@ -162,7 +162,7 @@ class SplitPolicy(BaseModel):
 
     A decode-only step splits when it has at least ``decode_token_threshold`` tokens; a step with any prefill when it
     has at least ``prefill_token_threshold``. The defaults follow ``num_microbatches``: decode from one token per
-    microbatch, prefill from six per microbatch, which for two microbatches is the AFD recipe's (decode 2, prefill 12).
+    microbatch, prefill from six per microbatch; for two microbatches, the AFD recipe's (decode 2, prefill 12).
 
     By default a prefill step whose sequence boundaries are all lopsided is cut inside a sequence ("two-chunk"), so
     that one long prefill still overlaps. That needs attention that reads the cut request's earlier tokens from the

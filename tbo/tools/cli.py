@@ -25,7 +25,8 @@ def load_strategy(source: str, fragment: bool = False) -> OperationsStrategy:
     path = Path(source)
     if path.is_file():
         try:
-            return load_json_model(OperationsStrategy, path, "strategy file", **({"fragment": True} if fragment else {}))
+            extra = {"fragment": True} if fragment else {}
+            return load_json_model(OperationsStrategy, path, "strategy file", **extra)
         except ValueError as exc:
             raise StrategyError(str(exc)) from None
     from tbo import strategies

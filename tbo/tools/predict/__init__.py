@@ -22,6 +22,6 @@ from tbo.tools.predict.model import MODELS, Deployment, ModelShape, get_model
 
 __all__ = [
     "DEFAULT_EFFICIENCY", "Deployment", "Efficiency", "FITTED_FACTORS", "HARDWARE", "Hardware", "Kernel", "MODELS",
-    "MemoryUse", "ModelShape", "Prediction", "Traffic", "expected_reached", "get_hardware", "get_model", "layer_kernels",
-    "memory_use", "predict", "split_policy", "traffic", "transfer_seconds",
+    "MemoryUse", "ModelShape", "Prediction", "Traffic", "expected_reached", "get_hardware", "get_model",
+    "layer_kernels", "memory_use", "predict", "split_policy", "traffic", "transfer_seconds",
 ]
