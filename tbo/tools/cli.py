@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from tbo.core.errors import StrategyError
 from tbo.core.strategy import OperationsStrategy
-from tbo.util.inputs import describe_validation_error, load_json_model
+from tbo.tools.inputs import describe_validation_error, load_json_model
 
 __all__ = ["main", "load_strategy"]
 

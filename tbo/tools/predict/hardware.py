@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tbo.util.inputs import load_json_model
+from tbo.tools.inputs import load_json_model
 
 __all__ = ["Hardware", "Efficiency", "HARDWARE", "get_hardware", "DEFAULT_EFFICIENCY", "FITTED_FACTORS"]
 

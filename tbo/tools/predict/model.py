@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tbo.util.inputs import describe_validation_error, read_json
+from tbo.tools.inputs import describe_validation_error, read_json
 
 __all__ = ["ModelShape", "Deployment", "MODELS", "get_model"]
 
