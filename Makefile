@@ -1,5 +1,7 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv when missing and installs what it needs.
-# `make docs` builds the documentation site (MkDocs Material, --strict) into site/ from the `docs` extra.
+# `make docs` builds the documentation site (MkDocs Material, --strict) into site/ from the `docs` extra, then checks
+# it in headless Chromium from file:// (scripts/check_site.py: links, search, code width; screenshots in
+# site/_screenshots/). It needs a `chromium` on PATH: `apt-get install -y chromium` (.ci/run installs it).
 # torch is installed on its own first, pinned, so pip never resolves `torch>=2.11` to a multi-GB CUDA build;
 # on these machines torch==2.13.0 is a local CPU wheel. `make test-hf-floor` runs the Hugging Face tests again in
 # .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both). `make test-vllm` runs
@@ -21,6 +23,9 @@ VLLM_PY        := $(VLLM_VENV)/bin/python
 VLLM_STAMP     := $(VLLM_VENV)/.tbo-installed
 
 DOCS_STAMP     := $(VENV)/.tbo-docs-installed
+# tbo's distribution was named `tbo` until it became `tbo-overlap` (`tbo` on PyPI is another project); a venv made
+# before then still holds the old editable install, whose files and `tbo` command would clash with the new one
+DROP_OLD        = -m pip uninstall -q -y tbo 2>/dev/null || true
 
 .PHONY: demo test test-hf-floor test-vllm docs bench clean
 
@@ -29,6 +34,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	@$(PY) $(DROP_OLD)
 	$(PY) -m pip install -q -e ".[test,plot,hf]"
 	@touch $(STAMP)
 
@@ -43,6 +49,7 @@ $(FLOOR_PY):
 
 $(FLOOR_STAMP): pyproject.toml | $(FLOOR_PY)
 	@$(FLOOR_PY) -c "import torch" 2>/dev/null || $(FLOOR_PY) -m pip install -q "$(TORCH)"
+	@$(FLOOR_PY) $(DROP_OLD)
 	$(FLOOR_PY) -m pip install -q -e ".[test,hf]" "$(HF_FLOOR)"
 	@touch $(FLOOR_STAMP)
 
@@ -57,6 +64,7 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
 	@$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
 	$(VLLM_PY) -m pip install -q "$(VLLM)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@$(VLLM_PY) $(DROP_OLD)
 	$(VLLM_PY) -m pip install -q -e ".[test]"
 	@touch $(VLLM_STAMP)
 
@@ -73,6 +81,7 @@ $(DOCS_STAMP): pyproject.toml $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean -d site
 	$(PY) scripts/check_api_docs.py site
+	$(PY) scripts/check_site.py site
 
 bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py

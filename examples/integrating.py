@@ -27,6 +27,7 @@ from tbo import OperationsStrategy, SplitPolicy, State, Yield
 from tbo.comm import EPBackend, LocalBackend, TorchDistributedBackend
 from tbo.experts import run_experts
 from tbo.split import split_inputs
+from tbo.tools.lint import tally
 
 HIDDEN, HEADS, EXPERTS, TOP_K, INTER, LAYERS = 64, 4, 8, 2, 96, 3
 HEAD_DIM = HIDDEN // HEADS
@@ -223,8 +224,8 @@ def main() -> None:
     parser.add_argument("--save-strategy", help="write the strategy as JSON, for `tbo lint` / `tbo simulate`")
     args = parser.parse_args()
 
-    findings = tbo.lint(OperationsStrategy.concat([MOE] * 2), 2)
-    print(f"lint {MOE.name}: {sum(f.level == 'error' for f in findings)} errors, {len(findings)} findings")
+    findings = tbo.lint(MOE, 2, layers=2)  # two layers joined, to see the layer boundary
+    print(f"lint {MOE.name}: {tally(findings)}")
     for f in findings:
         print(f"  {f}")
     if args.save_strategy:
@@ -241,8 +242,9 @@ def main() -> None:
     lines = [line for rank_lines in results for line in rank_lines if not line.startswith("max diff")]
     print("\n".join(lines))
     worst = max(float(r[-1].split()[-1]) for r in results)
-    print(f"max diff: {worst:.3g}")
     assert worst <= TOLERANCE, f"TBO differs from the plain forward by {worst:.3g} > {TOLERANCE:g}"
+    # the bits of the difference depend on the CPU and its kernels; what holds everywhere is the bound just asserted
+    print(f"max diff: {worst:.3g} (within the tolerance {TOLERANCE:g})")
 
 
 if __name__ == "__main__":

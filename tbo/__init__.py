@@ -22,7 +22,8 @@ __getattr__ = lazy_attributes(__name__, {
     "merge_outputs": "tbo.split.tensors",
     "split_inputs": "tbo.split.tensors",
     "model_forward_maybe_tbo": "tbo.runtime.forward",
-})
+}, submodules=["afd", "comm", "core", "experts", "harness", "integrations", "models", "runtime", "split",
+               "strategies", "testing", "tools", "util"])
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,78 @@ def test_simulate_missing_costs_file_names_it(tmp_path, capsys):
     assert main(["simulate", "deepseek_decode", "--tokens", "64", "--costs", str(tmp_path / "nope.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tbo simulate: error:") and "nope.json" in err and "Traceback" not in err
+
+
+# ---- what a first-time user met (issue 27) ------------------------------------------------------------------------
+@pytest.fixture
+def costs_file(tmp_path):
+    from tbo.tools.simulate import Cost, CostModel, TransferCost
+
+    costs = CostModel(ops={"attn_core": Cost(per_token=1e-4), "experts": Cost(per_token=1e-4)},
+                      transfers={"dispatch": TransferCost(bytes_per_token=1e3), "combine": TransferCost(
+                          bytes_per_token=1e3)}, latency_s=1e-5, bandwidth=1e7)
+    path = tmp_path / "costs.json"
+    path.write_text(costs.model_dump_json())
+    return path
+
+
+@pytest.mark.parametrize("flag", ["--tokens", "--layers"])
+def test_simulate_refuses_zero_naming_the_flag(flag, costs_file, capsys):
+    """--tokens 0 printed a speedup; --layers 0 said "concat needs at least one strategy"."""
+    args = {"--tokens": "64", "--layers": "1", flag: "0"}
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "deepseek_decode", "--costs", str(costs_file), *[x for kv in args.items() for x in kv]])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected a positive integer, got 0" in err and "concat" not in err
+
+
+def test_simulate_reports_the_mode(costs_file, capsys):
+    """A prefill step is reported as prefill: --mode, or a strategy whose name says prefill."""
+    base = ["--tokens", "64", "--costs", str(costs_file)]
+    assert main(["simulate", "deepseek_prefill", *base]) == 0
+    assert re.search(r"^prefill, 64 tokens: TBO hides", capsys.readouterr().out, re.M)
+    assert main(["simulate", "deepseek_decode", *base]) == 0
+    assert re.search(r"^decode, 64 tokens: TBO hides", capsys.readouterr().out, re.M)
+    assert main(["simulate", "deepseek_decode", *base, "--mode", "prefill"]) == 0
+    assert re.search(r"^prefill, 64 tokens: TBO hides", capsys.readouterr().out, re.M)
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`tbo predict ... | head -2` ended with "error: [Errno 32] Broken pipe" and exit 2."""
+    script = (f"{sys.executable} -m tbo predict step --hardware h800 --model deepseek-v3 --ep 32 "
+              "--tokens-per-device 128 --context 4096 | head -2; echo status ${PIPESTATUS[0]} >&2")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.stdout.splitlines()[0].startswith("single_ms: ") and len(out.stdout.splitlines()) == 2
+    assert out.stderr.strip() == "status 141", out.stderr  # 128 + SIGPIPE, as a Unix tool killed by it; no message
+
+
+def test_json_errors_name_the_file_and_read_as_one_line(tmp_path, costs_file, capsys):
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text('{"a": 1 "b": 2}')
+    assert main(["predict", "step", "--hardware", str(garbage), "--model", "deepseek-v3", "--ep", "32",
+                 "--tokens-per-device", "128", "--context", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert f"hardware file {garbage}: not valid JSON, line 1 column 9: Expecting ',' delimiter" in err
+    assert main(["simulate", "deepseek_decode", "--tokens", "64", "--costs", str(garbage)]) == 2
+    assert f"costs file {garbage}: not valid JSON" in capsys.readouterr().err
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"ops": {"attn": 3}, "latency_s": "soon"}))
+    assert main(["simulate", "deepseek_decode", "--tokens", "64", "--costs", str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "errors.pydantic.dev" not in err and "validation error" not in err, err
+    assert f"costs file {wrong}: field 'ops.attn': " in err and "(got 3)" in err and "field 'latency_s'" in err
+    assert main(["show", str(garbage)]) == 2
+    assert f"strategy file {garbage}: not valid JSON" in capsys.readouterr().err
+
+
+def test_show_validates_delta_as_the_constructor_does(capsys):
+    """--delta 9 on a 6-stage strategy rendered a schedule the constructor refuses, under a delta_stages=2 header."""
+    assert main(["show", "deepseek_decode", "--delta", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--delta 9: delta_stages=9 must be less than the number of stages (6)" in err
+    assert main(["show", "deepseek_decode", "--delta", "-1"]) == 2
+    assert "--delta -1: delta_stages must be >= 0" in capsys.readouterr().err
+    assert main(["show", "deepseek_decode", "--delta", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy deepseek_decode: 6 stages, delta_stages=1" in out and "delta_stages=1, " in out

@@ -87,7 +87,7 @@ def test_integrating_example_one_process(tmp_path):
     out = run("integrating.py", "--png", str(png), "--save-strategy", str(saved))
     assert max_diff(out) <= 1e-5
     assert "prefill 132 tokens, 2 microbatches, request 1 cut 59|61" in out  # the cut falls inside a sequence
-    assert "decode 3 tokens, 2 microbatches" in out and "lint my_moe: 0 errors" in out
+    assert "decode 3 tokens, 2 microbatches" in out and "lint my_moe: 0 error(s)" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the strategy file shipped for `tbo simulate` is the example's strategy
     assert saved.read_text() == (ROOT / "examples" / "integrating_moe.json").read_text()

@@ -29,8 +29,8 @@ def test_each_violation_names_both_ops_and_both_microbatches():
     assert where(first) == (1, "dispatch_a", 0, "combine_a")
     assert str(first) == (
         "microbatch 1's 'dispatch_a' (stage 2, operations[4]) launches while microbatch 0's 'combine_a' (stage 3, "
-        "operations[9]) is not yet received (its 'combine_b' has not run): 1 transfer in flight, and a one-slot link "
-        "tolerates 1 (it has one buffer)")
+        "operations[9]) is not yet received (its 'combine_b' has not run): that makes 2 transfers in flight, and a "
+        "one-slot link tolerates at most 1 (it has one buffer)")
     # lead 3: fine inside a layer, but A's next layer dispatches while B's combine of the first is in flight
     boundary = in_flight_violations(joined, ONE, 2, 3)
     assert where(boundary[0]) == (0, "dispatch_a", 1, "combine_a") and boundary[0].launch.stage == 7

@@ -223,6 +223,29 @@ def test_import_tbo_needs_no_torch():
     assert "lazy torch is blocked" in out.stdout  # the torch-needing name fails where it is used, not at import
 
 
+def test_subpackages_are_attributes_of_tbo():
+    """`import tbo; tbo.strategies.register(...)`, as the docs write it: a subpackage is imported on first use (so
+    `import tbo` still imports no torch), every subpackage of tbo is reachable that way, and a typo is still an
+    AttributeError."""
+    import pkgutil
+
+    import tbo as pkg
+
+    subpackages = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.ispkg)
+    code = (
+        "import sys, tbo\n"
+        "assert 'tbo.strategies' not in sys.modules\n"
+        "tbo.strategies.register('issue27', tbo.strategies.get('deepseek_decode'))\n"
+        "assert tbo.strategies.get('issue27').name == 'issue27'\n"
+        f"for name in {subpackages!r}:\n"
+        "    assert getattr(tbo, name) is sys.modules['tbo.' + name], name\n"
+        "try:\n    tbo.strategiess\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "module 'tbo' has no attribute 'strategiess'" in out.stdout
+
+
 def test_core_imports_no_torch_even_with_torch_installed():
     code = "import sys, tbo.core, tbo.tools.lint; assert 'torch' not in sys.modules, sorted(sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

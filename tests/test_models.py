@@ -234,3 +234,34 @@ def test_binding_checks_the_schedule_against_the_backend_limit():
     assert len(three.microbatches) == 3
     with pytest.raises(StrategyError, match="with 3 microbatches and delta_stages=2: microbatch 0's 'dispatch_a'"):
         model.forward_tbo(ids, meta, KVCache(), "deepseek_decode", three)
+
+
+def test_model_forward_takes_a_registered_name():
+    """`tbo.model_forward_maybe_tbo(layers, inputs, "deepseek_decode", plan)` runs the registered strategy, as
+    `ReferenceModel.forward_tbo` does; an unknown name or a wrong type is refused saying what to pass."""
+    import tbo
+    from tbo.runtime.forward import model_forward_maybe_tbo
+
+    model = ReferenceModel(ModelConfig.deepseek_v3_tiny(num_layers=3))
+    assert S.bind_layers(model.layers, "deepseek_decode").operations == S.bind_layers(
+        model.layers, S.deepseek_decode()).operations
+    assert S.bind_layers(model.layers, {"moe": "deepseek_decode"}).operations == S.bind_layers(
+        model.layers, S.deepseek_decode()).operations
+    ids, meta = step_inputs([2, 2, 2])
+    ref = model.forward(ids, meta, KVCache())
+    plan = SplitPolicy(prefill_token_threshold=2).plan(ForwardMode.EXTEND, 6, [2, 2, 2])
+    cache = KVCache()
+    seen: list = []
+
+    def pinned(mb):
+        seen.append(mb)
+        return {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
+
+    out = tbo.model_forward_maybe_tbo(model.layers, {"hidden_states": model.embed(ids)}, "deepseek_decode", plan,
+                                      pinned=pinned)
+    assert len(seen) == 2 and None not in seen  # it split: two microbatches ran
+    assert torch.allclose(model.head(out["hidden_states"]), ref, atol=1e-5, rtol=0)
+    with pytest.raises(StrategyError, match="no strategy named 'deepseek_decod'; registered: .*deepseek_decode"):
+        model_forward_maybe_tbo(model.layers, {"hidden_states": model.embed(ids)}, "deepseek_decod", plan)
+    with pytest.raises(TypeError, match="a registered name.*got int"):
+        model_forward_maybe_tbo(model.layers, {"hidden_states": model.embed(ids)}, 3, plan)

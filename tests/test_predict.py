@@ -273,7 +273,7 @@ def test_cli_comm_lines(capsys):
 def test_cli_step_lines(capsys, tmp_path):
     costs = tmp_path / "costs.json"
     assert main(["predict", "step", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "32", "--mode",
-                 "decode", "--tokens-per-device", "256", "--context", "4096", "--costs-out", str(costs)]) == 0
+                 "decode", "--tokens-per-device", "128", "--context", "4096", "--costs-out", str(costs)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     vals = {k: float(re.fullmatch(rf"{k}: {FLOAT}", lines[i]).group(1))
@@ -299,8 +299,12 @@ def test_cli_sweep_writes_png(tmp_path, capsys):
                  "--tokens", "32", "256", "--context", "2048", "--out", str(out)]) == 0
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    rows = re.findall(rf"^ep: (\d+) tokens_per_device: (\d+) speedup: {FLOAT}$", capsys.readouterr().out, re.M)
-    assert [(int(a), int(b)) for a, b, _ in rows] == [(16, 32), (16, 256), (64, 32), (64, 256)]
+    printed = capsys.readouterr().out
+    rows = re.findall(rf"^ep: (\d+) tokens_per_device: (\d+) speedup: {FLOAT}$", printed, re.M)
+    assert [(int(a), int(b)) for a, b, _ in rows] == [(16, 32), (64, 32), (64, 256)]
+    # 256 sequences of 2048 tokens at EP16: 36.8 GB of KV cache beside 57 GB of weights, on an 80 GB H800
+    assert re.search(r"^ep: 16 tokens_per_device: 256 does not fit: weights .* more than h800's 80.0 GB$", printed,
+                     re.M)
 
 
 # ---- the benchmark ------------------------------------------------------------------------------------------------
@@ -362,9 +366,10 @@ def test_v2_on_one_rank_takes_every_sm():
 
 def test_v1_normal_sm_count_comes_with_the_buffer_note(capsys):
     note = "DeepEP V1 normal buffers are sized for the Buffer.num_sms in effect when made: set it to 24"
-    assert any(note in n for n in predict("h800", "deepseek-v3", prefill(kernel="normal", comm_sms=24)).notes)
-    assert predict("h800", "deepseek-v3", prefill(kernel="normal")).notes == ()  # the default 20 it was sized for
-    assert main(["predict", "step", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "8", "--mode", "prefill",
+    # on H200s: DeepSeek-V3's 671 GB of FP8 weights over 8 GPUs do not fit in an H800's 80 GB
+    assert any(note in n for n in predict("h200", "deepseek-v3", prefill(kernel="normal", comm_sms=24)).notes)
+    assert predict("h200", "deepseek-v3", prefill(kernel="normal")).notes == ()  # the default 20 it was sized for
+    assert main(["predict", "step", "--hardware", "h200", "--model", "deepseek-v3", "--ep", "8", "--mode", "prefill",
                  "--kernel", "normal", "--comm-sms", "24", "--tokens-per-device", "4096", "--context", "4096"]) == 0
     assert f"note: {note}" in capsys.readouterr().out
 
@@ -378,3 +383,50 @@ def test_low_latency_kernels_refuse_a_schedule_that_would_hang(capsys):
     assert main(["predict", "step", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "8", "--mode", "prefill",
                  "--kernel", "low_latency", "--tokens-per-device", "4096", "--context", "4096"]) == 2
     assert "microbatch 1's 'dispatch_a'" in capsys.readouterr().err
+
+
+# ---- what the device has (issue 27) -------------------------------------------------------------------------------
+def test_an_sm_count_the_device_lacks_is_refused(capsys):
+    """--comm-sms 200 on a 132-SM H800 used to turn a low-latency EP32 deployment into "DeepEP V2 on one rank takes
+    all 132 SMs" and "TBO hides 0.000 ms": the whole-device case read the SM count alone. Now the count is refused,
+    and the whole-device case is V2 on one rank only."""
+    args = ["predict", "step", "--hardware", "h800", "--model", "deepseek-v3", "--ep", "32", "--mode", "decode",
+            "--tokens-per-device", "128", "--context", "4096"]
+    assert main([*args, "--comm-sms", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "comm_sms (--comm-sms) = 200, but h800 has 132 SMs" in err and "at most 131" in err
+    assert main([*args, "--comm-sms", "132"]) == 2 and "h800 has 132 SMs" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has 132 SMs"):
+        predict("h800", "deepseek-v3", decode(comm_sms=200))
+    assert not decode(kernel="v2", ep=1, comm_sms=131).takes_whole_device() and not decode().takes_whole_device()
+    assert decode(kernel="v2", ep=1).takes_whole_device()
+    assert main([*args, "--comm-sms", "100"]) == 0  # low-latency kernels hold no SMs: any count the device has
+    out = capsys.readouterr().out
+    assert "one rank" not in out and not re.search(r"hides 0\.000 ms of 0\.000 ms", out)
+
+
+def test_a_deployment_that_does_not_fit_is_refused_with_the_figures(capsys):
+    """Qwen3-235B decode, 256 sequences of 8K per GPU at EP16: about 400 GB of KV cache per GPU."""
+    from tbo.tools.predict.memory import kv_bytes_per_token, low_latency_buffer_bytes
+
+    dep = decode(ep=16, tokens=256, context=8192)
+    p = predict("h800", "qwen3-235b-a22b", dep)
+    assert p.memory.kv_cache == 256 * 8192 * 94 * (2 * 4 * 128 * 2) and not p.memory.fits  # K and V, BF16
+    assert p.memory.kv_cache / 1e9 == pytest.approx(403.7, abs=0.05)
+    # the experts' weights: 128 experts over 16 GPUs, 94 layers, FP8
+    assert p.memory.weights > 94 * 8 * 3 * 4096 * 1536 and p.memory.weights < 25e9
+    assert p.memory.deepep_buffers == low_latency_buffer_bytes(256, 4096, 128)
+    assert any(n.startswith("does not fit: weights") for n in p.notes)
+    assert kv_bytes_per_token(get_model("deepseek-v3"), dep) == (512 + 64) * 2  # MLA: the latent and the rope key
+    args = ["predict", "step", "--hardware", "h800", "--model", "qwen3-235b-a22b", "--ep", "16", "--mode", "decode",
+            "--tokens-per-device", "256", "--context", "8192"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"does not fit: weights \d+\.\d GB \+ KV cache 403\.7 GB \+ DeepEP buffers \d+\.\d GB = "
+                     r"\d+\.\d GB per GPU, more than h800's 80\.0 GB", err), err
+    assert "--no-memory-check" in err
+    assert main([*args, "--no-memory-check"]) == 0
+    assert "memory: weights" in capsys.readouterr().out
+    fits = predict("h800", "deepseek-v3", decode())
+    assert fits.memory.fits and not any("fit" in n for n in fits.notes)
+    assert get_hardware("h800").memory_bytes == 80e9 and get_hardware("h200").memory_bytes == 141e9

@@ -89,6 +89,18 @@ def test_policy_validation_names_field(kwargs, field):
         SplitPolicy(**kwargs)
 
 
+def test_policy_defaults_follow_num_microbatches():
+    """SplitPolicy(num_microbatches=3) is valid: unset thresholds follow the count (one decode token, six prefill
+    tokens per microbatch); set ones are kept and checked."""
+    three = SplitPolicy(num_microbatches=3)
+    assert (three.decode_token_threshold, three.prefill_token_threshold) == (3, 18)
+    assert len(three.plan(D, 3).microbatches) == 3 and three.plan(D, 2) is None
+    assert (SplitPolicy().decode_token_threshold, SplitPolicy().prefill_token_threshold) == (2, 12)
+    assert SplitPolicy(num_microbatches=2) == SplitPolicy()
+    assert SplitPolicy(num_microbatches=4, prefill_token_threshold=4).decode_token_threshold == 4
+    assert SplitPolicy.model_validate({"num_microbatches": 3}).prefill_token_threshold == 18
+
+
 def test_plan_fields_two_chunk():
     plan = SplitPolicy().plan(E, 100, [10, 90])
     assert plan.two_chunk and plan.cut_extend_lens == (40, 50)

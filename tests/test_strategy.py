@@ -135,10 +135,23 @@ def test_describe_lists_stages():
 def test_without_drops_ops_and_empty_stages():
     s = OperationsStrategy(operations=["a", Yield, "b", Yield, "c", "d"], delta_stages=2, name="x")
     t = s.without(["b"])
-    assert t.stage_names == (("a",), ("c", "d")) and t.delta_stages == 1 and t.name == "x"
+    assert t.stage_names == (("a",), ("c", "d")) and t.delta_stages == 1 and t.name == "x_without_b"
     assert s.without(["d"], name="y").stage_names == (("a",), ("b",), ("c",))
     with pytest.raises(StrategyError, match="empty"):
         s.without(["a", "b", "c", "d"])
+
+
+def test_without_refuses_a_name_it_does_not_have():
+    """A name not in the strategy is a typo: silently returning the same strategy would hide it."""
+    s = OperationsStrategy(operations=["a", Yield, "b"], name="x")
+    with pytest.raises(StrategyError, match=r"x has no op named 'nonexistent'; its ops: a, b"):
+        s.without(["nonexistent"])
+    with pytest.raises(StrategyError, match="'zz'"):
+        s.without(["a", "zz"])
+    with pytest.raises(TypeError, match=r"without\(\['b'\]\)"):
+        s.without("b")  # a string is a list of one-letter names: refused, not dropped letter by letter
+    assert s.without(["b"]).name == "x_without_b" and s.without(["b"], name="y").name == "y"
+
 
 
 def test_one_joining_rule_for_concat_and_bind_layers():

@@ -15,7 +15,7 @@ backend as its ``in_flight_limit`` attribute and read here with `limit_of`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:  # the strategy module imports this one
     from tbo.core.strategy import OperationsStrategy, OpVisit
@@ -55,12 +55,18 @@ class InFlightViolation:
     limit: InFlightLimit
 
     def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, where: Callable[["OpVisit"], str] | None = None) -> str:
+        """The message; ``where(visit)`` says where an op is (default: its stage and index in the list checked;
+        `tbo.lint` passes one that names the user's layer, stage and index in a joined run)."""
+        if where is None:
+            def where(v: "OpVisit") -> str:
+                return f"stage {v.stage}, operations[{v.index}]"
         a, b, lim = self.launch, self.blocking, self.limit
-        count = f"{self.in_flight} transfer{'s' if self.in_flight > 1 else ''}"
-        text = (f"microbatch {a.mb}'s {a.op!r} (stage {a.stage}, operations[{a.index}]) launches while microbatch "
-                f"{b.mb}'s {b.op!r} (stage {b.stage}, operations[{b.index}]) is not yet received (its "
-                f"{self.waited_by!r} has not run): {count} in flight, and {lim.backend} tolerates "
-                f"{lim.max_unreceived}")
+        text = (f"microbatch {a.mb}'s {a.op!r} ({where(a)}) launches while microbatch {b.mb}'s {b.op!r} ({where(b)}) "
+                f"is not yet received (its {self.waited_by!r} has not run): that makes {self.in_flight + 1} "
+                f"transfers in flight, and {lim.backend} tolerates at most {lim.max_unreceived}")
         return text + (f" ({lim.why})" if lim.why else "")
 
 

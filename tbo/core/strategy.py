@@ -282,8 +282,18 @@ class OperationsStrategy(BaseModel):
 
     def without(self, names: Iterable[str], name: str | None = None) -> "OperationsStrategy":
         """This strategy with the named ops removed (and any stage they leave empty), e.g. a model that has no
-        shared experts. Stage boundaries between the remaining ops stay where they were."""
-        drop = set(names)
+        shared experts. Stage boundaries between the remaining ops stay where they were.
+
+        A name that is not an op of this strategy is a typo, and raises. The result is a different strategy, so
+        it gets a name of its own (``deepseek_decode_without_shared_experts``) unless ``name`` gives one."""
+        if isinstance(names, str):
+            raise TypeError(f"without() takes a list of op names, not the string {names!r}: without([{names!r}])")
+        drop = list(dict.fromkeys(names))
+        have = [op_name(item) for item in self.operations if item is not Yield]
+        unknown = [n for n in drop if n not in have]
+        if unknown:
+            raise StrategyError(f"{self.name or 'this strategy'} has no op named {', '.join(map(repr, unknown))}; "
+                                f"its ops: {', '.join(dict.fromkeys(have))}")
         kept: list[Any] = []
         for item in self.operations:
             if item is Yield:
@@ -294,8 +304,9 @@ class OperationsStrategy(BaseModel):
         while kept and kept[-1] is Yield:
             kept.pop()
         stages = kept.count(Yield) + 1
-        return self._replace(operations=kept, delta_stages=min(self.delta_stages, stages - 1),
-                             name=name if name is not None else self.name)
+        if name is None:
+            name = f"{self.name or 'strategy'}_without_{'_'.join(drop)}"
+        return self._replace(operations=kept, delta_stages=min(self.delta_stages, stages - 1), name=name)
 
     @classmethod
     def concat(cls, strategies: Iterable["OperationsStrategy"], name: str | None = None,

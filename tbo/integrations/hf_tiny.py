@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tbo.util.optional import require
+from tbo.util.optional import extra_hint, require
 
 __all__ = ["tiny_model", "MODELS"]
 
@@ -15,7 +15,7 @@ MODELS = ("deepseek_v3", "qwen3_moe")
 
 def tiny_model(name: str, seed: int = 0, attn_implementation: str = "sdpa", num_experts: int = 8) -> Any:
     """A 3-layer, hidden-64 causal LM of the named family, in eval mode."""
-    transformers = require("transformers", "tbo.integrations.hf_tiny (pip install 'tbo[hf]')")
+    transformers = require("transformers", f"tbo.integrations.hf_tiny ({extra_hint('hf')})")
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   num_hidden_layers=3, num_attention_heads=4, num_experts_per_tok=2,
                   attn_implementation=attn_implementation)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tbo import strategies
-from tbo.util.optional import require
+from tbo.util.optional import extra_hint, require
 from tbo.comm.alltoall import LocalBackend
 from tbo.models.layer_ops import DecoderLayerOps
 from tbo.split import ForwardMode, SplitPolicy, agree_to_split
@@ -56,11 +56,11 @@ def check_transformers_version(version: str) -> None:
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is not None and (int(m[1]), int(m[2])) < _FLOOR:
         raise ImportError(f"tbo.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS} (tested on "
-                          f"5.17 and the newest 5.x), but {version} is installed: pip install 'tbo[hf]'")
+                          f"5.17 and the newest 5.x), but {version} is installed: {extra_hint('hf')}")
 
 
 def _transformers() -> Any:
-    hf = require("transformers", "tbo.integrations.transformers (pip install 'tbo[hf]')")
+    hf = require("transformers", f"tbo.integrations.transformers ({extra_hint('hf')})")
     check_transformers_version(getattr(hf, "__version__", ""))
     return hf
 

@@ -44,7 +44,8 @@ def model_forward_maybe_tbo(
     """Run ``layers`` on ``inputs``; overlapped over ``plan``'s microbatches, or unsplit when ``plan`` is None.
 
     ``strategy`` is a bound strategy for the whole stack (build it once with `bind_layers`: the fast path), or what
-    `bind_layers` takes: one strategy for every layer, one per layer kind, or a function of the layer.
+    `bind_layers` takes: one strategy for every layer (or its registered name, ``"deepseek_decode"``), one per
+    layer kind, or a function of the layer.
     ``pinned(slice)`` returns step-scoped values to pin in each microbatch's State (``slice`` is None unsplit).
     ``request_keys`` and ``shared_keys`` say how `split_inputs` splits the non-token inputs: per-request keys with
     their `RequestRule` (``{"extend_lens": "lengths"}``), so that a plan cutting a sequence splits them correctly.

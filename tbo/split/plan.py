@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -153,11 +153,16 @@ def _cut_at_token(starts: Sequence[int], token: int) -> Cut:
     return Cut(token, seq, starts[seq] < token)
 
 
+#: A prefill step splits from this many tokens per microbatch by default (12 for two: the AFD recipe's threshold).
+PREFILL_TOKENS_PER_MICROBATCH = 6
+
+
 class SplitPolicy(BaseModel):
     """When to split a step, into how many microbatches, and how to pad them.
 
     A decode-only step splits when it has at least ``decode_token_threshold`` tokens; a step with any prefill when it
-    has at least ``prefill_token_threshold``. The defaults are the AFD recipe's (decode 2, prefill 12).
+    has at least ``prefill_token_threshold``. The defaults follow ``num_microbatches``: decode from one token per
+    microbatch, prefill from six per microbatch; for two microbatches, the AFD recipe's (decode 2, prefill 12).
 
     By default a prefill step whose sequence boundaries are all lopsided is cut inside a sequence ("two-chunk"), so
     that one long prefill still overlaps. That needs attention that reads the cut request's earlier tokens from the
@@ -169,8 +174,10 @@ class SplitPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_microbatches: int = Field(default=2, description="microbatches per split step")
-    decode_token_threshold: int = Field(default=2, description="a decode-only step splits from this many tokens")
-    prefill_token_threshold: int = Field(default=12, description="a step with prefill splits from this many tokens")
+    decode_token_threshold: int = Field(
+        default=2, description="a decode-only step splits from this many tokens (default: num_microbatches)")
+    prefill_token_threshold: int = Field(
+        default=12, description="a step with prefill splits from this many tokens (default: 6 x num_microbatches)")
     token_distribution_threshold: float = Field(
         default=DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD,
         description="below this share on one side of a sequence boundary, cut inside a sequence instead",
@@ -180,6 +187,20 @@ class SplitPolicy(BaseModel):
         default=True,
         description="False: never cut inside a sequence; a step with no balanced sequence boundary runs unsplit",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _follow_num_microbatches(cls, data: Any) -> Any:
+        """Unset thresholds follow the microbatch count, so that ``SplitPolicy(num_microbatches=3)`` is valid."""
+        if isinstance(data, Mapping) and "num_microbatches" in data:
+            try:
+                n = int(data["num_microbatches"])
+            except (TypeError, ValueError):
+                return data  # the field's own validation names it
+            data = dict(data)
+            data.setdefault("decode_token_threshold", n)
+            data.setdefault("prefill_token_threshold", PREFILL_TOKENS_PER_MICROBATCH * n)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "SplitPolicy":

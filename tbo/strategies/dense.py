@@ -11,14 +11,17 @@ from typing import Any, Callable, Mapping, Sequence, Union
 from tbo.core.errors import StrategyError
 from tbo.core.inflight import limit_of
 from tbo.core.strategy import OperationsStrategy
+from tbo.strategies import registry
 
 __all__ = ["DENSE_OPS", "dense_like", "bind_layers", "LayerStrategies"]
 
 DENSE_OPS = ("comm_prepare_attn", "attn_prepare", "attn_core", "comm_prepare_mlp", "mlp", "output",
              "comm_postprocess_layer")
 
-#: One strategy for every layer, one per layer ``kind`` (e.g. ``{"dense": ..., "moe": ...}``), or a function.
-LayerStrategies = Union[OperationsStrategy, Mapping[str, OperationsStrategy], Callable[[Any], OperationsStrategy]]
+#: One strategy for every layer, one per layer ``kind`` (e.g. ``{"dense": ..., "moe": ...}``), or a function. A
+#: strategy may be given by its registered name (``"deepseek_decode"``), as `ReferenceModel.forward_tbo` takes it.
+LayerStrategies = Union[OperationsStrategy, str, Mapping[str, Union[OperationsStrategy, str]],
+                        Callable[[Any], OperationsStrategy]]
 
 
 def dense_like(strategy: OperationsStrategy) -> OperationsStrategy:
@@ -27,17 +30,30 @@ def dense_like(strategy: OperationsStrategy) -> OperationsStrategy:
                               name=f"dense_for_{strategy.name or 'strategy'}")
 
 
+def _named(strategy: Any) -> Any:
+    """A registered name resolved to its strategy (an unknown name: the registry's error, listing the names)."""
+    return registry.get(strategy) if isinstance(strategy, str) else strategy
+
+
 def _for_layer(strategies: LayerStrategies, layer: Any) -> OperationsStrategy:
     kind = getattr(layer, "kind", "moe")
+    strategies = _named(strategies)
     if isinstance(strategies, OperationsStrategy):
         return dense_like(strategies) if kind == "dense" else strategies
     if isinstance(strategies, Mapping):
         if kind in strategies:
-            return strategies[kind]
+            return _named(strategies[kind])
         if kind == "dense" and "moe" in strategies:
-            return dense_like(strategies["moe"])
+            return dense_like(_named(strategies["moe"]))
         raise StrategyError(f"no strategy for layer kind {kind!r} ({layer!r}); have {sorted(strategies)}")
-    return strategies(layer)
+    if not callable(strategies):
+        raise TypeError(f"a layer strategy is an OperationsStrategy, a registered name, a mapping of layer kind to "
+                        f"either, or a function of the layer; got {type(strategies).__name__}")
+    found = strategies(layer)
+    if not isinstance(found, OperationsStrategy):
+        raise TypeError(f"the strategy function {getattr(strategies, '__name__', strategies)!r} returned "
+                        f"{type(found).__name__} for {layer!r}, not an OperationsStrategy")
+    return found
 
 
 def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | None = None, *,
@@ -54,6 +70,7 @@ def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | 
     """
     if not layers:
         raise StrategyError("bind_layers needs at least one layer")
+    strategies = _named(strategies)  # once, not per layer
     per_layer = [_for_layer(strategies, layer) for layer in layers]
     bound = OperationsStrategy.concat([s.bind(layer) for s, layer in zip(per_layer, layers)],
                                       name=name or per_layer[-1].name)

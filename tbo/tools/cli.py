@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from pydantic import ValidationError
+
 from tbo.core.errors import StrategyError
 from tbo.core.strategy import OperationsStrategy
+from tbo.tools.inputs import describe_validation_error, load_json_model
 
 __all__ = ["main", "load_strategy"]
 
@@ -21,15 +24,11 @@ def load_strategy(source: str, fragment: bool = False) -> OperationsStrategy:
     with it instead of refusing to load it."""
     path = Path(source)
     if path.is_file():
-        if not fragment:
-            return OperationsStrategy.model_validate_json(path.read_text())
         try:
-            data = json.loads(path.read_text())
+            extra = {"fragment": True} if fragment else {}
+            return load_json_model(OperationsStrategy, path, "strategy file", **extra)
         except ValueError as exc:
-            raise StrategyError(f"{source}: strategy JSON does not parse: {exc}") from None
-        if not isinstance(data, dict):
-            raise StrategyError(f"{source}: strategy JSON must be an object with 'operations'")
-        return OperationsStrategy.model_validate({**data, "fragment": True})
+            raise StrategyError(str(exc)) from None
     from tbo import strategies
 
     if source in strategies.names():
@@ -48,10 +47,26 @@ def render_strategy(strategy: OperationsStrategy, delta: int | None, microbatche
     )
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
-    if args.microbatches < 1:
-        raise StrategyError(f"--microbatches must be >= 1, got {args.microbatches}")
-    print(render_strategy(load_strategy(args.strategy), args.delta, args.microbatches))
+    strategy = load_strategy(args.strategy)
+    if args.delta is not None:  # the constructor's own check, so the header and the schedule are a valid strategy
+        try:
+            strategy = strategy._replace(delta_stages=args.delta)
+        except ValueError as exc:
+            why = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise StrategyError(f"--delta {args.delta}: {why}") from None
+    print(render_strategy(strategy, None, args.microbatches))
     return 0
 
 
@@ -61,7 +76,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     layer = load_strategy(args.strategy)
     strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
-    costs = CostModel.model_validate_json(Path(args.costs).read_text())
+    costs = load_json_model(CostModel, args.costs, "costs file")
+    mode = args.mode or ("prefill" if "prefill" in (layer.name or "") else "decode")
     c = compare(strategy, costs, args.tokens)
     single, tbo = summary(c.single.trace), summary(c.tbo.trace)
     print(f"strategy {layer.name or args.strategy} x {args.layers} layers, {args.tokens} tokens")
@@ -69,7 +85,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"TBO:    {c.tbo.step_s * 1e3:.3f} ms  ({tbo})")
     print(f"lower bound max(compute, comm): {c.lower_bound_s * 1e3:.3f} ms")
     print(f"speedup: {c.speedup:.2f}x")
-    print(recommend(strategy, costs, args.tokens).reason)
+    print(recommend(strategy, costs, args.tokens, mode).reason)
     if args.trace:
         print(f"wrote {save_chrome_json(c.tbo.trace, args.trace)}")
     if args.png:
@@ -78,10 +94,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:
-    from tbo.tools.lint import lint
+    from tbo.tools.lint import lint, tally
 
     layer = load_strategy(args.strategy, fragment=True)  # ordering problems are findings here, not a load error
-    strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name, fragment=True)
     limit = None
     if args.low_latency or args.backend == "deepep_low_latency":
         from tbo.comm.deepep import LOW_LATENCY_LIMIT
@@ -91,13 +106,13 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         from tbo.core.inflight import InFlightLimit
 
         limit = InFlightLimit(args.max_in_flight, backend=f"--max-in-flight {args.max_in_flight}")
-    findings = lint(strategy, args.microbatches, backend=limit)
+    findings = lint(layer, args.microbatches, backend=limit, layers=args.layers)  # placed in the user's layer
     for f in findings:
         print(f)
     errors = sum(f.level == "error" for f in findings)
     over = f", over {limit.backend}" if limit is not None else ""
-    print(f"{layer.name or args.strategy}: {errors} error(s), {len(findings) - errors} warning(s) "
-          f"({args.layers} layers, {args.microbatches} microbatches{over})")
+    print(f"{layer.name or args.strategy}: {tally(findings)} ({args.layers} layers, {args.microbatches} "
+          f"microbatches{over})")
     return 1 if errors else 0
 
 
@@ -106,26 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print a strategy's stages and its interleaved schedule")
     show.add_argument("strategy", help="a registered strategy name (e.g. deepseek_decode) or a strategy JSON file")
-    show.add_argument("--delta", type=int, default=None, help="delta_stages (default: the strategy's own)")
-    show.add_argument("--microbatches", type=int, default=2, help="number of microbatches (default 2)")
+    show.add_argument("--delta", type=int, default=None,
+                      help="delta_stages (default: the strategy's own); 0 to stages - 1, as the constructor checks")
+    show.add_argument("--microbatches", type=positive, default=2, help="number of microbatches (default 2)")
     show.set_defaults(func=_cmd_show)
     sim = sub.add_parser("simulate", help="predict single-batch vs TBO step time from a cost model")
     sim.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
-    sim.add_argument("--tokens", type=int, required=True, help="tokens in the step")
+    sim.add_argument("--tokens", type=positive, required=True, help="tokens in the step")
     sim.add_argument("--costs", required=True, help="a CostModel JSON file (see tbo.tools.simulate.CostModel)")
-    sim.add_argument("--layers", type=int, default=1, help="layers of the strategy to chain (default 1)")
+    sim.add_argument("--layers", type=positive, default=1, help="layers of the strategy to chain (default 1)")
+    sim.add_argument("--mode", choices=("decode", "prefill"), default=None,
+                     help="the step's phase, as the verdict reports it (default: prefill for a strategy whose name "
+                          "says prefill, else decode)")
     sim.add_argument("--png", help="write the simulated TBO timeline as a PNG")
     sim.add_argument("--trace", help="write the simulated TBO trace as Chrome/Perfetto JSON")
     sim.set_defaults(func=_cmd_simulate)
     lint = sub.add_parser("lint", help="check a strategy for overlap bugs; exits 1 on errors")
     lint.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
-    lint.add_argument("--microbatches", type=int, default=2)
-    lint.add_argument("--layers", type=int, default=2, help="layers of the strategy to chain (default 2)")
+    lint.add_argument("--microbatches", type=positive, default=2)
+    lint.add_argument("--layers", type=positive, default=2, help="layers of the strategy to chain (default 2)")
     lint.add_argument("--backend", choices=("deepep_low_latency",),
                       help="check the schedule against this backend's limit on transfers in flight (DeepEP V1 "
                            "low-latency: one un-received call at a time, across microbatches and layers)")
     lint.add_argument("--low-latency", action="store_true", help="the same as --backend deepep_low_latency")
-    lint.add_argument("--max-in-flight", type=int, default=None,
+    lint.add_argument("--max-in-flight", type=positive, default=None,
                       help="check against a limit of your own: at most N transfers (any kind) in flight at once")
     lint.set_defaults(func=_cmd_lint)
     from tbo.tools.predict.cli import add_parser as add_predict_parser
@@ -134,10 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status of a command whose reader went away (`tbo ... | head`): the shell's for a SIGPIPE death, 128 + 13.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # a reader that left during the last lines is found here, not at interpreter exit
+        return status
+    except BrokenPipeError:  # the reader stopped reading: nothing to report, as Unix tools do
+        # point stdout at /dev/null, so that the interpreter's final flush cannot raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except (StrategyError, ValueError, OSError) as exc:   # bad input, a missing or unreadable file: say which
         print(f"tbo {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from tbo.core.observer import Observer
 from tbo.core.operations import comm_role
 from tbo.comm.types import BackendWrapper
 from tbo.util.intervals import interval_union
+from tbo.util.optional import extra_hint
 
 __all__ = ["Span", "Trace", "Tracer", "TraceSummary", "summary", "traced", "to_chrome_json", "save_chrome_json", "save_png"]
 
@@ -434,7 +435,7 @@ def save_png(trace: Trace, path: str | Path, title: str | None = None) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - the plot extra is missing
-        raise ImportError("save_png needs matplotlib: pip install 'tbo[plot]'") from exc
+        raise ImportError(f"save_png needs matplotlib: {extra_hint('plot')}") from exc
     colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
     wait_style = dict(facecolor="white", edgecolor="#D62728", hatch="////", linewidth=0.8)
     t0 = min((s.start for s in trace.spans), default=0.0)

@@ -7,15 +7,19 @@ modules need torch are listed here and imported only when touched, so a missing 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 __all__ = ["lazy_attributes"]
 
 
-def lazy_attributes(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` resolving each of ``names`` (attribute -> module path) on first access."""
+def lazy_attributes(package: str, names: Mapping[str, str], submodules: Iterable[str] = ()) -> Callable[[str], Any]:
+    """A module ``__getattr__`` resolving each of ``names`` (attribute -> module path) on first access, and each of
+    ``submodules`` to the subpackage itself, so that `import tbo; tbo.strategies.register(...)` works as written."""
+    submodules = frozenset(submodules)
 
     def __getattr__(attr: str) -> Any:
+        if attr in submodules:
+            return importlib.import_module(f"{package}.{attr}")  # importing binds it on the package
         module = names.get(attr)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {attr!r}")

@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["require", "try_import", "INSTALL_HINTS"]
+__all__ = ["require", "try_import", "INSTALL_HINTS", "DISTRIBUTION", "extra_hint"]
+
+#: The distribution's name (pyproject.toml). The import name is `tbo`; `tbo` on PyPI is an unrelated project, so
+#: a hint never names `tbo` as a requirement.
+DISTRIBUTION = "tbo-overlap"
 
 INSTALL_HINTS = {
     "deep_ep": "build it from source on a CUDA machine: git clone https://github.com/deepseek-ai/DeepEP && "
@@ -27,6 +31,11 @@ def try_import(name: str) -> ModuleType | None:
         if exc.name != name:
             raise
         return None
+
+
+def extra_hint(extra: str) -> str:
+    """How to install one of tbo's extras: from a clone (editable, as `make` does) or by the distribution's name."""
+    return f"pip install -e '.[{extra}]' in tbo's clone (or pip install '{DISTRIBUTION}[{extra}]')"
 
 
 def require(name: str, purpose: str) -> ModuleType:

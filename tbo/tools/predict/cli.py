@@ -5,25 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tbo.tools.cli import positive
 from tbo.tools.simulate import simulate, split_tokens, summary
 from tbo.tools.predict.comm import traffic, transfer_seconds
 from tbo.tools.predict.costs import Prediction, predict
 from tbo.tools.predict.hardware import HARDWARE, DEFAULT_EFFICIENCY, get_hardware
 from tbo.tools.predict.model import MODELS, Deployment
+from tbo.util.optional import extra_hint
 
 __all__ = ["add_parser", "breakdown"]
 
 KERNELS = ("low_latency", "normal", "v2")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
@@ -70,8 +62,18 @@ def breakdown(p: Prediction, tokens: int) -> list[str]:
     return lines
 
 
+def _fits(p: Prediction, args: argparse.Namespace) -> None:
+    """Refuse a deployment the GPU cannot hold, with the figures (unless --no-memory-check)."""
+    if not p.memory.fits and not args.no_memory_check:
+        dep = p.deployment
+        raise ValueError(f"{p.model.name} at EP{dep.ep}, {dep.tokens_per_device} tokens/device, context "
+                         f"{dep.context} does not fit: {p.memory.describe()}. Fewer tokens or a shorter context, a "
+                         "larger EP, --kv-bytes 1 (FP8 KV cache), or --no-memory-check to predict it anyway")
+
+
 def _cmd_step(args: argparse.Namespace) -> int:
     p = predict(args.hardware, args.model, _deployment(args))
+    _fits(p, args)
     c = p.compare()
     tbo = summary(c.tbo.trace)
     print(f"single_ms: {c.single.step_s * 1e3:.4f}")
@@ -81,6 +83,7 @@ def _cmd_step(args: argparse.Namespace) -> int:
     print(f"tbo_exposed_comm_ms: {tbo.exposed_s * 1e3:.4f}")
     print(f"per_layer_us: single {c.single.step_s / p.model.num_layers * 1e6:.1f}, "
           f"tbo {c.tbo.step_s / p.model.num_layers * 1e6:.1f}")
+    print(f"memory: {p.memory.describe()}")
     dep = p.deployment
     print(f"# {p.model.name} on {p.hardware.name}: {dep.mode}, EP{dep.ep}, {dep.tokens_per_device} tokens/device, "
           f"context {dep.context}, {dep.resolved_kernel} kernels, {p.model.num_layers} layers "
@@ -88,7 +91,8 @@ def _cmd_step(args: argparse.Namespace) -> int:
     for line in breakdown(p, dep.tokens_per_device):
         print(line)
     for note in p.notes:
-        print(f"note: {note}")
+        if not note.startswith("does not fit"):  # said as the memory line (and only seen with --no-memory-check)
+            print(f"note: {note}")
     print(p.recommend().reason)
     if args.costs_out:
         Path(args.costs_out).write_text(p.costs.model_dump_json(indent=1))
@@ -100,7 +104,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     curves: dict[int, list[tuple[int, float]]] = {}
     for ep in args.ep:
         for n in args.tokens:
-            s = predict(args.hardware, args.model, _deployment(args, ep=ep, tokens=n)).compare().speedup
+            p = predict(args.hardware, args.model, _deployment(args, ep=ep, tokens=n))
+            if not p.memory.fits and not args.no_memory_check:  # a point that cannot run is left off the plot
+                print(f"ep: {ep} tokens_per_device: {n} does not fit: {p.memory.describe()}")
+                continue
+            s = p.compare().speedup
             curves.setdefault(ep, []).append((n, s))
             print(f"ep: {ep} tokens_per_device: {n} speedup: {s:.4f}")
     try:
@@ -109,7 +117,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - matplotlib is an optional extra
-        raise ImportError("tbo predict sweep needs matplotlib: pip install 'tbo[plot]'") from exc
+        raise ImportError(f"tbo predict sweep needs matplotlib: {extra_hint('plot')}") from exc
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for ep, pts in curves.items():
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"EP {ep}")
@@ -130,21 +138,23 @@ def _deployment_args(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
     p.add_argument("--model", required=True, help=f"{', '.join(MODELS)} or a Hugging Face config.json")
     if many:
-        p.add_argument("--ep", type=_positive, nargs="+", required=True, help="EP sizes, one line each")
-        p.add_argument("--tokens", type=_positive, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024],
+        p.add_argument("--ep", type=positive, nargs="+", required=True, help="EP sizes, one line each")
+        p.add_argument("--tokens", type=positive, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024],
                        help="tokens per device to sweep")
     else:
-        p.add_argument("--ep", type=_positive, required=True, help="expert-parallel size (GPUs)")
-        p.add_argument("--tokens-per-device", type=_positive, required=True,
+        p.add_argument("--ep", type=positive, required=True, help="expert-parallel size (GPUs)")
+        p.add_argument("--tokens-per-device", type=positive, required=True,
                        help="tokens one GPU runs per step (prefill: prompt tokens)")
     p.add_argument("--mode", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--context", type=_positive, required=True, help="KV length (decode) or prompt length (prefill)")
+    p.add_argument("--context", type=positive, required=True, help="KV length (decode) or prompt length (prefill)")
     p.add_argument("--kernel", choices=KERNELS, default=None, help="DeepEP kernels (default: by mode)")
     p.add_argument("--comm-sms", type=int, default=None, help="SMs the normal/V2 kernels hold (default 20 / 12-6)")
-    p.add_argument("--expert-slots", type=_positive, default=None, help="expert copies, e.g. 288 with EPLB")
+    p.add_argument("--expert-slots", type=positive, default=None, help="expert copies, e.g. 288 with EPLB")
     p.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element (2: BF16, 1: FP8)")
     p.add_argument("--balancedness", type=float, default=1.0, help="mean/max expert load per GPU (1: balanced)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="predict a deployment whose weights, KV cache and DeepEP buffers exceed the GPU's memory")
 
 
 def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -153,14 +163,14 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     cmds = top.add_subparsers(dest="predict_command", required=True)
     comm = cmds.add_parser("comm", help="DeepEP dispatch and combine times from message sizes")
     comm.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
-    comm.add_argument("--ep", type=_positive, required=True)
-    comm.add_argument("--tokens", type=_positive, required=True, help="tokens one GPU sends")
-    comm.add_argument("--hidden", type=_positive, required=True)
-    comm.add_argument("--topk", type=_positive, required=True)
+    comm.add_argument("--ep", type=positive, required=True)
+    comm.add_argument("--tokens", type=positive, required=True, help="tokens one GPU sends")
+    comm.add_argument("--hidden", type=positive, required=True)
+    comm.add_argument("--topk", type=positive, required=True)
     comm.add_argument("--kernel", choices=KERNELS, default="low_latency")
-    comm.add_argument("--experts", type=_positive, default=256, help="routed experts (normal/V2 deduplicate by them)")
-    comm.add_argument("--groups", type=_positive, default=1, help="expert groups (group-limited routing)")
-    comm.add_argument("--topk-groups", type=_positive, default=1, help="groups a token may use")
+    comm.add_argument("--experts", type=positive, default=256, help="routed experts (normal/V2 deduplicate by them)")
+    comm.add_argument("--groups", type=positive, default=1, help="expert groups (group-limited routing)")
+    comm.add_argument("--topk-groups", type=positive, default=1, help="groups a token may use")
     comm.add_argument("--dispatch-dtype", choices=("fp8", "bf16"), default="fp8")
     comm.set_defaults(func=_cmd_comm)
     step = cmds.add_parser("step", help="single-batch vs TBO step time for a deployment, with a per-stage breakdown")

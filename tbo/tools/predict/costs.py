@@ -32,6 +32,7 @@ from tbo.tools.simulate import (Comparison, Cost, CostModel, Recommendation, Tra
                                 recommend)
 from tbo.tools.predict.comm import Traffic, traffic
 from tbo.tools.predict.hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, get_hardware
+from tbo.tools.predict.memory import MemoryUse, memory_use
 from tbo.tools.predict.model import Deployment, ModelShape, get_model
 
 __all__ = ["Kernel", "Prediction", "predict", "layer_kernels", "split_policy"]
@@ -185,6 +186,7 @@ class Prediction:
     traffic: dict[str, Traffic] = field(default_factory=dict)
     kernels: dict[str, list[Kernel]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  #: what the deployment asks of DeepEP's SMs and buffers, in words
+    memory: MemoryUse | None = None  #: weights, KV cache and DeepEP buffers per GPU, against the device's memory
 
     def compare(self, tokens: int | None = None) -> Comparison:
         """Single batch vs TBO for the whole model at ``tokens`` (default: the deployment's tokens per device)."""
@@ -207,8 +209,8 @@ def _strategies(model: ModelShape, dep: Deployment, hw: Hardware) -> tuple[Opera
         layer = deepseek_prefill() if shared else qwen3_moe_prefill()
     # low-latency kernels hold SMs only to send and receive (ops of their own); the others hold comm_sms throughout
     comm_sms = dep.comm_sms_of(hw.num_sms) if dep.resolved_kernel != "low_latency" else 0
-    whole_device = dep.comm_sms is None and comm_sms >= hw.num_sms  # V2 on one rank: every SM, by V2's own count
-    if comm_sms >= hw.num_sms and not whole_device:
+    whole_device = dep.takes_whole_device()  # V2 on one rank: every SM, by V2's own count
+    if comm_sms >= hw.num_sms and not whole_device:  # a default larger than a small device (V1's 20)
         raise ValueError(f"comm_sms={comm_sms} leaves no SMs for compute on {hw.name} ({hw.num_sms} SMs)")
     num_sms = hw.num_sms - comm_sms if comm_sms and not whole_device else None
     # the strategy's own SM budget is the local GPU's (None without one): set the predicted cluster's instead
@@ -227,15 +229,22 @@ def _strategies(model: ModelShape, dep: Deployment, hw: Hardware) -> tuple[Opera
 
 def predict(hardware: str | Hardware, model: str | ModelShape, deployment: Deployment,
             efficiency: Efficiency = DEFAULT_EFFICIENCY) -> Prediction:
-    """The cost model of ``deployment`` of ``model`` on ``hardware`` (preset names or objects)."""
+    """The cost model of ``deployment`` of ``model`` on ``hardware`` (preset names or objects).
+
+    A ``comm_sms`` the device does not have is refused. A deployment the device cannot hold is predicted with a
+    note saying so, with the figures (``Prediction.memory``, `memory_use`); ``tbo predict`` refuses it."""
     hw, shape, dep, eff = get_hardware(hardware), get_model(model), deployment, efficiency
     if dep.ep > hw.gpus_per_node and dep.ep % hw.gpus_per_node:
         raise ValueError(f"ep={dep.ep} spans nodes but is not a multiple of {hw.gpus_per_node} GPUs per node")
+    dep.check_sms(hw.num_sms, hw.name)
     kernel = dep.resolved_kernel
     layer, strategy = _strategies(shape, dep, hw)
     kernels = layer_kernels(shape, dep, hw)
-    whole_device = dep.comm_sms_of(hw.num_sms) >= hw.num_sms  # V2 on one rank
-    notes: list[str] = []
+    memory = memory_use(shape, dep, hw, kernels)
+    # V2 on one rank, the one case where DeepEP holds every SM. (It once read the comm_sms alone, so that an SM count
+    # above the device's turned a low-latency EP32 deployment into "V2 on one rank".)
+    whole_device = dep.takes_whole_device()
+    notes: list[str] = [] if memory.fits else [f"does not fit: {memory.describe()}"]
     epilogue_kernels: dict[str, list[Kernel]] = {}
     if kernel == "v2":  # the receive-side passes are V2's epilogues, on every SM
         epilogue_kernels = {"dispatch": kernels.pop("dispatch_b"), "combine": kernels.pop("combine_b")}
@@ -282,7 +291,7 @@ def predict(hardware: str | Hardware, model: str | ModelShape, deployment: Deplo
     costs = CostModel(ops=ops, transfers=transfers, latency_s=latency, bandwidth=rate, overlapped=overlapped,
                       epilogues=epilogues)
     kernels.update({f"{kind}_epilogue": ks for kind, ks in epilogue_kernels.items()})
-    return Prediction(hw, shape, dep, eff, layer, strategy, costs, flows, kernels, tuple(notes))
+    return Prediction(hw, shape, dep, eff, layer, strategy, costs, flows, kernels, tuple(notes), memory)
 
 
 def split_policy(hardware: str | Hardware, model: str | ModelShape, decode: Deployment | None = None,

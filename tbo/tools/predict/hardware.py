@@ -9,11 +9,12 @@ batch or the EP size, so a configuration nobody measured gets the same treatment
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from tbo.tools.inputs import load_json_model
 
 __all__ = ["Hardware", "Efficiency", "HARDWARE", "get_hardware", "DEFAULT_EFFICIENCY", "FITTED_FACTORS"]
 
@@ -43,6 +44,8 @@ class Hardware(BaseModel):
     nic_bandwidth: float = Field(gt=0, description="scale-out NIC bandwidth per GPU per direction, bytes/s")
     message_latency_s: float = Field(ge=0, description="fixed time of one dispatch or combine beyond its bytes")
     gpus_per_node: int = Field(default=8, gt=0, description="GPUs sharing one NVLink domain")
+    memory_bytes: float | None = Field(default=None, gt=0,
+                                       description="HBM capacity per GPU, bytes (None: memory is not checked)")
 
     def peak_flops(self, dtype: Literal["bf16", "fp8"]) -> float:
         return self.fp8_flops if dtype == "fp8" else self.bf16_flops
@@ -51,6 +54,7 @@ class Hardware(BaseModel):
 HARDWARE: dict[str, Hardware] = {
     "h800": Hardware(
         name="h800",
+        memory_bytes=80e9,        # datasheet: 80 GB HBM3
         bf16_flops=989 * TFLOPS,   # NVIDIA H800 SXM5 datasheet: BF16 1,979 TFLOPS with sparsity -> 989 dense
         fp8_flops=1979 * TFLOPS,   # same datasheet: FP8 3,958 TFLOPS with sparsity -> 1,979 dense
         hbm_bandwidth=3.35e12,     # same datasheet: 80 GB HBM3, 3.35 TB/s
@@ -61,6 +65,7 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "h100": Hardware(
         name="h100",
+        memory_bytes=80e9,        # datasheet: 80 GB HBM3
         bf16_flops=989 * TFLOPS,   # NVIDIA H100 SXM5 datasheet: BF16 1,979 TFLOPS with sparsity -> 989 dense
         fp8_flops=1979 * TFLOPS,   # same datasheet: FP8 3,958 TFLOPS with sparsity -> 1,979 dense
         hbm_bandwidth=3.35e12,     # same datasheet: 80 GB HBM3, 3.35 TB/s
@@ -71,6 +76,7 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "h200": Hardware(
         name="h200",
+        memory_bytes=141e9,        # datasheet: 141 GB HBM3e
         bf16_flops=989 * TFLOPS,   # NVIDIA H200 SXM datasheet: BF16 1,979 TFLOPS with sparsity -> 989 dense
         fp8_flops=1979 * TFLOPS,   # same datasheet: FP8 3,958 TFLOPS with sparsity -> 1,979 dense
         hbm_bandwidth=4.8e12,      # same datasheet: 141 GB HBM3e, 4.8 TB/s
@@ -81,6 +87,7 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "b200": Hardware(
         name="b200",
+        memory_bytes=180e9,        # datasheet: 1,440 GB HBM3e per 8 GPUs -> 180 GB
         bf16_flops=2250 * TFLOPS,  # NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS (sparse) per 8 GPUs -> 2.25 dense
         fp8_flops=4500 * TFLOPS,   # same datasheet: FP8 72 PFLOPS (sparse) per 8 GPUs -> 4.5 PFLOPS dense per GPU
         hbm_bandwidth=8.0e12,      # same datasheet: 64 TB/s HBM3e per 8 GPUs -> 8 TB/s per GPU
@@ -101,18 +108,9 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
         return HARDWARE[key]
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
-        try:
-            return Hardware.model_validate(json.loads(path.read_text()))
-        except ValidationError as exc:
-            raise ValueError(f"hardware file {path}: {_first_error(exc)}") from None
+        return load_json_model(Hardware, path, "hardware file")
     raise ValueError(f"unknown hardware {name_or_path!r}; known: {', '.join(sorted(HARDWARE))} "
                      "(or a JSON file with the Hardware fields)")
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "(root)"
-    return f"field {field!r}: {err['msg']} (got {err.get('input')!r})"
 
 
 class Efficiency(BaseModel):

@@ -7,13 +7,12 @@ routing (experts, their size, top-k, group-limited routing). Presets come from t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tbo.tools.predict.hardware import _first_error
+from tbo.tools.inputs import describe_validation_error, read_json
 
 __all__ = ["ModelShape", "Deployment", "MODELS", "get_model"]
 
@@ -75,7 +74,9 @@ class ModelShape(BaseModel):
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            config = json.loads(path.read_text())
+            config = read_json(path, "model config")
+            if not isinstance(config, Mapping):
+                raise ValueError(f"model config {path}: expected a JSON object, got {type(config).__name__}")
         c = dict(config)
         label = name or c.get("_name_or_path") or c.get("model_type") or "hf-model"
         try:
@@ -103,7 +104,7 @@ class ModelShape(BaseModel):
         except KeyError as exc:
             raise ValueError(f"config {label!r} lacks key {exc.args[0]!r}") from None
         except ValidationError as exc:
-            raise ValueError(f"config {label!r}: {_first_error(exc)}") from None
+            raise ValueError(f"config {label!r}: {describe_validation_error(exc)}") from None
 
     # ---- derived sizes ------------------------------------------------------------------------------------------
     @property
@@ -195,12 +196,23 @@ class Deployment(BaseModel):
             return self.comm_sms
         return {"low_latency": 0, "normal": 20, "v2": 12 if self.ep <= 16 else 6}[self.resolved_kernel]
 
+    def takes_whole_device(self) -> bool:
+        """V2 on one rank (EP1) with no ``comm_sms`` of the user's: no traffic to size by, so
+        ``get_theoretical_num_sms`` returns every SM (DeepEP elastic.py:816-818). The one case where DeepEP's
+        kernels hold the whole device; an SM count the user gave is never it (`check_sms` refuses one too large)."""
+        return self.comm_sms is None and self.resolved_kernel == "v2" and self.ep == 1
+
     def comm_sms_of(self, device_sms: int) -> int:
-        """``resolved_comm_sms`` on a device of ``device_sms`` SMs: V2 on one rank (EP1) has no traffic to size by,
-        and ``get_theoretical_num_sms`` then returns every SM (DeepEP elastic.py:816-818)."""
-        if self.comm_sms is None and self.resolved_kernel == "v2" and self.ep == 1:
-            return device_sms
-        return self.resolved_comm_sms
+        """``resolved_comm_sms`` on a device of ``device_sms`` SMs (every SM when `takes_whole_device`)."""
+        return device_sms if self.takes_whole_device() else self.resolved_comm_sms
+
+    def check_sms(self, device_sms: int, device: str) -> None:
+        """Refuse a ``comm_sms`` the device cannot give: more SMs than it has, or all of them (none left for the
+        compute that TBO overlaps with communication)."""
+        if self.comm_sms is not None and self.comm_sms >= device_sms:
+            raise ValueError(f"comm_sms (--comm-sms) = {self.comm_sms}, but {device} has {device_sms} SMs: DeepEP's "
+                             f"kernels must leave some to compute (at most {device_sms - 1}; DeepEP V1's default is "
+                             f"20)")
 
     def slots(self, model: ModelShape) -> int:
         n = self.expert_slots or model.num_experts

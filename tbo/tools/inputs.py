@@ -1,0 +1,54 @@
+"""Reading a user's JSON file into a pydantic model, with errors that name the file and the field.
+
+The CLI reads strategies, cost models and hardware descriptions from files. A bad one should say which file, where
+in it, and what is wrong, in one line: not `Expecting ',' delimiter` without a file name, and not pydantic's
+multi-line dump with its documentation links.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+__all__ = ["describe_validation_error", "read_json", "load_json_model"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def describe_validation_error(exc: ValidationError, limit: int = 3) -> str:
+    """Each of the first ``limit`` errors as ``field 'a.b': message (got value)``, joined by '; '."""
+    parts = []
+    for err in exc.errors()[:limit]:
+        where = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if "input" in err and err["type"] not in ("missing", "value_error") else ""
+        parts.append(f"{f'field {where!r}: ' if where else ''}{msg}{got}")
+    more = exc.error_count() - limit
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """The parsed JSON of ``path``; a missing, unreadable or malformed file is a ValueError naming ``what`` and it."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path}: not valid JSON, line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+
+
+def load_json_model(cls: type[M], path: str | Path, what: str, **extra: Any) -> M:
+    """``cls`` validated from the JSON object in ``path`` (with ``extra`` fields added), errors naming the file."""
+    data = read_json(path, what)
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path}: expected a JSON object with {cls.__name__}'s fields, got "
+                         f"{type(data).__name__}")
+    try:
+        return cls.model_validate({**data, **extra})
+    except ValidationError as exc:
+        raise ValueError(f"{what} {path}: {describe_validation_error(exc)}") from None
