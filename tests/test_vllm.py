@@ -93,6 +93,143 @@ def test_vllm_version_and_architecture_are_checked():
         family_of(["LlamaForCausalLM"])
 
 
+def test_production_split_defaults_are_vllm_dbo_s():
+    """A GPU gains nothing from splitting a 4-token decode (it reads the weights twice); the defaults are vLLM DBO's
+    (32 decode tokens, 512 with prefill). The tests here set their own, lower thresholds."""
+    policy = parse_config({"tbo": {}}).split_policy()
+    assert (policy.decode_token_threshold, policy.prefill_token_threshold) == (32, 512)
+
+
+def _engine_config(tp: int = 1, **par):
+    from types import SimpleNamespace
+
+    parallel = dict(pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False, enable_dbo=False,
+                    ubatch_size=0, enable_eplb=False, decode_context_parallel_size=1,
+                    prefill_context_parallel_size=1, tensor_parallel_size=tp, **par)
+    model = SimpleNamespace(hf_config=SimpleNamespace(architectures=["DeepseekV3ForCausalLM"]), enforce_eager=True,
+                            quantization=None, dtype="torch.bfloat16")
+    return SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(**parallel), speculative_config=None,
+                           lora_config=None)
+
+
+def test_deepep_with_tensor_parallel_is_refused_by_name():
+    """vLLM's EP group spans the TP ranks of a MoE model even without enable_expert_parallel: DeepEP over it would
+    dispatch each token once per TP rank and read local expert ids as global ones."""
+    from tbo.integrations.vllm.checks import check_engine
+
+    deepep = parse_config({"tbo": {"backend": "deepep"}})
+    assert check_engine(_engine_config(tp=1), deepep, "0.32.0", "cuda") == "deepseek"
+    with pytest.raises(TboConfigError, match=r"backend='deepep': not supported \(vLLM's expert-parallel group spans "
+                                             r"the 2 TP ranks.*accepted: 'local' with tensor_parallel_size > 1"):
+        check_engine(_engine_config(tp=2), deepep, "0.32.0", "cuda")
+    assert check_engine(_engine_config(tp=2), parse_config({"tbo": {}}), "0.32.0", "cpu") == "deepseek"
+
+
+def test_cascade_attention_vetoes_the_split():
+    """vLLM's DBO turns cascade attention off while microbatching (its prefix metadata spans the whole step)."""
+    from tbo.integrations.vllm.step import decide
+
+    policy = parse_config({"tbo": {"decode_token_threshold": 2}}).split_policy()
+    assert decide(policy, [1] * 6, [True] * 6, allowed=True, padded_tokens=6).plan is not None
+    assert decide(policy, [1] * 6, [True] * 6, allowed=True, padded_tokens=6, cascade=True).plan is None
+    assert decide(policy, [1] * 6, [True] * 6, allowed=False, padded_tokens=6).plan is None
+
+
+@pytest.mark.parametrize("tp, fused_reduced, skip_final, shared, want", [
+    (1, False, False, True, (False, False)),  # one rank: nothing to reduce
+    (2, False, False, True, (False, True)),  # the usual: reduce routed + shared once
+    (2, True, False, True, (True, False)),  # the kernel reduced the routed part: reduce the shared part alone
+    (2, True, False, False, (False, False)),
+    (2, False, True, True, (False, False)),  # the model reduces later itself
+])
+def test_the_all_reduces_follow_vllm_s_moe_runner_rule(tp, fused_reduced, skip_final, shared, want):
+    from types import SimpleNamespace
+
+    from tbo.integrations.vllm.layers import reduce_plan
+
+    runner = SimpleNamespace(_fused_output_is_reduced=fused_reduced,
+                             moe_config=SimpleNamespace(tp_size=tp, ep_size=1, skip_final_all_reduce=skip_final))
+    assert reduce_plan(runner, tp, shared) == want
+
+
+def test_a_skipped_final_reduce_beside_a_reduced_kernel_is_refused():
+    from types import SimpleNamespace
+
+    from tbo.integrations.vllm.layers import reduce_plan
+
+    runner = SimpleNamespace(_fused_output_is_reduced=True,
+                             moe_config=SimpleNamespace(tp_size=2, ep_size=1, skip_final_all_reduce=True))
+    with pytest.raises(TboConfigError, match="skips its final all-reduce but its kernel's output is reduced"):
+        reduce_plan(runner, 2, True)
+
+
+def _bare_layer(**attrs):
+    """A `VllmDecoderLayer` with only the attributes one op reads (the ops are plain methods over them)."""
+    from tbo.integrations.vllm.layers import VllmDecoderLayer
+
+    layer = object.__new__(VllmDecoderLayer)
+    layer.__dict__.update(attrs)
+    return layer
+
+
+def test_the_experts_never_see_the_shared_expert_s_input_storage():
+    """On the identity route the dispatched rows *are* the MLP input. deepseek_prefill runs the shared expert after
+    the experts, so an experts kernel writing its input in place would change the shared expert's input: the ops
+    hand the kernel a copy while the shared expert still needs that storage."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tbo.core.state import State
+
+    def in_place_kernel(x, topk_weights, topk_ids):
+        x.mul_(0)  # the worst a kernel may do
+        return x
+
+    routed = SimpleNamespace(forward_modular=in_place_kernel)
+    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), _ids_dtype=torch.int32)
+    mlp_in = torch.ones(3, 4)
+    state = State()
+    state.mlp_in = mlp_in
+    state.dispatched = SimpleNamespace(hidden=mlp_in, topk_idx=torch.zeros(3, 1, dtype=torch.int64),
+                                       topk_weights=torch.ones(3, 1), handle=None)
+    layer.op_experts(state)
+    assert torch.equal(state.mlp_in, torch.ones(3, 4))  # what the shared expert will read is untouched
+
+
+@needs_vllm
+def test_llama_4_scaling_is_computed_per_microbatch_as_vllm_does():
+    """vLLM's DeepSeek scales q by a factor of each token's position (``llama_4_scaling``); the layer passes each
+    microbatch the factor of its own positions, the slice of the whole step's."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.models.deepseek_v2 import _get_llama_4_scaling
+
+    from tbo.core.state import State
+
+    seen = []
+
+    class Attn:
+        def forward(self, positions, hidden_states, llama_4_scaling=None):
+            seen.append(llama_4_scaling)
+            return hidden_states
+
+        __call__ = forward
+
+    cfg = {"original_max_position_embeddings": 8, "beta": 0.5}
+    layer = _bare_layer(layer=SimpleNamespace(self_attn=Attn()), split_attention=False, llama_4_scaling=cfg,
+                        _attn_takes_scaling=True)
+    positions = torch.arange(40)
+    whole = _get_llama_4_scaling(8, 0.5, positions)
+    for lo, hi in ((0, 17), (17, 40)):
+        state = State()
+        state.positions, state.attn_in = positions[lo:hi], torch.zeros(hi - lo, 2)
+        layer.op_attn_core(state)
+        torch.testing.assert_close(seen[-1], whole[lo:hi])
+    assert not torch.equal(whole[0], whole[-1])  # the factor does vary over these positions
+
+
 # ---- tiny models --------------------------------------------------------------------------------------------------
 
 

@@ -52,7 +52,9 @@ class TboEngine:
         self.backend = make_backend(config, int(num_experts), hidden=hf.hidden_size, top_k=hf.num_experts_per_tok,
                                     max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
         tp = get_tensor_model_parallel_world_size()
-        self.layers = [VllmDecoderLayer(layer, self.backend, i, tp) for i, layer in enumerate(model.layers)]
+        scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
+        self.layers = [VllmDecoderLayer(layer, self.backend, i, tp, llama_4_scaling=scaling)
+                       for i, layer in enumerate(model.layers)]
         names = config.strategy_names(family)
         self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
                            for mode in ("decode", "prefill")}
