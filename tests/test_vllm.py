@@ -612,8 +612,8 @@ _TP2 = textwrap.dedent("""
         extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
         llm = LLM(model=model, tensor_parallel_size=2, dtype="float32", **json.loads(sys.argv[4]), **extra)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), detokenize=False, ignore_eos=True),
-                            use_tqdm=False)
+                            SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), detokenize=False,
+                                           ignore_eos=True), use_tqdm=False)
         print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
 """)
 
