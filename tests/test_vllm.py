@@ -409,8 +409,18 @@ def test_shared_prefixes_under_prefix_caching_equal_vllm_and_the_veto_ran(qwen_t
 
 
 @needs_vllm
+def test_a_step_below_the_thresholds_runs_unsplit(qwen_tbo, qwen_reference):
+    out, delta = _run(qwen_tbo, SCENARIOS["small"])
+    assert _tokens(out) == qwen_reference["small"]
+    assert delta["steps"] == MAX_TOKENS and delta["split_steps"] == 0, delta
+
+
+@needs_vllm
 def test_a_kv_cache_small_enough_to_preempt_still_equals_vllm(models):
-    """A KV cache of 10 blocks of 32 tokens for 8 requests of 40 + 40 tokens: each is admitted with two blocks and
+    """(After every test of the shared ``qwen_tbo`` engine: starting and freeing engines here tears down the
+    process's vLLM parallel state, which that engine still uses.)
+
+    A KV cache of 10 blocks of 32 tokens for 8 requests of 40 + 40 tokens: each is admitted with two blocks and
     needs a third while it decodes, so the scheduler preempts and recomputes; the tokens are still vLLM's."""
     prompts, max_tokens = [_prompt(40, 60 + k) for k in range(8)], [40] * 8
     kw = dict(dtype="float32", num_gpu_blocks_override=10, block_size=32)
@@ -429,13 +439,6 @@ def test_a_kv_cache_small_enough_to_preempt_still_equals_vllm(models):
         results.append((_tokens(out), delta))
     (want, _), (got, delta) = results
     assert got == want and delta["split_steps"] > 0, delta
-
-
-@needs_vllm
-def test_a_step_below_the_thresholds_runs_unsplit(qwen_tbo, qwen_reference):
-    out, delta = _run(qwen_tbo, SCENARIOS["small"])
-    assert _tokens(out) == qwen_reference["small"]
-    assert delta["steps"] == MAX_TOKENS and delta["split_steps"] == 0, delta
 
 
 @needs_vllm
