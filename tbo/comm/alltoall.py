@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from tbo.comm import devices
-from tbo.comm.layout import (ExpandedRoute, NormalRoute, StaticMaskedRoute, check_routing, device_check,
-                             expanded_route, expert_major_perm, from_masked, normal_route, slot_sum,
+from tbo.comm.layout import (ExpandedRoute, NormalRoute, StaticMaskedRoute, check_routing, count_per_expert,
+                             device_check, expanded_route, expert_major_perm, from_masked, normal_route, slot_sum,
                              static_masked_route, to_masked, weighted_sum)
 from tbo.comm.transport import LocalTransport, TorchDistributedTransport, Transport
 from tbo.comm.types import CombineState, DispatchFormat, DispatchOutput, DispatchState
@@ -124,12 +124,11 @@ class AllToAllBackend:
         """`EPBackend.dispatch_a`: exchange the row counts (small, blocking), then launch the rows; on the
         capture-safe path (MASKED, fixed capacity, one rank), scatter into fixed-shape slabs with no host read.
         ``topk_idx`` comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
-        min_id = check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a",
-                               sync_free=self.capture_safe)
+        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a", sync_free=self.capture_safe)
         if self.capture_safe:
             return self._dispatch_a_static(hidden, topk_idx, topk_weights)
         if self.format is DispatchFormat.NORMAL:
-            return self._dispatch_a_normal(hidden, topk_idx, topk_weights, min_id)
+            return self._dispatch_a_normal(hidden, topk_idx, topk_weights)
         route = expanded_route(topk_idx, self.num_ranks, self.num_local_experts)
         recv_counts = self.transport.exchange(route.send_counts.reshape(-1), "dispatch_a (row counts)")
         recv_counts = recv_counts.view(self.num_ranks, self.num_local_experts)
@@ -139,9 +138,9 @@ class AllToAllBackend:
         return DispatchState(pending, rows.nbytes, {"route": route, "recv_counts": recv_counts,
                                                     "topk_weights": topk_weights})
 
-    def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                           min_id: int | None) -> DispatchState:
-        route = normal_route(topk_idx, topk_weights, self.num_ranks, self.num_local_experts, min_id)
+    def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                           topk_weights: torch.Tensor) -> DispatchState:
+        route = normal_route(topk_idx, topk_weights, self.num_ranks, self.num_local_experts)
         recv_counts = self.transport.exchange(route.send_counts, "dispatch_a (token counts)")
         if route.identity:  # one rank: what is sent is what arrives, and its size needs no host read
             send = recv = [hidden.shape[0]]
@@ -198,8 +197,7 @@ class AllToAllBackend:
                                   _StaticMaskedHandle(route, info["topk_weights"]))
         if self.format is DispatchFormat.NORMAL:
             rows, idx, weights = (self.transport.finish(p) for p in state.pending)
-            valid = idx.flatten() if info["route"].identity else idx[idx >= 0]  # -1: an expert on another rank
-            counts = torch.bincount(valid, minlength=self.num_local_experts)
+            counts = count_per_expert(idx, self.num_local_experts)
             handle = _NormalHandle(info["route"], info["recv_counts"], info["num_tokens"])
             return DispatchOutput(DispatchFormat.NORMAL, rows, counts, handle, topk_idx=idx, topk_weights=weights)
         rows = self.transport.finish(state.pending)

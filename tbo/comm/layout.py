@@ -50,14 +50,13 @@ def device_check(ok: torch.Tensor, message: str) -> None:
 
 
 def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                  op: str, sync_free: bool = False) -> int | None:
+                  op: str, sync_free: bool = False) -> None:
     """Reject inputs that would silently misroute, naming the tensor and what was expected.
 
     Shapes, dtypes and devices are checked on the host (they are metadata, free to read). The expert ids' range is
     a value: with ``sync_free`` it is checked by `device_check` (a device-side assertion off the CPU), so that
-    capture-safe backends never read a device tensor on the host; otherwise it is read and reported exactly.
-    Returns the smallest id when it was read on the host (-1: some slot names no expert), else None: the caller's
-    route can use it instead of reading the ids again.
+    capture-safe backends never read a device tensor on the host; otherwise it is read and reported exactly (on the
+    CPU that read costs nothing; eager on a GPU it is the one host read a dispatch keeps, for a catchable error).
     """
     if hidden.dim() != 2:
         raise ValueError(f"{op}: hidden must be [num_tokens, hidden], got shape {tuple(hidden.shape)}")
@@ -81,15 +80,14 @@ def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
             f"({hidden.device}, {topk_idx.device}, {topk_weights.device})"
         )
     if not topk_idx.numel():
-        return None
+        return
     if sync_free and topk_idx.device.type != "cpu":
         device_check(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
                      f"{op}: topk_idx values must be in [-1, {num_experts})")
-        return None
+        return
     lo, hi = (int(v) for v in topk_idx.aminmax())
     if lo < -1 or hi >= num_experts:
         raise ValueError(f"{op}: topk_idx values must be in [-1, {num_experts}), got [{lo}, {hi}]")
-    return lo
 
 
 @dataclass(frozen=True)
@@ -127,12 +125,12 @@ class NormalRoute:
 
 
 def normal_route(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_ranks: int,
-                 num_local_experts: int, min_id: int | None = None) -> NormalRoute:
-    """``min_id``: the smallest id, when the caller has read it (`check_routing` returns it). On one rank with
-    every slot naming an expert (``min_id >= 0``), the route is the identity: every token, in order."""
+                 num_local_experts: int) -> NormalRoute:
+    """On one rank the route is the identity: every token, in order, with its ids as they are (a -1 slot names no
+    expert; a token with none comes back as the experts' zero row). Deciding it reads nothing on the host."""
     t = topk_idx.shape[0]
     idx = topk_idx.long()
-    if num_ranks == 1 and min_id is not None and min_id >= 0:
+    if num_ranks == 1:
         return NormalRoute(torch.arange(t, device=idx.device), idx, topk_weights,
                            torch.tensor([t], device=idx.device), identity=True)
     dest = torch.where(idx >= 0, idx // num_local_experts, torch.full_like(idx, -1))
@@ -213,19 +211,33 @@ class StaticMaskedRoute:
         return self.counts.shape[0] * self.capacity
 
 
+def _expert_keys(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's expert, with unrouted slots (-1) as one more key past the last expert, and the count per key:
+    fixed shapes, no host read."""
+    flat = topk_idx.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))  # unrouted slots sort last
+    per_key = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device).scatter_add_(
+        0, key, torch.ones_like(key))
+    return key, per_key
+
+
+def count_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots per expert, -1 slots not counted: what ``torch.bincount`` of the valid ids gives, without its host
+    syncs on a GPU (selecting the valid ids has a data-dependent shape, and bincount sizes its output from the ids'
+    maximum)."""
+    return _expert_keys(topk_idx, num_experts)[1][:num_experts]
+
+
 def static_masked_route(topk_idx: torch.Tensor, num_experts: int, capacity: int) -> StaticMaskedRoute:
     """The masked layout of one rank's routing, computed with fixed shapes only (capture-safe).
 
     A stable sort by expert gives each pair its rank among the pairs of its expert; no count is read on the host.
     """
     t, k = topk_idx.shape
-    flat = topk_idx.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))  # unrouted slots sort last
-    per_key = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device).scatter_add_(
-        0, key, torch.ones_like(key))
+    key, per_key = _expert_keys(topk_idx, num_experts)
     starts = torch.cumsum(per_key, 0) - per_key
     sorted_key, order = torch.sort(key, stable=True)
-    rank_sorted = torch.arange(flat.shape[0], device=flat.device) - starts[sorted_key]
+    rank_sorted = torch.arange(key.shape[0], device=key.device) - starts[sorted_key]
     pos = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     fits = (key < num_experts) & (pos < capacity)
     dest = torch.where(fits, key * capacity + pos, torch.full_like(pos, num_experts * capacity))
