@@ -91,4 +91,8 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
         _refuse("dtype", "float16", "bfloat16, float32", "DeepSeek's float16 overflow rescaling is not reproduced")
     if config.backend == "deepep" and platform != "cuda":
         _refuse("backend", "deepep", "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
+    if config.afd is not None:
+        from tbo.integrations.vllm.afd.config import check_afd_engine
+
+        check_afd_engine(vllm_config, config)
     return family

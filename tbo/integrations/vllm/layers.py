@@ -46,6 +46,7 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
+        self.counters: tuple[Any, ...] = ()  #: `StepStats` counting local_ffn_calls (the engine sets them)
         self._all_reduce = None
         if tp_size > 1:
             from vllm.distributed import tensor_model_parallel_all_reduce
@@ -127,7 +128,12 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     # ---- dense layers ------------------------------------------------------------------------------------------
     def op_mlp(self, state: State) -> None:
+        self._count_ffn()
         state.mlp_out = self.layer.mlp(state.pop("mlp_in"))  # its down projection all-reduces over TP
+
+    def _count_ffn(self) -> None:
+        for s in self.counters:
+            s.local_ffn_calls += 1
 
     # ---- MoE: router, dispatch, experts, combine ---------------------------------------------------------------
     def op_gate(self, state: State) -> None:
@@ -151,6 +157,7 @@ class VllmDecoderLayer(ExpertParallelOps):
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel on the tokens dispatched here: per token, the weighted sum over its local
         experts (the NORMAL layout's contract: combine only adds)."""
+        self._count_ffn()
         d = state.pop("dispatched")
         ids = d.topk_idx.to(self._ids_dtype)
         out = self.runner.routed_experts.forward_modular(x=d.hidden, topk_weights=d.topk_weights, topk_ids=ids)
