@@ -175,8 +175,10 @@ class TorchDistributedAFDConnector:
     # ---- FFN side -----------------------------------------------------------------------------------------------
     def recv_attn_output(self) -> tuple[torch.Tensor, AFDMeta]:
         """The next request from any of this FFN rank's attention ranks, in arrival order."""
-        meta = self._recv_header(None, "afd: waiting for the next request from the attention ranks",
-                                 self.idle_timeout_s)
+        peers = self.topology.attention_peers(self.rank)
+        # one peer: receive from it by name, so that its death is noticed at once (an any-source receive waits on)
+        meta = self._recv_header(peers[0] if len(peers) == 1 else None,
+                                 "afd: waiting for the next request from the attention ranks", self.idle_timeout_s)
         if meta.src not in self.topology.attention_peers(self.rank):
             raise RuntimeError(f"FFN rank {self.rank} got a request from rank {meta.src}, which is not one of its "
                                f"attention ranks {self.topology.attention_peers(self.rank)}")

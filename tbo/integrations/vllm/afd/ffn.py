@@ -142,7 +142,10 @@ def main(args: argparse.Namespace) -> int:
     model = VllmFFNModel(args.model, args.dtype, args.max_tokens)
     backend = "gloo" if model.platform == "cpu" else "nccl"
 
+    bound = [args.listen]
+
     def listening(host: str, port: int) -> None:
+        bound[0] = f"{host}:{port}"
         print(f"tbo afd-ffn: serving {model.family} FFNs of {args.model} ({len(model.layers)} layers: "
               f"{', '.join(model.kinds)}; {model.dtype}) on {host}:{port}, built in {time.perf_counter() - t0:.1f}s",
               flush=True)
@@ -162,8 +165,8 @@ def main(args: argparse.Namespace) -> int:
     except (CommTimeoutError, AFDPeerError, RuntimeError) as e:
         if type(e) is RuntimeError and "AFD header" not in str(e):  # not the peer: a bug here, with its traceback
             raise
-        print(f"tbo afd-ffn: error: lost the attention side (rank 0, the vLLM engine that connected to "
-              f"{args.listen}) after {len(server.received)} requests: {e}", file=sys.stderr, flush=True)
+        print(f"tbo afd-ffn: error: stopped serving the attention side (rank 0, the vLLM engine that connected "
+              f"to {bound[0]}) after {len(server.received)} requests: {e}", file=sys.stderr, flush=True)
         return EXIT_PEER
     finally:
         group.close()
