@@ -282,7 +282,7 @@ def test_qwen3_moe_fp32_afd_tokens_equal_vllm_colocated(models, servers):
         _free(llm)
     rc, out, err = server.finish()
     assert rc == 0, err[-3000:]
-    assert f"the attention side shut down; served {sent} requests" in out, out
+    assert f"the attention side shut down; served {sent} requests (" in out, out
 
 
 @needs_vllm
@@ -355,10 +355,19 @@ def test_the_ffn_server_checks_requests_and_names_a_vanished_attention_side(mode
         assert rc == 3 and __import__("re").search(match, err), err[-3000:]
 
 
+#: DeepSeek split steps through the vLLM plugin's split path diverge from vLLM (decode as well as prefill, with or
+#: without AFD: the plugin's bug that issue 26 fixes); unsplit AFD steps are equal. Drop the xfail when it is merged.
+_DEEPSEEK_SPLIT_BUG = pytest.mark.xfail(strict=True, reason="DeepSeek split steps diverge before issue 26's fix")
+
+
 @needs_vllm
-def test_deepseek_v3_bf16_afd_matches_vllm_colocated(models, servers):
-    """Scaled bf16 weights; split and unsplit steps of every kind; equal tokens up to true near ties of vLLM's own
-    log-probabilities, over at least 80% of the positions."""
+@pytest.mark.parametrize("thresholds", [pytest.param({"decode_token_threshold": 1 << 30,
+                                                      "prefill_token_threshold": 1 << 30}, id="unsplit"),
+                                        pytest.param(SPLIT, id="split", marks=_DEEPSEEK_SPLIT_BUG)])
+def test_deepseek_v3_bf16_afd_matches_vllm_colocated(models, servers, thresholds):
+    """Scaled bf16 weights, shared experts, a dense layer, grouped bias-corrected routing, MLA; prefill and decode
+    steps (vLLM runs DeepSeek's CPU MLA without chunked prefill: Qwen3-MoE covers mixed steps). Tokens equal up to
+    true near ties of vLLM's own log-probabilities, over at least 80% of the positions."""
     model = models["deepseek_v3"]
     prompts = SCENARIOS["mixed"] + SCENARIOS["cut"] + SCENARIOS["decode"]
     server = servers(model, "bfloat16")
@@ -367,13 +376,17 @@ def test_deepseek_v3_bf16_afd_matches_vllm_colocated(models, servers):
         want = _generate(llm, prompts, logprobs=2)
     finally:
         _free(llm)
-    llm = _llm(model, {**SPLIT, "afd": {"ffn": server.address}}, dtype="bfloat16")
+    llm = _llm(model, {**thresholds, "afd": {"ffn": server.address}}, dtype="bfloat16")
     try:
         got, delta = _run(llm, prompts)
     finally:
         _free(llm)
+    rc, _, err = server.finish()
+    assert rc == 0, err[-3000:]
     _assert_remote(delta, 3)
-    assert delta["split_steps_by_mode"]["mixed"] > 0 and delta["split_steps_by_mode"]["decode"] > 0, delta
+    assert delta["steps_by_mode"]["prefill"] > 0 and delta["steps_by_mode"]["decode"] > 0, delta
+    if thresholds is SPLIT:
+        assert delta["split_steps_by_mode"]["prefill"] > 0 and delta["split_steps_by_mode"]["decode"] > 0, delta
     compared = 0
     for r, (g, w) in enumerate(zip(got, want)):
         for i, (tg, tw) in enumerate(zip(g.token_ids, w.token_ids)):
@@ -384,5 +397,3 @@ def test_deepseek_v3_bf16_afd_matches_vllm_colocated(models, servers):
                 break
             compared += 1
     assert compared >= 0.8 * MAX_TOKENS * len(prompts), compared
-    rc, _, err = server.finish()
-    assert rc == 0, err[-3000:]

@@ -170,5 +170,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_PEER
     finally:
         group.close()
-    print(f"tbo afd-ffn: the attention side shut down; served {served} requests", flush=True)
+    busy = ", ".join(f"{n} stage(s) {t:.3f}s" for n, t in sorted(server.busy_s.items()))
+    print(f"tbo afd-ffn: the attention side shut down; served {served} requests (computing: {busy or 'none'})",
+          flush=True)
     return 0
