@@ -26,17 +26,44 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/vllm.py would shadow vllm
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")  # the engine on core 0; the FFN servers get core 1
 
 _spec = importlib.util.spec_from_file_location("tbo_benchmarks_vllm", HERE / "vllm.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
+def save_model(path: Path, hidden: int, layers: int, experts: int, heads: int, moe_intermediate: int) -> Path:
+    """A Qwen3-MoE whose attention and FFN cost about the same per layer (``--heads``, ``--moe-intermediate``):
+    DBO hides the smaller of the two behind the larger, so a lopsided model shows little whatever the overlap."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64,
+        num_experts=experts, num_experts_per_tok=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+class Workload(bench.Workload):
+    """`benchmarks/vllm.py`'s, with decode requests that attend over ``context`` tokens (their prefill steps are
+    not timed): a decode step's attention then reads a KV cache of that length, as a served model's does."""
+
+    def __init__(self, batch: int, prompt: int, decode_tokens: int, context: int, max_batched: int) -> None:
+        super().__init__(batch, prompt, decode_tokens)
+        self.context, self.max_batched = context, max_batched
+
+    def decode_steps(self, llm) -> list[float]:
+        self._add(llm, self.context, self.decode_tokens + 1)
+        prefill_steps = -(-self.batch * self.context // self.max_batched) + 1
+        return self._steps(llm)[prefill_steps:]
+
+
 def start_server(model: Path, dtype: str, max_tokens: int, core: int) -> tuple[subprocess.Popen, str]:
     """``tbo afd-ffn`` on a free loopback port, pinned to ``core``, one thread; returns it and its address."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     proc = subprocess.Popen([sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen",
                              "127.0.0.1:0", "--dtype", dtype, "--max-tokens", str(max_tokens), "--threads", "1",
                              "--idle-timeout-s", "3600"], stdout=subprocess.PIPE, text=True, env=env,
@@ -51,23 +78,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16, help="attention heads (KV heads: a quarter)")
+    p.add_argument("--moe-intermediate", type=int, default=256)
     p.add_argument("--batch", type=int, default=64, help="requests per step")
     p.add_argument("--prompt", type=int, default=16, help="prefill tokens per request")
+    p.add_argument("--context", type=int, default=256, help="decode requests' prompt length (KV read per step)")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="rounds of decode and prefill per engine, after a warm-up")
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
 
-    work = bench.Workload(args.batch, args.prompt, args.decode_tokens)
+    import torch
+
+    os.sched_setaffinity(0, {0})  # the engine (and vLLM colocated) on core 0, one thread; the FFN servers on core 1
+    torch.set_num_threads(1)
+    max_tokens = max(1024, args.batch * args.prompt)  # benchmarks/vllm.py's start_engine: max_num_batched_tokens
+    work = Workload(args.batch, args.prompt, args.decode_tokens, args.context, max_tokens)
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
     split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
-    max_tokens = max(1024, args.batch * args.prompt)
     servers: list[subprocess.Popen] = []
     engines: dict = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model = bench.save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
+            model = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts, args.heads,
+                               args.moe_intermediate)
             addresses = []
             for _ in range(2):
                 proc, address = start_server(model, args.dtype, max_tokens, core=1)
@@ -91,9 +126,9 @@ def main() -> None:
                 proc.kill()
                 proc.wait()
     tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
-    print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, {args.dtype}; "
-          f"decode {args.batch} requests, prefill {args.batch} x {args.prompt} tokens; median over {args.repeats} "
-          "rounds")
+    print(f"Qwen3-MoE hidden {args.hidden}, {args.heads} heads, {args.layers} MoE layers, {args.experts} experts "
+          f"({args.moe_intermediate} wide) top-2, {args.dtype}; decode {args.batch} requests over {args.context} "
+          f"tokens, prefill {args.batch} x {args.prompt} tokens; median over {args.repeats} rounds")
     print(f"{'engine':28s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s}")
     for name, r in rows.items():
         print(f"{name:28s} " + " ".join(f"{r[m] * 1e3:9.2f} ms {tokens[m] / r[m]:13.0f}" for m in tokens))
