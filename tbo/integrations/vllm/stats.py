@@ -28,7 +28,8 @@ class StepStats:
     steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     split_steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     cut_requests: int = 0  #: split steps whose cut fell inside a request (a prefill chunk in two microbatches)
-    afd_stages_sent: int = 0  #: AFD: stages (one layer of one microbatch) sent to the FFN server
+    #: AFD: stages (one layer of one microbatch) sent to the FFN server; this and the next count every forward
+    afd_stages_sent: int = 0
     local_ffn_calls: int = 0  #: FFN or MoE computations on this side (0 under AFD: the FFN server makes them)
 
     def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
