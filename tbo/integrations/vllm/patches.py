@@ -88,7 +88,8 @@ class RunnerPatches:
         with self.microbatching():
             allowed = self.runner._allow_microbatching(num_reqs, bound["num_scheduled_tokens_np"])
         allowed = allowed and batch_desc.num_reqs in (None, num_reqs)
-        self.step = decide(self.policy, scheduled, past_prompt, allowed=allowed, padded_tokens=batch_desc.num_tokens)
+        self.step = decide(self.policy, scheduled, past_prompt, allowed=allowed, padded_tokens=batch_desc.num_tokens,
+                           cascade=bool(bound.get("use_cascade_attn", False)))
         return cudagraph_mode, batch_desc, self.step.plan is not None, across_dp, cg_stats
 
     def _slices(self, should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:

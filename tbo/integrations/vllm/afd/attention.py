@@ -82,8 +82,8 @@ class VllmAFDLayer(VllmDecoderLayer):
     op_afd_send = AFDAttentionLayer.op_afd_send
     op_afd_recv = AFDAttentionLayer.op_afd_recv
 
-    def __init__(self, layer: Any, link: AFDLink, layer_idx: int) -> None:
-        super().__init__(layer, None, layer_idx, 1)
+    def __init__(self, layer: Any, link: AFDLink, layer_idx: int, llama_4_scaling: Any = None) -> None:
+        super().__init__(layer, None, layer_idx, 1, llama_4_scaling=llama_4_scaling)
         self.kind = "afd"
         self.connector = link
 
@@ -112,7 +112,8 @@ def _check_info(info: dict[str, Any], vllm_config: Any, address: str) -> None:
 class AFDAttentionSide:
     """AFD on one vLLM model runner: the link to the FFN server, the layers, and the FFN modules taken out."""
 
-    def __init__(self, runner: Any, config: AFDVllmConfig, counters: list[StepStats]) -> None:
+    def __init__(self, runner: Any, config: AFDVllmConfig, counters: list[StepStats], *,
+                 llama_4_scaling: Any = None) -> None:
         from vllm.platforms import current_platform
 
         vllm_config = runner.vllm_config
@@ -125,7 +126,7 @@ class AFDAttentionSide:
         self.link = AFDLink(connector, config.ffn, counters)
         model = runner.model.model
         self.freed_bytes = _take_out_ffns(runner.model, model, vllm_config, config.ffn)
-        self.layers = [VllmAFDLayer(layer, self.link, i) for i, layer in enumerate(model.layers)]
+        self.layers = [VllmAFDLayer(layer, self.link, i, llama_4_scaling) for i, layer in enumerate(model.layers)]
         logger.info("tbo AFD: %d layers' FFNs on the server at %s (%.1f MiB of FFN weights freed here)",
                     len(self.layers), config.ffn, self.freed_bytes / 2**20)
 
