@@ -61,10 +61,11 @@ def _is_qwen3_moe_attention(attn: Any) -> bool:
 class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
+    counters: tuple[Any, ...] = ()  #: the `StepStats` that count local_ffn_calls (the engine sets them)
+
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
                  llama_4_scaling: dict[str, Any] | None = None) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
-        self.counters: tuple[Any, ...] = ()  #: `StepStats` counting local_ffn_calls (the engine sets them)
         self.tp_size = tp_size
         attn = layer.self_attn
         takes_scaling = "llama_4_scaling" in inspect.signature(attn.forward).parameters
