@@ -33,7 +33,15 @@ def _is_rotary(module: Any) -> bool:
 
 
 def rotary_is_shape_dependent(module: Any) -> bool:
-    """Whether ``module`` rotates 3-D strided query/key views differently from the same values as 2-D tensors."""
+    """Whether ``module`` rotates 3-D strided query/key views differently from the same values as 2-D tensors.
+    A module the probe cannot call this way (another signature) is taken as not affected and left alone."""
+    try:
+        return _probe(module)
+    except (TypeError, ValueError, RuntimeError, IndexError):
+        return False
+
+
+def _probe(module: Any) -> bool:
     g = torch.Generator().manual_seed(0)
     size = int(module.head_size)
     device = module.cos_sin_cache.device

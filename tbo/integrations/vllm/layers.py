@@ -66,16 +66,13 @@ class VllmDecoderLayer(ExpertParallelOps):
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
                  llama_4_scaling: dict[str, Any] | None = None) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
-        self.tp_size = tp_size
         attn = layer.self_attn
-        takes_scaling = "llama_4_scaling" in inspect.signature(attn.forward).parameters
-        if llama_4_scaling is not None and not takes_scaling:
-            raise TboConfigError(f"layer {layer_idx}: the config has llama_4_scaling but {type(attn).__name__} "
-                                 "takes none (its MHA attention would ignore it, and so would tbo)")
-        #: DeepSeek's ``llama_4_scaling`` (original_max_position_embeddings, beta): a per-token factor on q, which
+        #: whether the attention module takes DeepSeek's ``llama_4_scaling`` (vLLM's MLA does; its plain MHA does
+        #: not, and vLLM then does not apply it either)
+        self._attn_takes_scaling = "llama_4_scaling" in inspect.signature(attn.forward).parameters
+        #: the config's ``llama_4_scaling`` (original_max_position_embeddings, beta): a per-token factor on q that
         #: vLLM's model computes from the step's positions; each microbatch computes it from its own
-        self.llama_4_scaling = llama_4_scaling if takes_scaling else None
-        self._attn_takes_scaling = takes_scaling
+        self.llama_4_scaling = llama_4_scaling if self._attn_takes_scaling else None
         #: attention as two ops (Qwen3-MoE), or one call in attn_core (DeepSeek MLA)
         self.split_attention = _is_qwen3_moe_attention(attn)
         self.runner = _moe_runner(layer.mlp)
@@ -89,8 +86,8 @@ class VllmDecoderLayer(ExpertParallelOps):
             self._ids_dtype = torch.int32
         self.has_shared_experts = self.shared is not None
         #: which tensor-parallel all-reduces op_output makes: vLLM's MoE runner's rule (`reduce_plan`)
-        self.reduce_shared, self.reduce_final = (reduce_plan(self.runner, tp_size, self.has_shared_experts) if self.runner is not None
-                                              else (False, False))
+        self.reduce_shared, self.reduce_final = (False, False) if self.runner is None else reduce_plan(
+            self.runner, tp_size, self.has_shared_experts)
         self._all_reduce = None
         if self.reduce_shared or self.reduce_final:
             from vllm.distributed import tensor_model_parallel_all_reduce
