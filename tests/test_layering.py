@@ -59,7 +59,8 @@ LIBRARY_ORDER = [
     (("strategies",), "op lists with Yield, and their binding to layers"),
     (("runtime",), "the forward seam, CUDA graphs, profiling"),
     (("models",), "the reference model"),
-    (("afd", "integrations"), "attention-FFN disaggregation; Hugging Face and vLLM"),
+    (("afd",), "attention-FFN disaggregation: connector, wire format, FFN loop"),
+    (("integrations",), "Hugging Face and vLLM (AFD inside vLLM reuses tbo.afd)"),
 ]
 _LIBRARY_ROW = {pkg: row for row, (pkgs, _) in enumerate(LIBRARY_ORDER) for pkg in pkgs}
 

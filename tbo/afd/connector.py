@@ -4,15 +4,22 @@ Ranks ``[0, M)`` are attention ranks, ``[M, M + N)`` FFN ranks; attention rank `
 ``M + a // (M / N)``. Each message is a header (`AFDMeta` as int64) followed by the payload, so the FFN side knows,
 before it allocates anything, which layer and microbatch a tensor belongs to and how big it is. Sends are asynchronous;
 every receive has a deadline and raises `CommTimeoutError` naming the rank, the layer and the microbatch.
+
+The ranks meet in a registered ``torch.distributed`` group (the default one, or ``group=``), or in an `AFDGroup` of
+their own when an engine owns the default group (vLLM): the connector sends through either the same way.
+
+Header words, in order: magic ``0x7B0AFD``, shutdown flag, layer, microbatch (stage) index, number of microbatches,
+tokens, hidden size, dtype code (index into float32, float64, bfloat16, float16).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
+from tbo.afd.group import AFDGroup
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 
 __all__ = ["AFDMeta", "AFDConnector", "AFDTopology", "TorchDistributedAFDConnector"]
@@ -44,6 +51,10 @@ class AFDMeta:
         magic, shutdown, layer, mb, num_mbs, tokens, hidden, dtype = header.tolist()
         if magic != _MAGIC:
             raise RuntimeError(f"AFD header from rank {src} is corrupt (magic {magic:#x}); the peers are out of step")
+        if shutdown not in (0, 1) or not 0 <= dtype < len(_DTYPES) or min(tokens, hidden) < 0 or (
+                not shutdown and not 0 <= mb < num_mbs):
+            raise RuntimeError(f"AFD header from rank {src} is malformed: shutdown={shutdown}, microbatch {mb} of "
+                               f"{num_mbs}, {tokens} tokens x {hidden}, dtype code {dtype}")
         return cls(layer, mb, num_mbs, tokens, hidden, _DTYPES[dtype], bool(shutdown), src)
 
     def describe(self) -> str:
@@ -87,29 +98,36 @@ class TorchDistributedAFDConnector:
     """`AFDConnector` over torch.distributed point-to-point (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, topology: AFDTopology, timeout_s: float = DEFAULT_TIMEOUT_S, group: Any = None,
-                 idle_timeout_s: float = 600.0) -> None:
+                 idle_timeout_s: float = 600.0, *, device: Any = None,
+                 check_request: Callable[[AFDMeta], None] | None = None) -> None:
         """``timeout_s`` bounds every wait inside a step; ``idle_timeout_s`` bounds how long an FFN rank waits for
-        the next request, which includes the attention side's time between steps."""
+        the next request, which includes the attention side's time between steps. ``group``: a registered
+        process group, or an `AFDGroup`. ``device``: where received payloads go. ``check_request`` (FFN side)
+        sees every request's header before its payload is allocated, and raises to refuse it."""
         import torch.distributed as dist
 
         self.topology, self.timeout_s, self.group = topology, timeout_s, group
-        self.idle_timeout_s = idle_timeout_s
-        self.rank = dist.get_rank()
-        if dist.get_world_size() != topology.num_attention_ranks + topology.num_ffn_ranks:
-            raise ValueError(f"world size {dist.get_world_size()} != {topology.num_attention_ranks} attention + "
+        self.idle_timeout_s, self.device, self.check_request = idle_timeout_s, device, check_request
+        if isinstance(group, AFDGroup):
+            self.rank, world = group.rank, group.size
+            self._isend, self._irecv = group.isend, group.irecv
+        else:
+            self.rank, world = dist.get_rank(), dist.get_world_size(group)
+            self._isend = lambda t, dst: dist.isend(t, dst, group=group)
+            self._irecv = lambda t, src: dist.irecv(t, src, group=group)
+        if world != topology.num_attention_ranks + topology.num_ffn_ranks:
+            raise ValueError(f"world size {world} != {topology.num_attention_ranks} attention + "
                              f"{topology.num_ffn_ranks} FFN ranks")
         self._sent: list[_Sent] = []
 
     # ---- shared -------------------------------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor | None, meta: AFDMeta, dst: int) -> _Sent:
         """Header, then payload (none for a shutdown message)."""
-        import torch.distributed as dist
-
-        header = meta.encode()
-        works, buffers = [dist.isend(header, dst, group=self.group)], [header]
+        header = meta.encode().to(self.device) if self.device is not None else meta.encode()
+        works, buffers = [self._isend(header, dst)], [header]
         if tensor is not None:
             payload = tensor.contiguous()
-            works.append(dist.isend(payload, dst, group=self.group))
+            works.append(self._isend(payload, dst))
             buffers.append(payload)
         sent = _Sent(tuple(works), tuple(buffers))
         self._sent.append(sent)
@@ -119,17 +137,13 @@ class TorchDistributedAFDConnector:
         return sent
 
     def _recv_payload(self, meta: AFDMeta, src: int, what: str) -> torch.Tensor:
-        import torch.distributed as dist
-
-        out = torch.empty(meta.num_tokens, meta.hidden, dtype=meta.dtype)
-        wait_work(dist.irecv(out, src, group=self.group), self.timeout_s, what)
+        out = torch.empty(meta.num_tokens, meta.hidden, dtype=meta.dtype, device=self.device)
+        wait_work(self._irecv(out, src), self.timeout_s, what)
         return out
 
     def _recv_header(self, src: int | None, what: str, timeout_s: float) -> AFDMeta:
-        import torch.distributed as dist
-
-        header = torch.empty(8, dtype=torch.int64)
-        work = dist.irecv(header, src, group=self.group)
+        header = torch.empty(8, dtype=torch.int64, device=self.device)
+        work = self._irecv(header, src)
         wait_work(work, timeout_s, what)
         return AFDMeta.decode(header, src if src is not None else work._source_rank())
 
@@ -161,13 +175,17 @@ class TorchDistributedAFDConnector:
     # ---- FFN side -----------------------------------------------------------------------------------------------
     def recv_attn_output(self) -> tuple[torch.Tensor, AFDMeta]:
         """The next request from any of this FFN rank's attention ranks, in arrival order."""
-        meta = self._recv_header(None, "afd: waiting for the next request from the attention ranks",
-                                 self.idle_timeout_s)
+        peers = self.topology.attention_peers(self.rank)
+        # one peer: receive from it by name, so that its death is noticed at once (an any-source receive waits on)
+        meta = self._recv_header(peers[0] if len(peers) == 1 else None,
+                                 "afd: waiting for the next request from the attention ranks", self.idle_timeout_s)
         if meta.src not in self.topology.attention_peers(self.rank):
             raise RuntimeError(f"FFN rank {self.rank} got a request from rank {meta.src}, which is not one of its "
                                f"attention ranks {self.topology.attention_peers(self.rank)}")
         if meta.shutdown:
             return torch.zeros(0, 1), meta
+        if self.check_request is not None:
+            self.check_request(meta)
         return self._recv_payload(meta, meta.src, f"afd payload ({meta.describe()}) from rank {meta.src}"), meta
 
     def send_ffn_output(self, out: torch.Tensor, meta: AFDMeta) -> _Sent:

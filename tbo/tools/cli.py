@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tbo.tools.predict.cli import add_parser as add_predict_parser
 
     add_predict_parser(sub)
+    from tbo.integrations.vllm.afd.ffn import add_parser as add_afd_ffn_parser
+
+    add_afd_ffn_parser(sub)
     return parser
 
 

@@ -96,4 +96,8 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
                 "local expert ids read as global ones")
     if config.backend == "deepep" and platform != "cuda":
         _refuse("backend", "deepep", "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
+    if config.afd is not None:
+        from tbo.integrations.vllm.afd.config import check_afd_engine
+
+        check_afd_engine(vllm_config, config)
     return family

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tbo import strategies
 from tbo.comm.emulated import parse_link_spec
+from tbo.integrations.vllm.afd.config import AFDVllmConfig
 from tbo.split import SplitPolicy
 
 __all__ = ["TboConfigError", "TboVllmConfig", "StrategyNames", "parse_config", "CONFIG_KEY"]
@@ -68,6 +69,8 @@ class TboVllmConfig(BaseModel):
         default="auto", description="which DeepEP (NORMAL layout: vLLM's experts kernel takes per-token top-k)")
     link: str | None = Field(default=None, description="emulated link 'LATENCY_US,GBPS' around the backend "
                                                         "(tbo.comm.EmulatedLink): makes overlap visible on a CPU")
+    afd: AFDVllmConfig | None = Field(default=None, description="attention-FFN disaggregation: {'ffn': "
+                                      "'HOST:PORT', ...}; the FFN runs in `tbo afd-ffn` (docs/vllm-afd.md)")
     stats_file: str | None = Field(default=None, description="each worker writes its stats() as JSON here at "
                                                              "shutdown; '{rank}' is replaced by its rank")
 

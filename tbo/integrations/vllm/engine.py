@@ -17,12 +17,12 @@ from typing import Any
 from tbo import strategies
 from tbo.core.errors import StrategyError
 from tbo.integrations.vllm.backend import make_backend
-from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches
-from tbo.integrations.vllm.stats import summary_line
+from tbo.integrations.vllm.stats import PROCESS_STATS, StepStats, summary_line
 
 __all__ = ["TboEngine"]
 
@@ -48,18 +48,34 @@ class TboEngine:
             raise TboConfigError(f"the model holds layers {model.start_layer}..{model.end_layer} of "
                                  f"{len(model.layers)}: tbo needs the whole stack on this rank")
         hf = vllm_config.model_config.hf_text_config
-        num_experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
-        self.backend = make_backend(config, int(num_experts), hidden=hf.hidden_size, top_k=hf.num_experts_per_tok,
-                                    max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
-        tp = get_tensor_model_parallel_world_size()
+        step_stats = StepStats()
         scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
-        self.layers = [VllmDecoderLayer(layer, self.backend, i, tp, llama_4_scaling=scaling)
-                       for i, layer in enumerate(model.layers)]
-        names = config.strategy_names(family)
-        self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
-                           for mode in ("decode", "prefill")}
+        self.afd = None
+        if config.afd is not None:  # attention here, the FFN on `tbo afd-ffn` (tbo.integrations.vllm.afd)
+            from tbo.integrations.vllm.afd.attention import AFDAttentionSide
+            from tbo.integrations.vllm.afd.config import AFD_STRATEGY
+
+            self.afd = AFDAttentionSide(runner, config.afd, [step_stats, PROCESS_STATS], llama_4_scaling=scaling)
+            self.backend, self.layers = None, self.afd.layers
+            names = StrategyNames(decode=AFD_STRATEGY, prefill=AFD_STRATEGY)
+            self.strategies = dict.fromkeys(("decode", "prefill"), strategies.bind_layers(
+                self.layers, strategies.get(AFD_STRATEGY)))
+        else:
+            num_experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
+            self.backend = make_backend(config, int(num_experts), hidden=hf.hidden_size,
+                                        top_k=hf.num_experts_per_tok,
+                                        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+            tp = get_tensor_model_parallel_world_size()
+            self.layers = [VllmDecoderLayer(layer, self.backend, i, tp, llama_4_scaling=scaling)
+                           for i, layer in enumerate(model.layers)]
+            names = config.strategy_names(family)
+            self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
+                               for mode in ("decode", "prefill")}
+        for layer in self.layers:
+            layer.counters = (step_stats, PROCESS_STATS)
         self.patches = RunnerPatches(runner, config.split_policy())
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
+        self.loop.stats = step_stats
         self._model = model
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)
@@ -68,7 +84,7 @@ class TboEngine:
                            "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
                            "tbo.integrations.vllm.fixes", len(self.rotary_fix))
         self._install()
-        logger.info("tbo: %s layers (%d MoE) through strategies %s / %s, backend %r, %s", len(self.layers),
+        logger.info("tbo: %s layers (%d MoE here) through strategies %s / %s, backend %r, %s", len(self.layers),
                     sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
                     config.split_policy())
 
@@ -110,6 +126,8 @@ class TboEngine:
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
                           (self.runner, "initialize_metadata_builders"), (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
+        if self.afd is not None:
+            self.afd.close()
         self.rotary_fix.restore()
         logger.info(summary_line(self.loop.stats))
         if self.config.stats_file:

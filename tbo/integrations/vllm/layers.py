@@ -61,6 +61,8 @@ def _is_qwen3_moe_attention(attn: Any) -> bool:
 class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
+    counters: tuple[Any, ...] = ()  #: the `StepStats` that count local_ffn_calls (the engine sets them)
+
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
                  llama_4_scaling: dict[str, Any] | None = None) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
@@ -165,7 +167,12 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     # ---- dense layers ------------------------------------------------------------------------------------------
     def op_mlp(self, state: State) -> None:
+        self._count_ffn()
         state.mlp_out = self.layer.mlp(state.pop("mlp_in"))  # its down projection all-reduces over TP
+
+    def _count_ffn(self) -> None:
+        for s in self.counters:
+            s.local_ffn_calls += 1
 
     # ---- MoE: router, dispatch, experts, combine ---------------------------------------------------------------
     def op_gate(self, state: State) -> None:
@@ -189,6 +196,7 @@ class VllmDecoderLayer(ExpertParallelOps):
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel on the tokens dispatched here: per token, the weighted sum over its local
         experts (the NORMAL layout's contract: combine only adds)."""
+        self._count_ffn()
         d = state.pop("dispatched")
         ids = d.topk_idx.to(self._ids_dtype)
         x = d.hidden

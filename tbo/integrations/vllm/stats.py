@@ -28,6 +28,9 @@ class StepStats:
     steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     split_steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     cut_requests: int = 0  #: split steps whose cut fell inside a request (a prefill chunk in two microbatches)
+    #: AFD: stages (one layer of one microbatch) sent to the FFN server; this and the next count every forward
+    afd_stages_sent: int = 0
+    local_ffn_calls: int = 0  #: FFN or MoE computations on this side (0 under AFD: the FFN server makes them)
 
     def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
         """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
@@ -55,8 +58,8 @@ PROCESS_STATS = StepStats()
 
 def stats() -> dict[str, Any]:
     """What TBO did in this process since it started (or since `reset_stats`): ``steps``, ``split_steps``,
-    ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``) and
-    ``cut_requests``. A copy: later steps do not change it."""
+    ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``),
+    ``cut_requests``, ``afd_stages_sent`` and ``local_ffn_calls``. A copy: later steps do not change it."""
     return PROCESS_STATS.as_dict()
 
 

@@ -1,0 +1,59 @@
+"""`AFDVllmConfig`: ``additional_config["tbo"]["afd"]``, and what an AFD engine refuses.
+
+Imports no vLLM, so that the schema is checked (and tested) without it, like `TboVllmConfig` around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tbo.afd.group import parse_address
+
+__all__ = ["AFDVllmConfig", "AFD_STRATEGY", "check_afd_engine"]
+
+#: the op list every AFD step runs (tbo.strategies.afd): attention, send, Yield, receive
+AFD_STRATEGY = "afd_attention_dbo"
+
+
+class AFDVllmConfig(BaseModel):
+    """Where the FFN server is, and how long the attention side waits for it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ffn: str = Field(description="the FFN server's HOST:PORT (`tbo afd-ffn --listen HOST:PORT`)")
+    timeout_s: float = Field(default=30.0, gt=0, description="deadline of every wait for an FFN result")
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="deadline to reach the FFN server at start")
+    transport: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="'auto': gloo on CPU, NCCL on CUDA")
+
+    @field_validator("ffn")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        parse_address(value, "the FFN server address")
+        return value
+
+    def backend_for(self, platform: str) -> str:
+        if self.transport != "auto":
+            return self.transport
+        return "nccl" if platform == "cuda" else "gloo"
+
+
+def check_afd_engine(vllm_config: Any, config: Any) -> None:
+    """Refuse what an AFD engine cannot run, naming the setting (``config``: the whole `TboVllmConfig`)."""
+    from tbo.integrations.vllm.config import TboConfigError
+
+    def refuse(setting: str, value: Any, accepted: str, why: str) -> None:
+        raise TboConfigError(f"additional_config['tbo'] with afd and {setting}={value!r}: not supported ({why}); "
+                             f"accepted: {accepted}")
+
+    if config.strategy not in ("auto", AFD_STRATEGY):
+        refuse("strategy", config.strategy, f"'auto' or {AFD_STRATEGY!r}",
+               "an AFD layer's ops are attention, afd_send, Yield, afd_recv: the FFN runs on the FFN server")
+    if config.backend != "local" or config.link is not None:
+        refuse("backend/link", (config.backend, config.link), "'local', no link",
+               "the experts run on the FFN server; nothing is dispatched on the attention side")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp != 1:
+        refuse("tensor_parallel_size", tp, "1", "one attention rank talks to one FFN server")

