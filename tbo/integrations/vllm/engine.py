@@ -47,10 +47,17 @@ class TboEngine:
                                  f"{len(model.layers)}: tbo needs the whole stack on this rank")
         hf = vllm_config.model_config.hf_text_config
         num_experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
+        from vllm.platforms import current_platform
+
+        from tbo.integrations.vllm.ep import EpDecoderLayer, expert_parallel_size
+
+        self.ep_size = expert_parallel_size() if vllm_config.parallel_config.enable_expert_parallel else 1
         self.backend = make_backend(config, int(num_experts), hidden=hf.hidden_size, top_k=hf.num_experts_per_tok,
-                                    max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+                                    max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                                    ep_size=self.ep_size, platform=current_platform.device_type)
         tp = get_tensor_model_parallel_world_size()
-        self.layers = [VllmDecoderLayer(layer, self.backend, i, tp) for i, layer in enumerate(model.layers)]
+        layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
+        self.layers = [layer_cls(layer, self.backend, i, tp) for i, layer in enumerate(model.layers)]
         names = config.strategy_names(family)
         self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
                            for mode in ("decode", "prefill")}
@@ -58,6 +65,10 @@ class TboEngine:
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
         self._model = model
         self._install()
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            from tbo.integrations.vllm.dp import install_data_parallel
+
+            install_data_parallel(self)
         logger.info("tbo: %s layers (%d MoE) through strategies %s / %s, backend %r, %s", len(self.layers),
                     sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
                     config.split_policy())
@@ -98,7 +109,8 @@ class TboEngine:
     def close(self) -> None:
         """Take tbo off the runner and its model, log the summary line, write ``stats_file`` if configured."""
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
-                          (self.runner, "initialize_metadata_builders"), (self.runner, "tbo")):
+                          (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
+                          (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
         logger.info(summary_line(self.loop.stats))
         if self.config.stats_file:

@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["StepStats", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
 
-MODES = ("decode", "prefill", "mixed")
+MODES = ("decode", "prefill", "mixed", "idle")  # idle: a data-parallel rank's dummy step beside its peers'
 
 
 @dataclass
@@ -28,6 +28,10 @@ class StepStats:
     steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     split_steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     cut_requests: int = 0  #: split steps whose cut fell inside a request (a prefill chunk in two microbatches)
+    ep_size: int = 1  #: the expert-parallel group's size (data parallel + expert parallel; 1 otherwise)
+    remote_rows: int = 0  #: token rows this rank's dispatches sent to other ranks, over the counted steps
+    #: data parallel: steps with work of its own that ran the strategy a peer needed (it decoded, a peer prefilled)
+    peer_strategy_steps: int = 0
 
     def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
         """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
@@ -55,8 +59,10 @@ PROCESS_STATS = StepStats()
 
 def stats() -> dict[str, Any]:
     """What TBO did in this process since it started (or since `reset_stats`): ``steps``, ``split_steps``,
-    ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``) and
-    ``cut_requests``. A copy: later steps do not change it."""
+    ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``; ``idle``: a
+    data-parallel rank's dummy steps while its peers work), ``cut_requests``, and with data parallel + expert
+    parallel ``ep_size``, ``remote_rows`` (token rows sent to other ranks) and ``peer_strategy_steps``. A copy:
+    later steps do not change it."""
     return PROCESS_STATS.as_dict()
 
 

@@ -1,0 +1,270 @@
+"""tbo inside vLLM with data-parallel attention and expert parallelism: two DP ranks, tbo carrying the expert traffic.
+
+Each DP rank is a process launched as vLLM's ``examples/offline_inference/data_parallel.py`` does (``VLLM_DP_*`` set,
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``; `tbo.harness.vllm_dp`), its engine over its own prompts, the experts spread
+over both ranks (``enable_expert_parallel=True``). The reference is a DP = 1 engine without tbo, in this process,
+over the same prompts (each rank's round in its own ``generate`` call). Qwen3-MoE float32: tokens exactly equal.
+DeepSeek-V3 bfloat16: the oracle of tests/test_vllm.py (equal, or vLLM's own top-2 within ``NEAR_TIE`` and the
+request compared no further), with the number of compared positions asserted. Every engine test also asserts that
+both ranks split steps and sent token rows to the other (``remote_rows > 0``): none passes with local experts or
+without splitting. Every process a test starts is killed when it ends, passing or failing (`run_dp`).
+
+`make test-vllm` runs this file in .venv-vllm; without vLLM the engine tests skip and the agreement tests (gloo
+processes, no vLLM) still run.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tbo.core.errors import CommTimeoutError
+from tbo.split.agree import StepVote, agree_step, decide_step
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
+                                                      ".venv-vllm with vllm-cpu 0.32.0)")
+MAX_TOKENS = 10
+ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
+              max_num_batched_tokens=32, seed=0)
+TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "comm_timeout_s": 30}
+
+
+def _prompt(n: int, start: int) -> list[int]:
+    return [(start + 7 * i) % 250 + 1 for i in range(n)]
+
+
+# ---- the agreement (gloo processes, no vLLM) ---------------------------------------------------------------------
+
+
+def test_decide_step_rule():
+    wants = StepVote(2, True, True, "decode")
+    idle = StepVote(2, False, True, "idle")
+    prefill = StepVote(2, False, True, "prefill")
+    a = decide_step((wants, idle))
+    assert (a.split, a.num_microbatches, a.strategy_mode, a.idle_ranks) == (True, 2, "decode", 1)
+    assert decide_step((wants, prefill)).strategy_mode == "prefill"  # its collectives' order rules
+    assert not decide_step((wants, StepVote(2, True, False, "decode"))).split  # one veto: nobody splits
+    assert not decide_step((idle, prefill)).split  # nobody planned a split
+    with pytest.raises(ValueError, match="rank 0: 2, rank 1: 3"):
+        decide_step((wants, StepVote(3, True, True, "decode")))
+    with pytest.raises(ValueError, match="mode"):
+        StepVote(2, True, True, "mixed")
+
+
+def _agree_rank(rank: int, world: int) -> tuple:
+    votes = [StepVote(2, True, True, "decode"), StepVote(2, False, True, "idle")]
+    a = agree_step(votes[rank], timeout_s=20)
+    if rank == 1:
+        return (a.split, a.strategy_mode)  # and then never takes part in the second agreement
+    try:
+        agree_step(votes[0], timeout_s=2)
+    except CommTimeoutError as e:
+        return (a.split, a.strategy_mode, str(e))
+    return (a.split, a.strategy_mode, "no error")
+
+
+@pytest.mark.dist
+def test_agree_step_over_gloo_and_a_missing_peer_is_named():
+    from tbo.harness.launch import launch
+
+    results = launch(_agree_rank, 2, timeout_s=120)
+    assert results[1] == (True, "decode")
+    split, mode, error = results[0]
+    assert (split, mode) == (True, "decode")
+    assert "rank 0" in error and "agree_step" in error, error
+
+
+# ---- engines ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    from test_vllm import _save_deepseek_v3, _save_qwen3_moe
+
+    root = tmp_path_factory.mktemp("dp_models")
+    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek")}
+
+
+def _reference(model: Path, rounds: list[list[list[int]]], logprobs: int | None = None, **kw) -> list:
+    """vLLM's own tokens, DP = 1, without tbo: each rank's round in its own generate call."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(model), **{**ENGINE, **kw})
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True,
+                            logprobs=logprobs)
+    try:
+        return [[o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                                    use_tqdm=False)] if prompts else [] for prompts in rounds]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600, **kw) -> tuple:
+    """Run the DP ranks; returns (runs, stats per rank). Fails with both ranks' output unless both exit 0."""
+    from tbo.harness.vllm_dp import run_dp
+
+    barrier = tmp_path / "barrier"
+    barrier.mkdir(exist_ok=True)
+    stats = tmp_path / "stats-{rank}.json"
+    specs = [dict(model=str(model), engine={**ENGINE, **kw, "enable_expert_parallel": True},
+                  tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
+                  barrier_dir=str(barrier)) for rounds in rounds_per_rank]
+    runs = run_dp(specs, timeout_s=timeout_s)
+    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
+    per_rank = []
+    for rank in range(len(specs)):  # {rank} is the rank in vLLM's world: DP rank * TP size (1) + TP rank (0)
+        f = Path(str(stats).replace("{rank}", str(rank)))
+        assert f.exists(), (f, sorted(os.listdir(tmp_path)), "\n".join(r.tail() for r in runs))
+        per_rank.append(json.loads(f.read_text()))
+    return runs, per_rank
+
+
+def _assert_both_split_and_sent(per_rank: list[dict], microbatches: int) -> None:
+    for rank, s in enumerate(per_rank):
+        assert s["ep_size"] == 2, (rank, s)
+        assert s["split_steps"] > 0 and s["remote_rows"] > 0, (rank, s)
+        assert s["microbatches"] == microbatches * s["split_steps"], (rank, s)
+
+
+#: rank 0: one short prompt, prefilled in one step, then decoding while rank 1 still prefills 126 tokens in 32-token
+#: chunks; done first, it runs dummy steps while rank 1 decodes. (Every rank brings requests to each generate
+#: call: offline, without vLLM's DP coordinator, an engine with none would not wake for its peers' wave.)
+UNEVEN = [[[_prompt(5, 1)]],
+          [[_prompt(40, 2), _prompt(40, 3), _prompt(40, 4), _prompt(6, 5)]]]
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_qwen3_moe_dp2_ep_uneven_load_tokens_equal_and_both_ranks_split(models, tmp_path):
+    runs, per_rank = _dp(tmp_path, models["qwen3_moe"], UNEVEN, TBO, dtype="float32")
+    for rank, rounds in enumerate(UNEVEN):
+        want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, dtype="float32")]
+        assert runs[rank].result["tokens"] == want, rank
+    _assert_both_split_and_sent(per_rank, 2)
+    idle, busy = per_rank
+    # the idle rank's dummy steps ran through tbo, split as agreed; while it decoded its peer prefilled
+    assert idle["split_steps_by_mode"]["idle"] > 0, idle
+    assert idle["peer_strategy_steps"] > 0, idle
+    assert busy["split_steps_by_mode"]["prefill"] + busy["split_steps_by_mode"]["mixed"] > 0, busy
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_qwen3_moe_dp2_ep_three_microbatches(models, tmp_path):
+    rounds = [[[_prompt(9, 7), _prompt(8, 8), _prompt(3, 9)]], [[_prompt(4, 10), _prompt(17, 11)]]]
+    tbo = {**TBO, "num_microbatches": 3, "decode_token_threshold": 3}
+    runs, per_rank = _dp(tmp_path, models["qwen3_moe"], rounds, tbo, dtype="float32")
+    for rank, r in enumerate(rounds):
+        want = [[list(o.token_ids) for o in x] for x in _reference(models["qwen3_moe"], r, dtype="float32")]
+        assert runs[rank].result["tokens"] == want, rank
+    _assert_both_split_and_sent(per_rank, 3)
+
+
+NEAR_TIE = 0.1  # nats between vLLM's own top-2 log-probabilities (bf16 DeepSeek only)
+
+
+def _save_deepseek_v3_scaled(path: Path) -> Path:
+    """DeepSeek-V3, bf16, with weights drawn 5x wider than the default (``initializer_range`` 0.1), so that the
+    logits are far apart and a wrong token cannot pass as a near tie."""
+    import torch
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, topk_method="noaux_tc",
+        routed_scaling_factor=2.5, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # a non-zero correction bias: grouped, bias-corrected routing is exercised
+        for layer in model.model.layers[config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def _compare_near_tie(got: list[list[int]], want: list) -> tuple[int, int]:
+    """Tokens equal position by position, or at the first difference of a request vLLM's own top-2 are within
+    `NEAR_TIE` (and that request is compared no further). Returns (positions compared, positions in all)."""
+    compared = total = 0
+    for r, (g, w) in enumerate(zip(got, want)):
+        total += len(w.token_ids)
+        assert len(g) == len(w.token_ids), (r, g, list(w.token_ids))
+        for i, (tg, tw) in enumerate(zip(g, w.token_ids)):
+            compared += 1
+            if tg == tw:
+                continue
+            top = sorted(w.logprobs[i].values(), key=lambda lp: -lp.logprob)
+            gap = top[0].logprob - top[1].logprob
+            assert gap < NEAR_TIE, f"request {r}, token {i}: tbo {tg} != vLLM {tw}, not a near tie (gap {gap:.3f})"
+            break
+    return compared, total
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_deepseek_v3_bf16_dp2_ep_matches_vllm_and_both_ranks_split(tmp_path_factory, tmp_path):
+    model = _save_deepseek_v3_scaled(tmp_path_factory.mktemp("dp_deepseek") / "deepseek")
+    rounds = [[[_prompt(9, 12), _prompt(4, 13), _prompt(30, 14)]], [[_prompt(5, 15), _prompt(16, 16)]]]
+    runs, per_rank = _dp(tmp_path, model, rounds, TBO, dtype="bfloat16")
+    compared = total = 0
+    for rank, r in enumerate(rounds):
+        want = _reference(model, r, logprobs=2, dtype="bfloat16")[0]
+        c, t = _compare_near_tie(runs[rank].result["tokens"][0], want)
+        compared, total = compared + c, total + t
+    assert compared >= 0.8 * total, (compared, total)  # near ties are rare with these weights: most positions count
+    _assert_both_split_and_sent(per_rank, 2)
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_a_killed_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(models, tmp_path):
+    """Rank 1 is killed (SIGKILL, its whole process group) mid-generation: rank 0's engine fails with tbo's
+    `CommTimeoutError` naming its rank and the op that lost its peer, well within ``comm_timeout_s`` plus the
+    engine's own teardown; nothing hangs and no process is left."""
+    from tbo.harness.vllm_dp import collect, start_rank, stop
+    from tbo.harness.launch import free_port
+
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    timeout_s = 20
+    spec = dict(model=str(models["qwen3_moe"]), engine={**ENGINE, "dtype": "float32", "enable_expert_parallel": True},
+                tbo={**TBO, "comm_timeout_s": timeout_s}, max_tokens=200, barrier_dir=str(barrier),
+                rounds=[[_prompt(4, s) for s in range(6)]])
+    port = free_port()
+    runs = [start_rank(k, 2, port, spec) for k in range(2)]
+    try:
+        deadline = time.monotonic() + 400
+        while not all((barrier / f"round0-{k}").exists() for k in range(2)):
+            assert time.monotonic() < deadline and all(r.proc.poll() is None for r in runs), "ranks did not start"
+            time.sleep(0.1)
+        time.sleep(3)  # both are generating (200 tokens each: far from done)
+        assert all(r.proc.poll() is None for r in runs)
+        stop(runs[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        survivor = collect(runs[0], timeout_s=timeout_s + 90)
+        elapsed = time.monotonic() - t0
+    finally:
+        for r in runs:
+            stop(r)
+    out = survivor.stdout + survivor.stderr
+    assert not survivor.extra.get("timed_out"), out[-4000:]
+    assert survivor.returncode != 0 and survivor.result is None, out[-4000:]
+    assert elapsed < timeout_s + 90
+    named = [line for line in out.splitlines() if "CommTimeoutError: rank 0:" in line]
+    assert named and any(("could not complete" in line or "timed out" in line) for line in named), out[-6000:]
