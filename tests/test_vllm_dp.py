@@ -82,6 +82,67 @@ def test_agree_step_over_gloo_and_a_missing_peer_is_named():
     assert "rank 0" in error and "agree_step" in error, error
 
 
+def _zero_rows_rank(rank: int, world: int) -> tuple:
+    """Rank 0 dispatches no rows at all (an empty microbatch), rank 1 five tokens, some to each rank's experts."""
+    import torch
+
+    from tbo.integrations.vllm.ep import EpBackend
+
+    backend = EpBackend(4, None, timeout_s=20)
+    h = 8
+    n = 0 if rank == 0 else 5
+    x = torch.arange(n * h, dtype=torch.float32).view(n, h)
+    ids = torch.tensor([[0, 3], [1, 2], [2, 3], [0, 1], [3, 1]])[:n]
+    weights = torch.full((n, 2), 0.5)
+    d = backend.dispatch_b(backend.dispatch_a(x, ids, weights))
+    # the experts: local expert e multiplies by (global id + 1); -1 slots (other rank's experts) add nothing
+    local = d.topk_idx
+    scale = torch.where(local >= 0, (local + 1 + rank * 2).float(), torch.zeros_like(local, dtype=torch.float32))
+    out = d.hidden * (scale * d.topk_weights.float()).sum(1, keepdim=True)
+    y = backend.combine_b(backend.combine_a(out, d.handle))
+    want = x * (weights * (ids + 1).float()).sum(1, keepdim=True)
+    return (tuple(y.shape), bool(torch.equal(y, want)), backend.remote_rows, int(d.hidden.shape[0]))
+
+
+@pytest.mark.dist
+def test_ep_backend_dispatch_and_combine_handle_zero_rows_and_count_remote_rows():
+    from tbo.harness.launch import launch
+
+    (shape0, ok0, remote0, got0), (shape1, ok1, remote1, got1) = launch(_zero_rows_rank, 2, timeout_s=120)
+    assert shape0 == (0, 8) and ok0 and remote0 == 0  # nothing to send, still took part in every collective
+    assert shape1 == (5, 8) and ok1
+    assert remote1 == 4 and got0 == 4  # 4 of its 5 tokens name an expert of rank 0 (0 or 1): 4 rows sent there
+
+
+class _Par:
+    def __init__(self, **kw):
+        self.__dict__.update(dict(data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=1,
+                                  expert_placement_strategy="linear"), **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"enable_expert_parallel": False}, r"data_parallel_size=2: not supported .*enable_expert_parallel=True"),
+    ({"data_parallel_size": 1}, r"enable_expert_parallel=True: not supported .*data_parallel_size > 1"),
+    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2: not supported .*1 per data-parallel rank"),
+    ({"expert_placement_strategy": "round_robin"}, r"expert_placement_strategy='round_robin'.*'linear'"),
+])
+def test_dp_ep_combinations_refused_by_name(kw, match):
+    from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+    from tbo.integrations.vllm.dp import check_dp_ep
+
+    check_dp_ep(_Par(), TboVllmConfig())  # DP 2 + EP, TP 1, linear: accepted
+    with pytest.raises(TboConfigError, match=match):
+        check_dp_ep(_Par(**kw), TboVllmConfig())
+
+
+def test_empty_tail_plan():
+    from tbo.integrations.vllm.dp import empty_tail_plan
+
+    plan = empty_tail_plan(1, 3)  # an idle rank's one-token dummy step, three agreed microbatches
+    assert [(m.tokens_start, m.tokens_unpadded_len) for m in plan.microbatches] == [(0, 1), (1, 0), (1, 0)]
+    assert plan.num_tokens == 1 and plan.num_microbatches == 3
+
+
 # ---- engines ------------------------------------------------------------------------------------------------------
 
 
