@@ -4,8 +4,9 @@ Each DP rank is a process launched as vLLM's ``examples/offline_inference/data_p
 ``VLLM_CPU_OMP_THREADS_BIND="0|1"``; `tbo.harness.vllm_dp`), its engine over its own prompts, the experts spread
 over both ranks (``enable_expert_parallel=True``). The reference is a DP = 1 engine without tbo, in this process,
 over the same prompts (each rank's round in its own ``generate`` call). Qwen3-MoE float32: tokens exactly equal.
-DeepSeek-V3 bfloat16: the oracle of tests/test_vllm.py (equal, or vLLM's own top-2 within ``NEAR_TIE`` and the
-request compared no further), with the number of compared positions asserted. Every engine test also asserts that
+DeepSeek-V3 bfloat16 (weights drawn wider, so that near ties are rarer): split against the same DP + EP engines
+never splitting, equal or the reference's own top-2 within ``NEAR_TIE`` at the first difference (and the request
+compared no further), with the number of compared positions asserted. Every engine test also asserts that
 both ranks split steps and sent token rows to the other (``remote_rows > 0``): none passes with local experts or
 without splitting. Every process a test starts is killed when it ends, passing or failing (`run_dp`).
 
@@ -174,7 +175,8 @@ def _reference(model: Path, rounds: list[list[list[int]]], logprobs: int | None 
         gc.collect()
 
 
-def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600, **kw) -> tuple:
+def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600,
+        logprobs: int | None = None, **kw) -> tuple:
     """Run the DP ranks; returns (runs, stats per rank). Fails with both ranks' output unless both exit 0."""
     from tbo.harness.vllm_dp import run_dp
 
@@ -183,7 +185,7 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
     stats = tmp_path / "stats-{rank}.json"
     specs = [dict(model=str(model), engine={**ENGINE, **kw, "enable_expert_parallel": True},
                   tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
-                  barrier_dir=str(barrier)) for rounds in rounds_per_rank]
+                  barrier_dir=str(barrier), logprobs=logprobs) for rounds in rounds_per_rank]
     runs = run_dp(specs, timeout_s=timeout_s)
     assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
     per_rank = []
@@ -259,37 +261,45 @@ def _save_deepseek_v3_scaled(path: Path) -> Path:
     return path
 
 
-def _compare_near_tie(got: list[list[int]], want: list) -> tuple[int, int]:
-    """Tokens equal position by position, or at the first difference of a request vLLM's own top-2 are within
-    `NEAR_TIE` (and that request is compared no further). Returns (positions compared, positions in all)."""
+def _compare_near_tie(got: list[list[int]], want: list[list[int]], top: list[list[list[float]]]) -> tuple[int, int]:
+    """Tokens equal position by position, or at the first difference of a request the reference's own top-2
+    log-probabilities ``top`` are within `NEAR_TIE` (and that request is compared no further). Returns (positions
+    compared, positions in all)."""
     compared = total = 0
     for r, (g, w) in enumerate(zip(got, want)):
-        total += len(w.token_ids)
-        assert len(g) == len(w.token_ids), (r, g, list(w.token_ids))
-        for i, (tg, tw) in enumerate(zip(g, w.token_ids)):
+        total += len(w)
+        assert len(g) == len(w), (r, g, w)
+        for i, (tg, tw) in enumerate(zip(g, w)):
             compared += 1
             if tg == tw:
                 continue
-            top = sorted(w.logprobs[i].values(), key=lambda lp: -lp.logprob)
-            gap = top[0].logprob - top[1].logprob
-            assert gap < NEAR_TIE, f"request {r}, token {i}: tbo {tg} != vLLM {tw}, not a near tie (gap {gap:.3f})"
+            gap = top[r][i][0] - top[r][i][1]
+            assert gap < NEAR_TIE, f"request {r}, token {i}: split {tg} != unsplit {tw}, not a near tie (gap {gap:.3f})"
             break
     return compared, total
 
 
 @needs_vllm
 @pytest.mark.dist
-def test_deepseek_v3_bf16_dp2_ep_matches_vllm_and_both_ranks_split(tmp_path_factory, tmp_path):
+def test_deepseek_v3_bf16_dp2_ep_split_matches_unsplit_and_both_ranks_split(tmp_path_factory, tmp_path):
+    """DeepSeek-V3 (MLA, a shared expert, grouped bias-corrected routing, a dense first layer) in bfloat16 over
+    DP = 2 + EP. The reference is the same DP + EP engines with tbo never splitting: in bfloat16 the DP = 1 engine is
+    no reference for expert parallelism (each rank's experts output is rounded to bfloat16 before the ranks' sum;
+    measured: tokens diverge from DP = 1 beyond near ties with tbo unsplit too, docs/vllm-dp.md)."""
     model = _save_deepseek_v3_scaled(tmp_path_factory.mktemp("dp_deepseek") / "deepseek")
     rounds = [[[_prompt(9, 12), _prompt(4, 13), _prompt(30, 14)]], [[_prompt(5, 15), _prompt(16, 16)]]]
+    never = {**TBO, "decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
+    (tmp_path / "unsplit").mkdir()
+    ref, ref_stats = _dp(tmp_path / "unsplit", model, rounds, never, logprobs=2, dtype="bfloat16")
     runs, per_rank = _dp(tmp_path, model, rounds, TBO, dtype="bfloat16")
     compared = total = 0
-    for rank, r in enumerate(rounds):
-        want = _reference(model, r, logprobs=2, dtype="bfloat16")[0]
-        c, t = _compare_near_tie(runs[rank].result["tokens"][0], want)
+    for rank in range(2):
+        c, t = _compare_near_tie(runs[rank].result["tokens"][0], ref[rank].result["tokens"][0],
+                                 ref[rank].result["logprobs"][0])
         compared, total = compared + c, total + t
-    assert compared >= 0.8 * total, (compared, total)  # near ties are rare with these weights: most positions count
+    assert compared >= 0.6 * total, (compared, total)  # the oracle compared most positions, not only the first
     _assert_both_split_and_sent(per_rank, 2)
+    assert all(s["split_steps"] == 0 and s["remote_rows"] > 0 for s in ref_stats), ref_stats
 
 
 @needs_vllm

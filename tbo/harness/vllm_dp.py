@@ -119,7 +119,8 @@ def run_dp(specs: Sequence[dict[str, Any]], timeout_s: float = 600.0, env: dict[
 def _rank_main(spec: dict[str, Any]) -> None:
     """One DP rank: an ``LLM`` with ``spec["engine"]`` (and ``additional_config["tbo"]`` when ``spec["tbo"]`` is
     not None), then each of ``spec["rounds"]`` (lists of token prompts) generated greedily with
-    ``spec["max_tokens"]`` (one count, or one per round); prints one result line with the tokens and the seconds per round.
+    ``spec["max_tokens"]`` (one count, or one per round); prints one result line with the tokens, the seconds per round
+    and, with ``spec["logprobs"]``, each position's top log-probabilities.
 
     Every rank must bring requests to every round: offline (no DP coordinator), an engine with none does not wake
     for its peers' wave of steps, and they would wait for it (vLLM's example gives such a rank a placeholder
@@ -132,10 +133,11 @@ def _rank_main(spec: dict[str, Any]) -> None:
         extra["additional_config"] = {"tbo": spec["tbo"]}
     llm = LLM(model=spec["model"], **spec.get("engine", {}), **extra)
     max_tokens = spec.get("max_tokens", 6)
-    rounds, seconds = [], []
+    rounds, seconds, top = [], [], []
     for k, prompts in enumerate(spec["rounds"]):
         n = max_tokens[k] if isinstance(max_tokens, list) else max_tokens
-        params = SamplingParams(temperature=0, max_tokens=int(n), detokenize=False, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=int(n), detokenize=False, ignore_eos=True,
+                                logprobs=spec.get("logprobs"))
         _barrier(spec, f"round{k}", float(spec.get("barrier_s", 300)))  # every rank submits its round together
         print(f"TBO_DP_ROUND {k}", flush=True)
         t0 = time.perf_counter()
@@ -143,7 +145,10 @@ def _rank_main(spec: dict[str, Any]) -> None:
                             use_tqdm=False) if prompts else []
         seconds.append(time.perf_counter() - t0)
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
-    print(_RESULT + json.dumps({"tokens": rounds, "seconds": seconds}), flush=True)
+        if spec.get("logprobs"):  # per round, request and position: the top log-probabilities, best first
+            top.append([[sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in o.outputs[0].logprobs]
+                        for o in outs])
+    print(_RESULT + json.dumps({"tokens": rounds, "seconds": seconds, "logprobs": top}), flush=True)
     _barrier(spec, "done", float(spec.get("barrier_s", 300)))
     llm.llm_engine.engine_core.shutdown()
 

@@ -62,7 +62,7 @@ class LayerLoop:
             cut = plan is not None and plan.two_chunk
             rows = self.traffic.remote_rows - rows_before if self.traffic is not None else 0
             for s in (self.stats, PROCESS_STATS):
-                s.record(step.mode, step.num_tokens, parts, cut)
+                s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
                 s.remote_rows += rows
                 s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
         return hidden

@@ -10,7 +10,9 @@ profiling and warm-up runs), `RunnerPatches.step`:
   vLLM's prefix-cache veto (``_allow_microbatching``, asked as if vLLM's microbatching were on);
 * replaces ``maybe_create_ubatch_slices`` in the model runner's module so that the slices are tbo's plan.
 
-Both are put back when the call returns or raises. `RunnerPatches.microbatching` shows vLLM's own code the
+Both are put back when the call returns or raises. With data parallel, the dummy runs (profiling, warm-up, an idle
+rank's steps) are patched the same way (`dummy_scope`), and every step's decision is first agreed with the other DP
+ranks (``agree``, `tbo.integrations.vllm.dp`). `RunnerPatches.microbatching` shows vLLM's own code the
 runner's parallel config as it is with microbatching on, for two calls only: creating the attention metadata
 builders (one per microbatch, as vLLM's DBO has) and vLLM's prefix-cache veto.
 """
@@ -118,7 +120,7 @@ class RunnerPatches:
 
     def _determine_agreed(self, *args: Any, **kwargs: Any) -> Any:
         """Data parallel: agree with the other ranks first (tbo's deadline bounds that wait: a stalled or dead peer
-        is named there, before vLLM's own DP all-reduce, which has none), then vLLM's own decision."""
+        is named there, before vLLM's own DP all-reduce, which tbo's deadline does not bound), then vLLM's own decision."""
         bound = self._signature.bind(*args, **kwargs).arguments
         num_tokens = int(bound["num_tokens"])
         if self._dummy is not None:  # a dummy run: nothing of its own to split; it takes part in its peers' steps
