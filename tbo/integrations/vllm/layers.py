@@ -23,7 +23,24 @@ from tbo.core.state import State
 from tbo.integrations.vllm.config import TboConfigError
 from tbo.models.layer_ops import ExpertParallelOps
 
-__all__ = ["VllmDecoderLayer"]
+__all__ = ["VllmDecoderLayer", "reduce_plan"]
+
+
+def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool]:
+    """``(reduce_shared, reduce_final)``: the all-reduces vLLM's MoE runner makes after its experts kernel, by its
+    rule (``_maybe_reduce_shared_expert_output``, ``_maybe_reduce_final_output``). A kernel whose output is already
+    reduced (``_fused_output_is_reduced``) leaves only the shared expert's output to reduce; a model that reduces
+    later itself (``moe_config.skip_final_all_reduce``) gets none; otherwise the sum of both is reduced once, and only
+    with tensor or expert parallelism. Reducing twice would multiply the output by the group's size."""
+    moe = runner.moe_config
+    parallel = tp_size > 1 or moe.tp_size > 1 or moe.ep_size > 1
+    fused_reduced = bool(runner._fused_output_is_reduced)
+    if moe.skip_final_all_reduce and fused_reduced:
+        raise TboConfigError("the MoE runner skips its final all-reduce but its kernel's output is reduced: vLLM "
+                             "forbids this combination too")
+    reduce_shared = parallel and fused_reduced and has_shared
+    reduce_final = parallel and not fused_reduced and not moe.skip_final_all_reduce
+    return reduce_shared, reduce_final
 
 
 def _moe_runner(mlp: Any) -> Any:
@@ -47,15 +64,19 @@ class VllmDecoderLayer(ExpertParallelOps):
     #: True for `tbo.integrations.vllm.ep.EpDecoderLayer`: the experts are spread over data-parallel ranks
     expert_parallel = False
 
-    def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int) -> None:
+    def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
+                 llama_4_scaling: dict[str, Any] | None = None) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
-        self._all_reduce = None
-        if tp_size > 1:
-            from vllm.distributed import tensor_model_parallel_all_reduce
-
-            self._all_reduce = tensor_model_parallel_all_reduce
+        self.tp_size = tp_size
         attn = layer.self_attn
-        self._attn_extra = (None,) if "llama_4_scaling" in inspect.signature(attn.forward).parameters else ()
+        takes_scaling = "llama_4_scaling" in inspect.signature(attn.forward).parameters
+        if llama_4_scaling is not None and not takes_scaling:
+            raise TboConfigError(f"layer {layer_idx}: the config has llama_4_scaling but {type(attn).__name__} "
+                                 "takes none (its MHA attention would ignore it, and so would tbo)")
+        #: DeepSeek's ``llama_4_scaling`` (original_max_position_embeddings, beta): a per-token factor on q, which
+        #: vLLM's model computes from the step's positions; each microbatch computes it from its own
+        self.llama_4_scaling = llama_4_scaling if takes_scaling else None
+        self._attn_takes_scaling = takes_scaling
         #: attention as two ops (Qwen3-MoE), or one call in attn_core (DeepSeek MLA)
         self.split_attention = _is_qwen3_moe_attention(attn)
         self.runner = _moe_runner(layer.mlp)
@@ -68,6 +89,14 @@ class VllmDecoderLayer(ExpertParallelOps):
             self._topk_dtype = self.runner.routed_experts.quant_method.topk_indices_dtype
             self._ids_dtype = torch.int32
         self.has_shared_experts = self.shared is not None
+        #: which tensor-parallel all-reduces op_output makes: vLLM's MoE runner's rule (`reduce_plan`)
+        self.reduce_shared, self.reduce_final = (reduce_plan(self.runner, tp_size, self.has_shared_experts) if self.runner is not None
+                                              else (False, False))
+        self._all_reduce = None
+        if self.reduce_shared or self.reduce_final:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            self._all_reduce = tensor_model_parallel_all_reduce
 
     def _check_runner(self, runner: Any) -> None:
         """Refuse MoE features whose math the ops below would not reproduce, naming them."""
@@ -122,7 +151,19 @@ class VllmDecoderLayer(ExpertParallelOps):
         if self.split_attention:
             state.attn_out, _ = attn.o_proj(attn.attn(*state.pop("qkv")))
         else:
-            state.attn_out = attn(state.positions, state.pop("attn_in"), *self._attn_extra)
+            extra = (self._scaling(state.positions),) if self._attn_takes_scaling else ()
+            state.attn_out = attn(state.positions, state.pop("attn_in"), *extra)
+
+    def _scaling(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """vLLM's ``_get_llama_4_scaling`` for these positions (elementwise per token: a microbatch's slice of the
+        step's factor), or None when the config has no ``llama_4_scaling``."""
+        if self.llama_4_scaling is None:
+            return None
+        from vllm.model_executor.models.deepseek_v2 import _get_llama_4_scaling
+
+        cfg = self.llama_4_scaling
+        return _get_llama_4_scaling(original_max_position_embeddings=cfg["original_max_position_embeddings"],
+                                    scaling_beta=cfg["beta"], positions=positions)
 
     def op_comm_prepare_mlp(self, state: State) -> None:
         mlp_in, residual = self.layer.post_attention_layernorm(state.pop("attn_out"), state.pop("residual"))
@@ -156,7 +197,13 @@ class VllmDecoderLayer(ExpertParallelOps):
         experts (the NORMAL layout's contract: combine only adds)."""
         d = state.pop("dispatched")
         ids = d.topk_idx.to(self._ids_dtype)
-        out = self.runner.routed_experts.forward_modular(x=d.hidden, topk_weights=d.topk_weights, topk_ids=ids)
+        x = d.hidden
+        if "mlp_in" in state and x.data_ptr() == state.mlp_in.data_ptr():
+            # the shared expert has not run yet and reads the same storage (the identity route dispatches the MLP
+            # input itself): the experts get a copy, so that no kernel writing its input in place can change the
+            # shared expert's input (vLLM 0.32's modular kernels allocate their output, but nothing promises it)
+            x = x.clone()
+        out = self.runner.routed_experts.forward_modular(x=x, topk_weights=d.topk_weights, topk_ids=ids)
         state.expert_out = (out, d.handle)
 
     # ---- output ------------------------------------------------------------------------------------------------
@@ -168,8 +215,11 @@ class VllmDecoderLayer(ExpertParallelOps):
         if self.scale != 1.0:
             out *= self.scale  # DeepSeek's routed_scaling_factor, on the routed part, as vLLM's runner applies it
         if self.has_shared_experts:
-            out = state.pop("shared_out") + out
-        if self._all_reduce is not None:
+            shared = state.pop("shared_out")
+            if self.reduce_shared:  # the routed part came reduced from the kernel: reduce the shared part alone
+                shared = self._all_reduce(shared)
+            out = shared + out
+        if self.reduce_final:
             out = self._all_reduce(out)
         state.layer_out = out
 

@@ -116,11 +116,12 @@ class RunnerPatches:
         batch = self.runner.input_batch
         past_prompt = batch.num_computed_tokens_cpu[:num_reqs] >= batch.num_prompt_tokens[:num_reqs]
         return decide(self.policy, bound["num_scheduled_tokens_np"][:num_reqs], past_prompt, allowed=allowed,
-                      padded_tokens=padded_tokens)
+                      padded_tokens=padded_tokens, cascade=bool(bound.get("use_cascade_attn", False)))
 
     def _determine_agreed(self, *args: Any, **kwargs: Any) -> Any:
         """Data parallel: agree with the other ranks first (tbo's deadline bounds that wait: a stalled or dead peer
-        is named there, before vLLM's own DP all-reduce, which tbo's deadline does not bound), then vLLM's own decision."""
+        is named there, before vLLM's own DP all-reduce, which tbo's deadline does not bound), then vLLM's own
+        decision."""
         bound = self._signature.bind(*args, **kwargs).arguments
         num_tokens = int(bound["num_tokens"])
         if self._dummy is not None:  # a dummy run: nothing of its own to split; it takes part in its peers' steps

@@ -7,7 +7,7 @@ chunk (the later part then attends over the earlier part through the KV cache, w
 attention has written by then: microbatch 0 always runs a layer's attention first).
 
 A step does not split when the policy says no, when vLLM's prefix-cache rule forbids it (a request reading blocks
-another request of the same step is writing now), or when the runner padded the step.
+another request of the same step is writing now), when it uses cascade attention, or when the runner padded it.
 """
 
 from __future__ import annotations
@@ -52,11 +52,14 @@ class Step:
 
 
 def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[bool], *, allowed: bool,
-           padded_tokens: int) -> Step:
+           padded_tokens: int, cascade: bool = False) -> Step:
     """The `Step` for requests with ``scheduled`` tokens each, ``past_prompt[i]`` True for a decoding request.
 
     ``allowed`` is False when vLLM's own microbatching veto applies; ``padded_tokens`` is the token count the
     runner will run (a padded step is not split: its microbatches would not be the plan's token ranges).
+    ``cascade``: the step uses cascade attention, whose shared-prefix metadata spans every request of the step;
+    vLLM's DBO turns it off while microbatching, and a step that has it is not split here. (vLLM 0.32 removed
+    cascade attention and always passes False; the veto stays for runners that still pass True.)
     """
     lens = [int(n) for n in scheduled]
     decoding = sum(bool(p) for p in past_prompt)
@@ -64,7 +67,7 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
     num_tokens = sum(lens)
     fmode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.EXTEND
     plan = None
-    if allowed and padded_tokens == num_tokens and len(lens) > 0:
+    if allowed and not cascade and padded_tokens == num_tokens and len(lens) > 0:
         plan = policy.plan(fmode, num_tokens, None if fmode is ForwardMode.DECODE else lens)
     return Step(mode, fmode, num_tokens, plan)
 
