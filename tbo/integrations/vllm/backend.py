@@ -2,8 +2,8 @@
 
 ``local``: tbo's own all-to-all, NORMAL layout (vLLM's fused-MoE kernel takes each token once with its top-k ids and
 weights): every expert on this rank (with tensor parallelism each rank holds all experts, sharded), or, with data
-parallel + expert parallel, `tbo.integrations.vllm.ep.EpBackend` over vLLM's expert-parallel group. ``deepep``: DeepEP over vLLM's
-expert-parallel group, in a NORMAL-layout kind (V2, or V1 normal mode): CUDA only. ``link`` wraps either in
+parallel + expert parallel, `tbo.integrations.vllm.ep.EpBackend` over vLLM's expert-parallel group. ``deepep``:
+DeepEP over that group, in a NORMAL-layout kind (V2, or V1 normal mode): CUDA only. ``link`` wraps either in
 `EmulatedLink`, so that dispatch and combine take the time a real interconnect would and overlap shows on a CPU.
 """
 
