@@ -314,3 +314,64 @@ def test_a_killed_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(mo
     assert elapsed < timeout_s + 90
     named = [line for line in out.splitlines() if "CommTimeoutError: rank 0:" in line]
     assert named and any(("could not complete" in line or "timed out" in line) for line in named), out[-6000:]
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_served_dp2_ep_concurrent_requests_tokens_equal_and_both_engines_split(models, tmp_path):
+    """``python -m vllm.entrypoints.openai.api_server --data-parallel-size 2 --enable-expert-parallel`` on a CPU (two
+    engines, vLLM's DP coordinator balancing the requests): concurrent completions, each equal to vLLM's own DP = 1
+    tokens for its prompt; both engines split steps and sent rows to each other. The server's process group is
+    killed at the end, passing or failing."""
+    import subprocess
+    import sys
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tbo.harness.launch import free_port
+
+    model, port = models["qwen3_moe"], free_port()
+    tbo = {**TBO, "stats_file": str(tmp_path / "served-{rank}.json")}
+    prompts = [_prompt(5 + 3 * i, 30 + i) for i in range(6)]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
+           "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "2", "--enable-expert-parallel",
+           "--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32",
+           "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--additional-config", json.dumps({"tbo": tbo})]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(cmd, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+
+    def complete(prompt: list[int]) -> list[int]:
+        body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["token_ids"]
+
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-6000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts))
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)  # a graceful stop first: the workers write stats_file then
+            server.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+    want = [[list(o.token_ids) for o in r] for r in _reference(model, [prompts], dtype="float32")][0]
+    assert got == want
+    per_rank = [json.loads((tmp_path / f"served-{k}.json").read_text()) for k in range(2)]
+    _assert_both_split_and_sent(per_rank, 2)
