@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.checks import _refuse
+from tbo.integrations.vllm.config import TboVllmConfig
 from tbo.integrations.vllm.step import Step
 from tbo.split import ForwardMode
 from tbo.split.agree import StepVote, agree_step
@@ -29,11 +30,6 @@ from tbo.split.index import Cut
 from tbo.split.plan import SplitPlan, plan_from_cuts
 
 __all__ = ["check_dp_ep", "empty_tail_plan", "StepAgreementHook"]
-
-
-def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
-    raise TboConfigError(f"additional_config['tbo'] with {setting}={value!r}: not supported ({why}); accepted: "
-                         f"{accepted}")
 
 
 def check_dp_ep(par: Any, config: TboVllmConfig) -> None:

@@ -68,7 +68,7 @@ def stats() -> dict[str, Any]:
 
 def reset_stats() -> None:
     """Zero this process's counters (the engines' own, behind their shutdown lines, are kept)."""
-    fresh = StepStats()
+    fresh = StepStats(ep_size=PROCESS_STATS.ep_size)  # a property of the engine, not a counter
     for name, value in vars(fresh).items():
         setattr(PROCESS_STATS, name, value)
 
