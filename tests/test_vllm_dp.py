@@ -129,12 +129,12 @@ class _Par:
     ({"expert_placement_strategy": "round_robin"}, r"expert_placement_strategy='round_robin'.*'linear'"),
 ])
 def test_dp_ep_combinations_refused_by_name(kw, match):
-    from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+    from tbo.integrations.vllm.config import TboConfigError
     from tbo.integrations.vllm.dp import check_dp_ep
 
-    check_dp_ep(_Par(), TboVllmConfig())  # DP 2 + EP, TP 1, linear: accepted
+    check_dp_ep(_Par())  # DP 2 + EP, TP 1, linear: accepted
     with pytest.raises(TboConfigError, match=match):
-        check_dp_ep(_Par(**kw), TboVllmConfig())
+        check_dp_ep(_Par(**kw))
 
 
 def test_empty_tail_plan():

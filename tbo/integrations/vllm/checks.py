@@ -64,7 +64,7 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
     if par.data_parallel_size != 1 or par.enable_expert_parallel:
         from tbo.integrations.vllm.dp import check_dp_ep
 
-        check_dp_ep(par, config)
+        check_dp_ep(par)
     if par.enable_dbo or par.ubatch_size > 1:
         _refuse("enable_dbo/ubatch_size", (par.enable_dbo, par.ubatch_size), "enable_dbo=False, ubatch_size 0",
                 "vLLM's DBO and tbo both split the step; choose one")

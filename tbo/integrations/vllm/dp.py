@@ -7,7 +7,7 @@ real steps and its dummy steps alike, each rank votes (`tbo.split.agree.StepVote
 DP group (its gloo CPU group) settles, the same on every rank:
 
 * whether to split: when at least one rank's policy planned a split and no rank vetoes it (vLLM's prefix-cache
-  rule, a padded step). A rank whose own tokens are too few (or none: an idle rank's dummy step) still runs the
+  rule: a request reading blocks another request of the same step writes). A rank whose own tokens are too few (or none: an idle rank's dummy step) still runs the
   agreed microbatches, all its tokens in the first and the others empty (`Step.empty_tail`);
 * the microbatch count (the same config on every rank, checked);
 * the strategy: prefill when any rank prefills, decode otherwise (their collectives come in different orders).
@@ -22,17 +22,16 @@ from __future__ import annotations
 from typing import Any
 
 from tbo.integrations.vllm.checks import _refuse
-from tbo.integrations.vllm.config import TboVllmConfig
 from tbo.integrations.vllm.step import Step
 from tbo.split import ForwardMode
 from tbo.split.agree import StepVote, agree_step
 from tbo.split.index import Cut
 from tbo.split.plan import SplitPlan, plan_from_cuts
 
-__all__ = ["check_dp_ep", "empty_tail_plan", "StepAgreementHook"]
+__all__ = ["check_dp_ep", "empty_tail_plan", "install_data_parallel", "peer_lost", "StepAgreementHook"]
 
 
-def check_dp_ep(par: Any, config: TboVllmConfig) -> None:
+def check_dp_ep(par: Any) -> None:
     """Accept data parallel > 1 with expert parallelism, TP = 1 per DP rank and linear expert placement; refuse
     every other combination by name."""
     dp, tp = par.data_parallel_size, par.tensor_parallel_size
