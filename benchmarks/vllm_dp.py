@@ -2,9 +2,10 @@
 time and tokens/s, tbo split vs tbo unsplit, over real gloo traffic and over an emulated link.
 
 Each configuration is two DP rank processes launched as vLLM's offline data-parallel example does
-(`tbo.harness.vllm_dp`), each rank generating the same-sized workload: decode (``--batch`` requests of 4-token
-prompts, ``--decode-tokens`` greedy tokens) and prefill (``--batch`` prompts of ``--prompt`` tokens, one token out).
-A rank's step time is its round's wall time over its steps; tokens/s add both ranks'.
+(`tbo.harness.vllm_dp`), each rank generating the same workload once: ``--batch`` requests of 4-token prompts,
+``--decode-tokens`` greedy tokens each (one prefill step, then decode steps). The step time is the slower rank's
+round over its steps; tokens/s add both ranks'. (One round per launch: a second ``generate`` round in the same DP
+launch desynchronised the ranks' steps in our runs, see docs/vllm-dp.md.)
 
 * gloo: tbo's all-to-all over vLLM's expert-parallel group, real traffic between the two processes.
 * link: the same, plus `tbo.comm.EmulatedLink` around it, bandwidth-bound, sized from the unsplit gloo run so
@@ -46,33 +47,24 @@ def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) ->
     return moe_layers * tokens * (2 * hidden * 4 + top_k * (8 + 4))
 
 
-def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> dict:
-    """One DP=2 launch: per mode, (step seconds, tokens/s over both ranks), the medians of the measured rounds."""
+def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> tuple[float, float]:
+    """One DP=2 launch, one round: (seconds per step, tokens/s over both ranks)."""
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp / f"barrier-{name}"
     barrier.mkdir()
-    decode = [[(s * 7 + i) % 500 + 1 for i in range(4)] for s in range(args.batch)]
-    prefill = [[(s * 11 + i) % 500 + 1 for i in range(args.prompt)] for s in range(args.batch)]
-    rounds = [decode, prefill] * (args.repeats + 1)  # the first pair warms up
-    max_tokens = [args.decode_tokens, 1] * (args.repeats + 1)
+    prompts = [[(s * 7 + i) % 500 + 1 for i in range(4)] for s in range(args.batch)]
     engine = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
-                  max_num_batched_tokens=max(1024, args.batch * args.prompt), enable_prefix_caching=False,
-                  dtype=args.dtype, seed=0, enable_expert_parallel=True)
-    stats = tmp / f"stats-{name}-{{rank}}.json"
-    spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(stats)}, rounds=rounds,
-                max_tokens=max_tokens, barrier_dir=str(barrier))
+                  max_num_batched_tokens=1024, enable_prefix_caching=False, dtype=args.dtype, seed=0,
+                  enable_expert_parallel=True)
+    spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(tmp / f"stats-{name}-{{rank}}.json")},
+                rounds=[prompts], max_tokens=args.decode_tokens, barrier_dir=str(barrier))
     runs = run_dp([spec, spec], timeout_s=1200)
     for r in runs:
         if r.returncode != 0 or not r.result:
             raise RuntimeError(f"{name}: DP rank {r.rank} failed\n{r.tail()}")
-    out = {}
-    for mode, first, steps, tokens in (("decode", 2, args.decode_tokens, args.batch * args.decode_tokens),
-                                       ("prefill", 3, 1, args.batch * args.prompt)):
-        secs = sorted(max(r.result["seconds"][k] for r in runs) for k in range(first, len(rounds), 2))
-        med = secs[len(secs) // 2]
-        out[mode] = (med / steps, 2 * tokens / med)
-    return out
+    seconds = max(r.result["seconds"][0] for r in runs)
+    return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds
 
 
 def main() -> None:
@@ -81,9 +73,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--batch", type=int, default=64, help="requests per rank")
-    p.add_argument("--prompt", type=int, default=16, help="prefill tokens per request")
     p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="measured decode and prefill rounds, after a warm-up")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: decode comm ~= compute")
     p.add_argument("--strategy", default="qwen3_moe_prefill",
@@ -99,25 +89,20 @@ def main() -> None:
         model = save_model(tmp / "qwen3_moe", args.hidden, args.layers, args.experts)
         rows["gloo: tbo unsplit"] = run(model, args, never, tmp, "gloo-unsplit")
         rows["gloo: tbo split"] = run(model, args, split, tmp, "gloo-split")
-        step = rows["gloo: tbo unsplit"]["decode"][0]
+        step = rows["gloo: tbo unsplit"][0]
         link = args.link or f"0,{moe_bytes_per_step(args.batch, args.hidden, 2, args.layers) / step / 1e9:.6f}"
         rows[f"link {link}: tbo unsplit"] = run(model, args, {**never, "link": link}, tmp, "link-unsplit")
         rows[f"link {link}: tbo split"] = run(model, args, {**split, "link": link}, tmp, "link-split")
 
     print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
-          f"{args.dtype}; per rank: decode {args.batch} requests x {args.decode_tokens} tokens, prefill "
-          f"{args.batch} x {args.prompt} tokens; median of {args.repeats} rounds; split strategy {args.strategy}")
-    print(f"{'configuration':44s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} "
-          f"{'prefill tok/s':>14s}")
-    for name, r in rows.items():
-        print(f"{name:44s} {r['decode'][0] * 1e3:9.2f} ms {r['decode'][1]:13.0f} {r['prefill'][0] * 1e3:10.2f} ms "
-              f"{r['prefill'][1]:14.0f}")
+          f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
+          f"prompts, then decode); split strategy {args.strategy}")
+    print(f"| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
+    for name, (sec, tps) in rows.items():
+        print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} |")
     for over in ("gloo", f"link {link}"):
-        u, s = rows[f"{over}: tbo unsplit"], rows[f"{over}: tbo split"]
-        print(f"{over}: split is {u['decode'][0] / s['decode'][0]:.2f}x unsplit (decode), "
-              f"{u['prefill'][0] / s['prefill'][0]:.2f}x (prefill)"
-              + (" (target >= 1.3x)" if over != "gloo" else ""))
-
+        ratio = rows[f"{over}: tbo unsplit"][0] / rows[f"{over}: tbo split"][0]
+        print(f"{over}: split is {ratio:.2f}x unsplit" + (" (target >= 1.3x)" if over != "gloo" else ""))
 
 if __name__ == "__main__":
     main()

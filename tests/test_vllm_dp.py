@@ -308,6 +308,7 @@ def test_a_killed_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(mo
     finally:
         for r in runs:
             stop(r)
+        collect(runs[1], 5)  # reaped, its output files removed
     out = survivor.stdout + survivor.stderr
     assert not survivor.extra.get("timed_out"), out[-4000:]
     assert survivor.returncode != 0 and survivor.result is None, out[-4000:]

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -49,9 +50,13 @@ def start_rank(rank: int, size: int, port: int, spec: dict[str, Any], binds: str
     child = {**os.environ, **(env or {}), "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
              "VLLM_DP_SIZE": str(size), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port),
              "VLLM_CPU_OMP_THREADS_BIND": binds, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    # output to files, not pipes: the rank's engine processes inherit them, and a pipe would stay open (and a
+    # reader blocked) for as long as any of them lives
+    out = tempfile.NamedTemporaryFile("w+", prefix=f"tbo-dp{rank}-", suffix=".out", delete=False)
+    err = tempfile.NamedTemporaryFile("w+", prefix=f"tbo-dp{rank}-", suffix=".err", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "tbo.harness.vllm_dp", json.dumps(spec)], env=child,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    return RankRun(rank, proc)
+                            stdout=out, stderr=err, text=True, start_new_session=True)
+    return RankRun(rank, proc, extra={"files": (out, err)})
 
 
 def stop(run: RankRun, sig: int = signal.SIGKILL) -> None:
@@ -76,18 +81,26 @@ def _reap(run: RankRun, grace_s: float) -> None:
 
 
 def collect(run: RankRun, timeout_s: float) -> RankRun:
-    """Wait for ``run`` (its output read as it comes), at most ``timeout_s``; then kill its group."""
+    """Wait for ``run``'s process at most ``timeout_s``, then for its group's engine processes a short grace, kill
+    what is left, and read its output."""
     t0 = time.monotonic()
     try:
-        run.stdout, run.stderr = run.proc.communicate(timeout=timeout_s)
+        run.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        stop(run)
-        run.stdout, run.stderr = run.proc.communicate()
         run.extra["timed_out"] = True
-    finally:
-        _reap(run, grace_s=20.0)  # an engine process the rank left behind goes with its group
+    _reap(run, grace_s=20.0)  # an engine process the rank left behind goes with its group
+    if run.proc.poll() is None:
+        run.proc.wait(10)
     run.elapsed_s = time.monotonic() - t0
     run.returncode = run.proc.returncode
+    out, err = run.extra["files"]
+    for f in (out, err):
+        f.flush()
+        f.seek(0)
+    run.stdout, run.stderr = out.read(), err.read()
+    for f in (out, err):
+        f.close()
+        os.unlink(f.name)
     lines = [line for line in run.stdout.splitlines() if line.startswith(_RESULT)]
     if lines:
         run.result = json.loads(lines[-1][len(_RESULT):])
@@ -111,6 +124,10 @@ def run_dp(specs: Sequence[dict[str, Any]], timeout_s: float = 600.0, env: dict[
             stop(run)
             if run.proc.poll() is None:
                 run.proc.wait(10)
+            for f in run.extra.get("files", ()):
+                if not f.closed:
+                    f.close()
+                    os.unlink(f.name)
 
 
 # ---- the rank's side ----------------------------------------------------------------------------------------------
