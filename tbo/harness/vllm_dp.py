@@ -80,7 +80,7 @@ def _reap(run: RankRun, grace_s: float) -> None:
     stop(run)
 
 
-def collect(run: RankRun, timeout_s: float) -> RankRun:
+def collect(run: RankRun, timeout_s: float, grace_s: float = 120.0) -> RankRun:
     """Wait for ``run``'s process at most ``timeout_s``, then for its group's engine processes a short grace, kill
     what is left, and read its output."""
     t0 = time.monotonic()
@@ -88,7 +88,8 @@ def collect(run: RankRun, timeout_s: float) -> RankRun:
         run.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         run.extra["timed_out"] = True
-    _reap(run, grace_s=20.0)  # an engine process the rank left behind goes with its group
+    run.extra["exit_s"] = time.monotonic() - t0  # until the rank's own process ended
+    _reap(run, grace_s=grace_s)  # its engine processes finish shutting down (stats_file), or go with the group
     if run.proc.poll() is None:
         run.proc.wait(10)
     run.elapsed_s = time.monotonic() - t0

@@ -13,8 +13,9 @@ DP group (its gloo CPU group) settles, the same on every rank:
 * the strategy: prefill when any rank prefills, decode otherwise (their collectives come in different orders).
 
 The profiling and warm-up runs vote too (every rank runs the same ones), so their collectives match; they are not
-counted in `stats`. A peer that dies or stalls makes the wait raise `CommTimeoutError` naming this rank and the op,
-within ``comm_timeout_s``.
+counted in `stats`; their agreements wait up to `WARMUP_TIMEOUT_S` (the ranks finish loading at different times). A
+peer that dies or stalls while serving makes the wait raise `CommTimeoutError` naming this rank and the op, within
+``comm_timeout_s``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from tbo.split import ForwardMode
 from tbo.split.agree import StepVote, agree_step
 from tbo.split.index import Cut
 from tbo.split.plan import SplitPlan, plan_from_cuts
+
+#: the deadline of the agreements of the profiling and warm-up runs (at least ``comm_timeout_s``): the ranks reach
+#: them as each finishes loading the model, which under load may be minutes apart
+WARMUP_TIMEOUT_S = 600.0
 
 __all__ = ["check_dp_ep", "empty_tail_plan", "install_data_parallel", "peer_lost", "StepAgreementHook"]
 
@@ -72,7 +77,9 @@ class StepAgreementHook:
     def __call__(self, step: Step, vetoed: bool) -> Step:
         vote = StepVote(self.num_microbatches, wants_split=step.plan is not None, can_split=not vetoed,
                         mode=_mode_of(step))
-        agreed = self.last = agree_step(vote, self.group, self.timeout_s)
+        # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
+        timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
+        agreed = self.last = agree_step(vote, self.group, timeout)
         if not agreed.split:
             plan, empty_tail = None, False
         elif step.plan is not None:
