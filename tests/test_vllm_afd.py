@@ -14,12 +14,14 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,13 +62,32 @@ def test_bad_afd_config_is_named(afd, match):
         parse_config({"tbo": {"afd": afd}})
 
 
+def _raises_within(deadline_s: float, fn: Any) -> BaseException:
+    """Run ``fn`` in a thread and return what it raised; a call still running after ``deadline_s`` fails the test
+    as a hang. A deadline, not a timing: the bound the code promises is its own (the error names it), and this only
+    turns a hang into a failure, as tests here never assert wall-clock time."""
+    caught: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            caught.append(e)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    assert not worker.is_alive(), f"still running after {deadline_s} s: a hang, not a named error"
+    assert caught, "returned instead of raising"
+    return caught[0]
+
+
 def test_no_ffn_server_is_a_named_error_in_bounded_time():
     port = _free_port()
-    t0 = time.monotonic()
-    with pytest.raises(AFDPeerError, match=rf"no tbo AFD FFN server at 127.0.0.1:{port} .*`tbo afd-ffn --model DIR "
-                                           rf"--listen 127.0.0.1:{port}`"):
-        AFDGroup.connect(f"127.0.0.1:{port}", connect_timeout_s=1.0)
-    assert time.monotonic() - t0 < 30
+    error = _raises_within(60, lambda: AFDGroup.connect(f"127.0.0.1:{port}", connect_timeout_s=1.0))
+    assert isinstance(error, AFDPeerError), error
+    assert re.search(rf"no tbo AFD FFN server at 127.0.0.1:{port} .*`tbo afd-ffn --model DIR "
+                     rf"--listen 127.0.0.1:{port}`", str(error)), error
 
 
 @pytest.mark.parametrize("words, match", [
@@ -316,13 +337,11 @@ def test_three_stages_then_the_ffn_server_is_killed_mid_generation(models, serve
 
         killer = threading.Thread(target=kill_mid_generation, daemon=True)
         killer.start()
-        t0 = time.monotonic()
-        with pytest.raises(Exception, match=rf"the FFN server at {server.address} failed to"):
-            _generate(llm, SCENARIOS["decode"] * 4, max_tokens=200)
-        elapsed = time.monotonic() - t0
+        # the deadline is the engine's own (afd timeout_s=20); 120 s only turns a hang into a failure
+        error = _raises_within(120, lambda: _generate(llm, SCENARIOS["decode"] * 4, max_tokens=200))
+        assert re.search(rf"the FFN server at {re.escape(server.address)} failed to", str(error)), error
         killer.join()
         assert server.proc.wait(10) == -signal.SIGKILL
-        assert elapsed < 40, elapsed
     finally:
         _free(llm)
 

@@ -1,8 +1,9 @@
 """The expert-parallel backend the plugin dispatches vLLM's MoE tokens through, from ``additional_config``.
 
-``local``: every expert on this rank (with tensor parallelism each rank holds all experts, sharded), NORMAL layout:
-vLLM's fused-MoE kernel takes each token once with its top-k ids and weights. ``deepep``: DeepEP over vLLM's
-expert-parallel group, in a NORMAL-layout kind (V2, or V1 normal mode): CUDA only. ``link`` wraps either in
+``local``: tbo's own all-to-all, NORMAL layout (vLLM's fused-MoE kernel takes each token once with its top-k ids and
+weights): every expert on this rank (with tensor parallelism each rank holds all experts, sharded), or, with data
+parallel + expert parallel, `tbo.integrations.vllm.ep.EpBackend` over vLLM's expert-parallel group. ``deepep``:
+DeepEP over that group, in a NORMAL-layout kind (V2, or V1 normal mode): CUDA only. ``link`` wraps either in
 `EmulatedLink`, so that dispatch and combine take the time a real interconnect would and overlap shows on a CPU.
 """
 
@@ -18,11 +19,16 @@ from tbo.integrations.vllm.config import TboVllmConfig
 __all__ = ["make_backend"]
 
 
-def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int, max_tokens: int) -> Any:
+def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int, max_tokens: int,
+                 ep_size: int = 1, platform: str = "cpu") -> Any:
     """The `EPBackend` ``config`` asks for, routing ``num_experts`` experts with top-``top_k`` over tokens of
-    ``hidden`` channels, at most ``max_tokens`` per step."""
-    if config.backend == "local":
-        backend: Any = LocalBackend(num_experts, DispatchFormat.NORMAL)
+    ``hidden`` channels, at most ``max_tokens`` per step, over ``ep_size`` expert-parallel ranks."""
+    if config.backend == "local" and ep_size > 1:
+        from tbo.integrations.vllm.ep import EpBackend, ep_group
+
+        backend: Any = EpBackend(num_experts, ep_group(platform), config.comm_timeout_s)
+    elif config.backend == "local":
+        backend = LocalBackend(num_experts, DispatchFormat.NORMAL)
     else:
         from vllm.distributed import get_ep_group
 

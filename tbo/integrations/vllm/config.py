@@ -63,16 +63,20 @@ class TboVllmConfig(BaseModel):
     allow_cut_sequences: bool = Field(default=True, description="False: cut only between requests")
     pad_to_multiple: Literal[1] = Field(default=1, description="vLLM's microbatches are exact token ranges: 1 only")
     backend: Literal["local", "deepep"] = Field(
-        default="local", description="'local': every expert on this rank (TP shards them); 'deepep': DeepEP over "
-                                     "vLLM's expert-parallel group (CUDA only)")
+        default="local", description="'local': tbo's own all-to-all (every expert on this rank, TP sharding them; "
+                                     "with data parallel + expert parallel, over vLLM's expert-parallel group: "
+                                     "gloo on a CPU, NCCL on CUDA); 'deepep': DeepEP over that group (CUDA only)")
     deepep_kind: Literal["auto", "v2", "v1_normal"] = Field(
         default="auto", description="which DeepEP (NORMAL layout: vLLM's experts kernel takes per-token top-k)")
     link: str | None = Field(default=None, description="emulated link 'LATENCY_US,GBPS' around the backend "
                                                         "(tbo.comm.EmulatedLink): makes overlap visible on a CPU")
     afd: AFDVllmConfig | None = Field(default=None, description="attention-FFN disaggregation: {'ffn': "
                                       "'HOST:PORT', ...}; the FFN runs in `tbo afd-ffn` (docs/vllm-afd.md)")
+    comm_timeout_s: float = Field(default=60.0, gt=0, description="data parallel + expert parallel: the deadline "
+                                  "of every wait on another rank (a dead or stalled peer is a named error)")
     stats_file: str | None = Field(default=None, description="each worker writes its stats() as JSON here at "
-                                                             "shutdown; '{rank}' is replaced by its rank")
+                                                             "shutdown; '{rank}' is replaced by its rank in vLLM's "
+                                                             "world (DP rank * TP size + TP rank)")
 
     @field_validator("strategy", mode="before")
     @classmethod

@@ -51,6 +51,7 @@ class TboEngine:
         step_stats = StepStats()
         scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
         self.afd = None
+        self.ep_size = 1
         if config.afd is not None:  # attention here, the FFN on `tbo afd-ffn` (tbo.integrations.vllm.afd)
             from tbo.integrations.vllm.afd.attention import AFDAttentionSide
             from tbo.integrations.vllm.afd.config import AFD_STRATEGY
@@ -61,12 +62,20 @@ class TboEngine:
             self.strategies = dict.fromkeys(("decode", "prefill"), strategies.bind_layers(
                 self.layers, strategies.get(AFD_STRATEGY)))
         else:
+            from vllm.platforms import current_platform
+
+            from tbo.integrations.vllm.ep import EpDecoderLayer, expert_parallel_size
+
             num_experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
+            if vllm_config.parallel_config.enable_expert_parallel:
+                self.ep_size = expert_parallel_size()
             self.backend = make_backend(config, int(num_experts), hidden=hf.hidden_size,
                                         top_k=hf.num_experts_per_tok,
-                                        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+                                        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                                        ep_size=self.ep_size, platform=current_platform.device_type)
             tp = get_tensor_model_parallel_world_size()
-            self.layers = [VllmDecoderLayer(layer, self.backend, i, tp, llama_4_scaling=scaling)
+            layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
+            self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling)
                            for i, layer in enumerate(model.layers)]
             names = config.strategy_names(family)
             self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
@@ -84,6 +93,10 @@ class TboEngine:
                            "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
                            "tbo.integrations.vllm.fixes", len(self.rotary_fix))
         self._install()
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            from tbo.integrations.vllm.dp import install_data_parallel
+
+            install_data_parallel(self)
         logger.info("tbo: %s layers (%d MoE here) through strategies %s / %s, backend %r, %s", len(self.layers),
                     sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
                     config.split_policy())
@@ -124,7 +137,8 @@ class TboEngine:
     def close(self) -> None:
         """Take tbo off the runner and its model, log the summary line, write ``stats_file`` if configured."""
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
-                          (self.runner, "initialize_metadata_builders"), (self.runner, "tbo")):
+                          (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
+                          (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
         if self.afd is not None:
             self.afd.close()

@@ -31,6 +31,7 @@ class LayerLoop:
         self.model, self.layers, self.strategies, self.backend = model, layers, strategies, backend
         self.patches, self.vllm_config = patches, vllm_config
         self.stats = StepStats()
+        self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`tbo.integrations.vllm.ep`)
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -45,7 +46,9 @@ class LayerLoop:
         if plan is not None:
             if hidden.shape[0] != plan.num_tokens:
                 raise RuntimeError(f"tbo planned {plan.num_tokens} tokens but the model got {hidden.shape[0]}")
-            observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
+            if not step.empty_tail:  # empty tail: microbatch 0 is the whole step, in the step's own context
+                observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
+        rows_before = self.traffic.remote_rows if self.traffic is not None else 0
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             return {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
@@ -54,9 +57,12 @@ class LayerLoop:
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
                                       output_key=_OUTPUTS, backend=self.backend, observer=observer)
         hidden, _ = model.norm(out["hidden_states"], out["residual"])
-        if step is not None:
+        if step is not None and step.mode != "warmup":
             parts = 1 if plan is None else plan.num_microbatches
             cut = plan is not None and plan.two_chunk
+            rows = self.traffic.remote_rows - rows_before if self.traffic is not None else 0
             for s in (self.stats, PROCESS_STATS):
-                s.record(step.mode, step.num_tokens, parts, cut)
+                s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
+                s.remote_rows += rows
+                s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
         return hidden

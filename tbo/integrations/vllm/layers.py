@@ -62,6 +62,8 @@ class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
     counters: tuple[Any, ...] = ()  #: the `StepStats` that count local_ffn_calls (the engine sets them)
+    #: True for `tbo.integrations.vllm.ep.EpDecoderLayer`: the experts are spread over data-parallel ranks
+    expert_parallel = False
 
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
                  llama_4_scaling: dict[str, Any] | None = None) -> None:
@@ -106,7 +108,7 @@ class VllmDecoderLayer(ExpertParallelOps):
             problems.append("latent routed-input/output transforms")
         if runner.routed_experts.quant_method.is_monolithic:
             problems.append("a monolithic MoE kernel (it routes inside; tbo needs the top-k before dispatch)")
-        if runner.moe_config.is_sequence_parallel or runner.moe_config.dp_size > 1:
+        if runner.moe_config.is_sequence_parallel or (runner.moe_config.dp_size > 1 and not self.expert_parallel):
             problems.append("sequence-parallel or data-parallel MoE")
         if type(runner.router).__name__ == "ZeroExpertRouter":
             problems.append("zero experts")

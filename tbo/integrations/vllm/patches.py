@@ -10,7 +10,9 @@ profiling and warm-up runs), `RunnerPatches.step`:
   vLLM's prefix-cache veto (``_allow_microbatching``, asked as if vLLM's microbatching were on);
 * replaces ``maybe_create_ubatch_slices`` in the model runner's module so that the slices are tbo's plan.
 
-Both are put back when the call returns or raises. `RunnerPatches.microbatching` shows vLLM's own code the
+Both are put back when the call returns or raises. With data parallel, the dummy runs (profiling, warm-up, an idle
+rank's steps) are patched the same way (`dummy_scope`), and every step's decision is first agreed with the other DP
+ranks (``agree``, `tbo.integrations.vllm.dp`). `RunnerPatches.microbatching` shows vLLM's own code the
 runner's parallel config as it is with microbatching on, for two calls only: creating the attention metadata
 builders (one per microbatch, as vLLM's DBO has) and vLLM's prefix-cache veto.
 """
@@ -22,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from tbo.integrations.vllm.step import Step, decide, ubatch_slices
-from tbo.split import SplitPolicy
+from tbo.split import ForwardMode, SplitPolicy
 
 __all__ = ["RunnerPatches"]
 
@@ -52,6 +54,10 @@ class RunnerPatches:
         self._signature = inspect.signature(self._determine_original)
         self.step: Step | None = None  #: the current execute_model call's decision; None outside one
         self._slices_original: Callable[..., Any] | None = None
+        #: data parallel: ``agree(step, vetoed) -> Step`` settles the step with the other DP ranks
+        #: (`tbo.integrations.vllm.dp.StepAgreementHook`); None: this engine decides alone
+        self.agree: Callable[[Step, bool], Step] | None = None
+        self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
 
     @contextmanager
     def microbatching(self) -> Iterator[None]:
@@ -65,6 +71,19 @@ class RunnerPatches:
             runner.parallel_config = real
 
     @contextmanager
+    def dummy_scope(self, mode: str) -> Iterator[None]:
+        """Patch for one ``_dummy_run`` call (data parallel: its step takes part in the agreement) as ``mode``."""
+        self._dummy = mode
+        try:
+            if self._slices_original is not None:  # inside execute_model's scope already: its patches hold
+                yield
+            else:
+                with self.scope():
+                    yield
+        finally:
+            self._dummy = None
+
+    @contextmanager
     def scope(self) -> Iterator[None]:
         """Patch for one ``execute_model`` call, and restore."""
         module, runner = self._module, self.runner
@@ -76,25 +95,55 @@ class RunnerPatches:
         finally:
             module.maybe_create_ubatch_slices = self._slices_original
             runner.__dict__.pop(_DETERMINE, None)
-            self.step = None
+            self.step, self._slices_original = None, None
 
     def _determine(self, *args: Any, **kwargs: Any) -> Any:
+        if self.agree is not None:
+            return self._determine_agreed(*args, **kwargs)
         cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
         bound = self._signature.bind(*args, **kwargs).arguments
+        allowed = self._allowed(bound) and batch_desc.num_reqs in (None, int(bound["num_reqs"]))
+        self.step = self._decide(bound, allowed, batch_desc.num_tokens)
+        return cudagraph_mode, batch_desc, self.step.runner_split, across_dp, cg_stats
+
+    def _allowed(self, bound: dict[str, Any]) -> bool:
+        """vLLM's own prefix-cache veto, asked as if its microbatching were on."""
+        with self.microbatching():
+            return self.runner._allow_microbatching(int(bound["num_reqs"]), bound["num_scheduled_tokens_np"])
+
+    def _decide(self, bound: dict[str, Any], allowed: bool, padded_tokens: int) -> Step:
         num_reqs = int(bound["num_reqs"])
-        scheduled = bound["num_scheduled_tokens_np"][:num_reqs]
         batch = self.runner.input_batch
         past_prompt = batch.num_computed_tokens_cpu[:num_reqs] >= batch.num_prompt_tokens[:num_reqs]
-        with self.microbatching():
-            allowed = self.runner._allow_microbatching(num_reqs, bound["num_scheduled_tokens_np"])
-        allowed = allowed and batch_desc.num_reqs in (None, num_reqs)
-        self.step = decide(self.policy, scheduled, past_prompt, allowed=allowed, padded_tokens=batch_desc.num_tokens,
-                           cascade=bool(bound.get("use_cascade_attn", False)))
-        return cudagraph_mode, batch_desc, self.step.plan is not None, across_dp, cg_stats
+        return decide(self.policy, bound["num_scheduled_tokens_np"][:num_reqs], past_prompt, allowed=allowed,
+                      padded_tokens=padded_tokens, cascade=bool(bound.get("use_cascade_attn", False)))
+
+    def _determine_agreed(self, *args: Any, **kwargs: Any) -> Any:
+        """Data parallel: agree with the other ranks first (tbo's deadline bounds that wait: a stalled or dead peer
+        is named there, before vLLM's own DP all-reduce, which tbo's deadline does not bound), then vLLM's own
+        decision."""
+        bound = self._signature.bind(*args, **kwargs).arguments
+        num_tokens = int(bound["num_tokens"])
+        if self._dummy is not None:  # a dummy run: nothing of its own to split; it takes part in its peers' steps
+            step, vetoed = Step(self._dummy, ForwardMode.DECODE, num_tokens, None), False
+        else:  # eager only (checks.py): vLLM pads no step, so the plan's token count is the runner's
+            allowed = self._allowed(bound)
+            step, vetoed = self._decide(bound, allowed, num_tokens), not allowed
+        step = self.step = self.agree(step, vetoed)  # type: ignore[misc]
+        try:
+            cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
+        except RuntimeError as e:
+            from tbo.integrations.vllm.dp import peer_lost
+
+            raise peer_lost(e, "vLLM's DP batch coordination (all_reduce)") from e
+        if step.plan is not None and batch_desc.num_tokens != num_tokens:
+            raise RuntimeError(f"tbo agreed to split a step of {num_tokens} tokens, but vLLM's runner padded it to "
+                               f"{batch_desc.num_tokens}: its microbatches would not be the plan's")
+        return cudagraph_mode, batch_desc, step.runner_split, across_dp, cg_stats
 
     def _slices(self, should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
         step = self.step
-        if not should_ubatch or step is None or step.plan is None:
+        if not should_ubatch or step is None or not step.runner_split:
             return self._slices_original(should_ubatch, *args, **kwargs)
         slices = ubatch_slices(step.plan)
         return slices, slices

@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["StepStats", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
 
-MODES = ("decode", "prefill", "mixed")
+MODES = ("decode", "prefill", "mixed", "idle")  # idle: a data-parallel rank's dummy step beside its peers'
 
 
 @dataclass
@@ -31,6 +31,10 @@ class StepStats:
     #: AFD: stages (one layer of one microbatch) sent to the FFN server; this and the next count every forward
     afd_stages_sent: int = 0
     local_ffn_calls: int = 0  #: FFN or MoE computations on this side (0 under AFD: the FFN server makes them)
+    ep_size: int = 1  #: the expert-parallel group's size (data parallel + expert parallel; 1 otherwise)
+    remote_rows: int = 0  #: token rows this rank's dispatches sent to other ranks, over the counted steps
+    #: data parallel: steps with work of its own that ran the strategy a peer needed (it decoded, a peer prefilled)
+    peer_strategy_steps: int = 0
 
     def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
         """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
@@ -58,14 +62,17 @@ PROCESS_STATS = StepStats()
 
 def stats() -> dict[str, Any]:
     """What TBO did in this process since it started (or since `reset_stats`): ``steps``, ``split_steps``,
-    ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``),
-    ``cut_requests``, ``afd_stages_sent`` and ``local_ffn_calls``. A copy: later steps do not change it."""
+    ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``; ``idle``: a
+    data-parallel rank's dummy steps while its peers work), ``cut_requests``, ``afd_stages_sent`` and
+    ``local_ffn_calls`` (attention-FFN disaggregation), and with data parallel + expert parallel ``ep_size``,
+    ``remote_rows`` (token rows sent to other ranks) and ``peer_strategy_steps``. A copy: later steps do not change
+    it."""
     return PROCESS_STATS.as_dict()
 
 
 def reset_stats() -> None:
     """Zero this process's counters (the engines' own, behind their shutdown lines, are kept)."""
-    fresh = StepStats()
+    fresh = StepStats(ep_size=PROCESS_STATS.ep_size)  # a property of the engine, not a counter
     for name, value in vars(fresh).items():
         setattr(PROCESS_STATS, name, value)
 

@@ -24,15 +24,31 @@ __all__ = ["Step", "decide", "ubatch_slices"]
 class Step:
     """One engine step as tbo sees it."""
 
-    mode: str  #: "decode", "prefill" or "mixed"
+    mode: str  #: "decode", "prefill" or "mixed"; with data parallelism also "idle" (a dummy step) or "warmup"
     forward_mode: ForwardMode
     num_tokens: int
     plan: SplitPlan | None  #: None: the step runs unsplit
+    #: the strategy the data-parallel ranks agreed on (None: this step's own, from its forward mode)
+    agreed_strategy: str | None = None
+    #: the plan puts every token in microbatch 0 and leaves the others empty: they run only for their collectives
+    #: (vLLM's runner runs the step unsplit)
+    empty_tail: bool = False
 
     @property
     def strategy_mode(self) -> str:
-        """Which strategy runs it: the decode one for decode-only steps, the prefill one otherwise."""
+        """Which strategy runs it: the agreed one, else the decode one for decode-only steps, the prefill one
+        otherwise."""
+        return self.agreed_strategy if self.agreed_strategy is not None else self.own_strategy
+
+    @property
+    def own_strategy(self) -> str:
+        """The strategy this step's own batch needs: decode for decode-only steps, prefill otherwise."""
         return "decode" if self.forward_mode is ForwardMode.DECODE else "prefill"
+
+    @property
+    def runner_split(self) -> bool:
+        """Whether vLLM's runner builds this step in microbatches (the plan's token ranges)."""
+        return self.plan is not None and not self.empty_tail
 
 
 def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[bool], *, allowed: bool,

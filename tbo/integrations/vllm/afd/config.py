@@ -54,6 +54,10 @@ def check_afd_engine(vllm_config: Any, config: Any) -> None:
     if config.backend != "local" or config.link is not None:
         refuse("backend/link", (config.backend, config.link), "'local', no link",
                "the experts run on the FFN server; nothing is dispatched on the attention side")
-    tp = vllm_config.parallel_config.tensor_parallel_size
+    par = vllm_config.parallel_config
+    tp = par.tensor_parallel_size
     if tp != 1:
         refuse("tensor_parallel_size", tp, "1", "one attention rank talks to one FFN server")
+    if par.data_parallel_size != 1 or par.enable_expert_parallel:
+        refuse("data_parallel_size/enable_expert_parallel", (par.data_parallel_size, par.enable_expert_parallel),
+               "1, False", "the experts run on the FFN server, not spread over the engine's ranks")

