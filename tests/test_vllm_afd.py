@@ -26,9 +26,17 @@ from typing import Any
 import pytest
 import torch
 
-from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.connector import AFDMeta
 from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.integrations.vllm.config import TboConfigError, parse_config
+from test_vllm import SCENARIOS as _ALL_SCENARIOS
+from test_vllm import _free, _free_port, _save_deepseek_v3, _save_qwen3_moe, _tokens
+
+#: test_vllm's tiny models, prompts and engine helpers (its module docstring says how they make steps split); its
+#: batch shapes with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24
+#: tokens cut between requests), cut (one 30-token prompt cut inside), mixed (a 90-token prompt chunked beside
+#: decodes), small (5-token prefill and 1-token decodes: below both thresholds, never split, still disaggregated)
+SCENARIOS = {name: _ALL_SCENARIOS[name] for name in ("decode", "prefill", "cut", "mixed", "small")}
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
@@ -39,14 +47,6 @@ NEAR_TIE = 0.1
 ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
               max_num_batched_tokens=32, seed=0)
 SPLIT = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- without vLLM: the schema, the meeting, the headers ------------------------------------------------------------
@@ -118,41 +118,6 @@ c.flush()
 """
 
 
-# ---- tiny models ---------------------------------------------------------------------------------------------------
-
-
-def _save_qwen3_moe(path: Path) -> Path:
-    import transformers
-
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=512, mlp_only_layers=[1])  # layer 1 dense
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def _save_deepseek_v3(path: Path) -> Path:
-    import transformers
-
-    # vLLM's CPU MLA backend takes kv_lora_rank + qk_rope_head_dim == 576 only; initializer_range 0.1 (5x the
-    # default) spreads the logits so that a wrong FFN output moves tokens instead of hiding in near ties
-    config = transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, topk_method="noaux_tc",
-        routed_scaling_factor=2.5, initializer_range=0.1)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for layer in model.model.layers[config.first_k_dense_replace:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     if not HAVE_VLLM:
@@ -218,12 +183,6 @@ def _llm(model: Path, tbo: dict | None = None, **kw):
     return LLM(model=str(model), **{**ENGINE, **kw}, **extra)
 
 
-def _free(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 def _generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -231,26 +190,6 @@ def _generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, logprobs=logprobs)
     return [o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                                use_tqdm=False)]
-
-
-def _tokens(outputs) -> list[list[int]]:
-    return [list(o.token_ids) for o in outputs]
-
-
-def _prompt(n: int, start: int) -> list[int]:
-    return [(start + 7 * i) % 250 + 1 for i in range(n)]
-
-
-#: with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24 tokens cut
-#: between requests), cut (one 30-token prompt cut inside), mixed (a 90-token prompt chunked beside decodes), small
-#: (5-token prefill and 1-token decodes: below both thresholds, never split, still disaggregated)
-SCENARIOS = {
-    "decode": [_prompt(3, s) for s in range(6)],
-    "prefill": [_prompt(9, 1), _prompt(8, 2), _prompt(7, 3)],
-    "cut": [_prompt(30, 5)],
-    "mixed": [_prompt(4, 9), _prompt(5, 10), _prompt(90, 11)],
-    "small": [_prompt(5, 13)],
-}
 
 
 def _run(llm, prompts, **kw):
