@@ -74,8 +74,9 @@ class TboVllmConfig(BaseModel):
                                       "'HOST:PORT', ...}; the FFN runs in `tbo afd-ffn` (docs/vllm-afd.md)")
     comm_timeout_s: float = Field(default=60.0, gt=0, description="data parallel + expert parallel: the deadline "
                                   "of every wait on another rank (a dead or stalled peer is a named error)")
-    stats_file: str | None = Field(default=None, description="each worker writes its stats() as JSON here at "
-                                                             "shutdown; '{rank}' is replaced by its rank in vLLM's "
+    stats_file: str | None = Field(default=None, description="each worker writes its stats() as JSON here "
+                                                             "during the run (at most once a second, atomically) and "
+                                                             "at shutdown; '{rank}' is replaced by its rank in vLLM's "
                                                              "world (DP rank * TP size + TP rank)")
 
     @field_validator("strategy", mode="before")

@@ -22,7 +22,7 @@ from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches
-from tbo.integrations.vllm.stats import PROCESS_STATS, StepStats, summary_line
+from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
 
 __all__ = ["TboEngine"]
 
@@ -85,6 +85,8 @@ class TboEngine:
         self.patches = RunnerPatches(runner, config.split_policy())
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
         self.loop.stats = step_stats
+        if config.stats_file:
+            self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())))
         self._model = model
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)
@@ -144,5 +146,5 @@ class TboEngine:
             self.afd.close()
         self.rotary_fix.restore()
         logger.info(summary_line(self.loop.stats))
-        if self.config.stats_file:
-            self.loop.stats.write(self.config.stats_file.replace("{rank}", str(_rank())))
+        if self.loop.stats_file is not None:
+            self.loop.stats_file.write(self.loop.stats)

@@ -14,7 +14,7 @@ import torch
 
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
-from tbo.integrations.vllm.stats import PROCESS_STATS, StepStats
+from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.split.plan import MicrobatchSlice
 
@@ -32,6 +32,7 @@ class LayerLoop:
         self.patches, self.vllm_config = patches, vllm_config
         self.stats = StepStats()
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`tbo.integrations.vllm.ep`)
+        self.stats_file: StatsFile | None = None  #: ``stats_file``, written during the run (the engine sets it)
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -65,4 +66,6 @@ class LayerLoop:
                 s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
                 s.remote_rows += rows
                 s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
+            if self.stats_file is not None:
+                self.stats_file.maybe_write(self.stats)
         return hidden

@@ -8,10 +8,12 @@ and one worker, each worker process otherwise (there, ``stats_file`` or the shut
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["StepStats", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
+__all__ = ["StepStats", "StatsFile", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
 
 MODES = ("decode", "prefill", "mixed", "idle")  # idle: a data-parallel rank's dummy step beside its peers'
 
@@ -52,8 +54,35 @@ class StepStats:
         return asdict(self)
 
     def write(self, path: str) -> None:
-        with open(path, "w") as f:
+        """Write `as_dict` as JSON, atomically: a reader sees the previous file or this one, never a part."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
             json.dump(self.as_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+
+class StatsFile:
+    """``stats_file``: a worker's stats written during the run, not only at shutdown.
+
+    A worker's shutdown is not a safe place for the only write: vLLM stops engine processes with a short grace (data
+    parallel ranks, the API server's engine core), and a process killed inside it leaves no file, or half of one.
+    So the file is written after the first counted step and then at most once per ``interval_s`` (the steps are
+    counted on the host; a write is a small JSON file, replaced atomically), and once more at shutdown with the
+    final counts.
+    """
+
+    def __init__(self, path: str, interval_s: float = 1.0) -> None:
+        self.path, self.interval_s = path, interval_s
+        self._last = float("-inf")
+
+    def maybe_write(self, stats: StepStats) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            stats.write(self.path)
+
+    def write(self, stats: StepStats) -> None:
+        stats.write(self.path)
 
 
 #: every engine in this process adds to these
