@@ -52,22 +52,18 @@ ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_byte
 # ---- the config schema (no vLLM needed) ---------------------------------------------------------------------------
 
 
-def test_stats_file_is_written_during_the_run_whole_and_once_more_at_shutdown(tmp_path):
-    """vLLM stops engine processes with a short grace, so the stats file may not wait for shutdown: the first counted
-    step writes it, later ones at most once per interval (here an hour: the second step writes nothing), the final
-    write has every step; each write replaces the file whole (no temporary file is left beside it)."""
+def test_stats_file_is_replaced_whole_after_every_step(tmp_path):
+    """vLLM stops engine processes with a short grace, so the stats file may not wait for shutdown: every counted
+    step writes it, and each write replaces the file whole (no temporary file is left beside it)."""
     from tbo.integrations.vllm.stats import StatsFile, StepStats
 
     counts, path = StepStats(), tmp_path / "stats-0.json"
-    sink = StatsFile(str(path), interval_s=3600)
-    counts.record("decode", 4, 2, False)
-    sink.maybe_write(counts)
-    assert json.loads(path.read_text())["split_steps"] == 1
-    counts.record("prefill", 30, 2, True)
-    sink.maybe_write(counts)
-    assert json.loads(path.read_text())["split_steps"] == 1  # within the interval: not written
-    sink.write(counts)
-    assert json.loads(path.read_text())["split_steps"] == 2 and os.listdir(tmp_path) == ["stats-0.json"]
+    sink = StatsFile(str(path))
+    for step, mode in enumerate(("decode", "prefill"), start=1):
+        counts.record(mode, 4, 2, False)
+        sink.write(counts)
+        assert json.loads(path.read_text())["split_steps"] == step
+    assert os.listdir(tmp_path) == ["stats-0.json"]
 
 
 def test_no_tbo_key_leaves_the_engine_alone():

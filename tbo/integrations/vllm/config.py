@@ -75,7 +75,7 @@ class TboVllmConfig(BaseModel):
     comm_timeout_s: float = Field(default=60.0, gt=0, description="data parallel + expert parallel: the deadline "
                                   "of every wait on another rank (a dead or stalled peer is a named error)")
     stats_file: str | None = Field(default=None, description="each worker writes its stats() as JSON here "
-                                                             "during the run (at most once a second, atomically) and "
+                                                             "after every counted step (replaced whole) and "
                                                              "at shutdown; '{rank}' is replaced by its rank in vLLM's "
                                                              "world (DP rank * TP size + TP rank)")
 

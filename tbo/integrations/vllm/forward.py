@@ -67,5 +67,5 @@ class LayerLoop:
                 s.remote_rows += rows
                 s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
             if self.stats_file is not None:
-                self.stats_file.maybe_write(self.stats)
+                self.stats_file.write(self.stats)
         return hidden

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -62,24 +61,16 @@ class StepStats:
 
 
 class StatsFile:
-    """``stats_file``: a worker's stats written during the run, not only at shutdown.
+    """``stats_file``: a worker's stats written after every counted step, not only at shutdown.
 
     A worker's shutdown is not a safe place for the only write: vLLM stops engine processes with a short grace (data
-    parallel ranks, the API server's engine core), and a process killed inside it leaves no file, or half of one.
-    So the file is written after the first counted step and then at most once per ``interval_s`` (the steps are
-    counted on the host; a write is a small JSON file, replaced atomically), and once more at shutdown with the
-    final counts.
+    parallel ranks, the API server's engine core), and a process killed inside it leaves no file, half of one, or
+    (were the writes spaced out) stale counts. So every counted step replaces the file whole: a small JSON write from
+    counters kept on the host (no device sync), paid only when ``stats_file`` is set, a diagnostic option.
     """
 
-    def __init__(self, path: str, interval_s: float = 1.0) -> None:
-        self.path, self.interval_s = path, interval_s
-        self._last = float("-inf")
-
-    def maybe_write(self, stats: StepStats) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
-            self._last = now
-            stats.write(self.path)
+    def __init__(self, path: str) -> None:
+        self.path = path
 
     def write(self, stats: StepStats) -> None:
         stats.write(self.path)
