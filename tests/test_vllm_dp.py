@@ -84,6 +84,82 @@ def test_agree_step_over_gloo_and_a_missing_peer_is_named():
     assert "rank 0" in error and "agree_step" in error, error
 
 
+def _stalled_peer_rank(rank: int, world: int) -> tuple:
+    """Rank 1 stalls (sleeps, its connections open) while rank 0 runs a blocking all-reduce of "vLLM's" under
+    `call_bounded`: the deadline, not gloo's 30 minutes, ends it, named; the group's own timeout comes back after."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tbo.integrations.vllm.dp import call_bounded
+
+    group = dist.group.WORLD
+    gloo = group._get_backend(torch.device("cpu"))
+    gloo._set_default_timeout(datetime.timedelta(seconds=60))  # the group's own: far longer than the deadline
+    if rank == 1:
+        time.sleep(8)
+        return ()
+    t0 = time.monotonic()
+    try:
+        call_bounded(group, 2, "an engine's all_reduce", dist.all_reduce, torch.ones(1), group=group)
+        error = "no error"
+    except CommTimeoutError as e:
+        error = str(e)
+    return (error, time.monotonic() - t0, gloo.options._timeout == datetime.timedelta(seconds=60))
+
+
+@pytest.mark.dist
+def test_call_bounded_ends_a_blocking_collective_on_a_stalled_peer_with_a_named_error():
+    from tbo.harness.launch import launch
+
+    error, waited, restored = launch(_stalled_peer_rank, 2, timeout_s=120)[0]
+    assert error.startswith("rank 0: an engine's all_reduce") and "timed out after 2s" in error, error
+    assert waited < 8 and restored, (waited, restored)
+
+
+def _engine_sync_rank(rank: int, world: int) -> tuple:
+    """vLLM's own engine-loop DP all-reduce (``DPEngineCoreProc._has_global_unfinished_reqs``, as the tbo plugin
+    wraps it) on an engine core with tbo, over a real gloo group whose peer stalls: named, within tbo's deadline."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    if rank == 1:
+        dist.barrier(group)
+        time.sleep(8)  # stalled: its connections stay open
+        return ()
+    from vllm.v1.engine.core import DPEngineCoreProc
+
+    from tbo.integrations.vllm.plugin import register
+
+    register()
+    group._get_backend(torch.device("cpu"))._set_default_timeout(datetime.timedelta(seconds=60))
+    dist.barrier(group)
+    core = SimpleNamespace(dp_group=group, dp_rank=0, step_counter=0, dp_sync_interval=16, pending_pause=False,
+                           vllm_config=SimpleNamespace(additional_config={"tbo": {"comm_timeout_s": 2}}))
+    t0 = time.monotonic()
+    try:
+        DPEngineCoreProc._has_global_unfinished_reqs(core, True)  # step 1: vLLM syncs with its peers
+        error = "no error"
+    except CommTimeoutError as e:
+        error = str(e)
+    return (error, time.monotonic() - t0)
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_vllm_engine_loop_dp_all_reduce_is_bounded_and_named_on_a_stalled_peer():
+    from tbo.harness.launch import launch
+
+    error, waited = launch(_engine_sync_rank, 2, timeout_s=180)[0]
+    assert error.startswith("rank 0: vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)"), error
+    assert "timed out after 2s" in error and waited < 8, (error, waited)
+
+
 def _zero_rows_rank(rank: int, world: int) -> tuple:
     """Rank 0 dispatches no rows at all (an empty microbatch), rank 1 five tokens, some to each rank's experts."""
     import torch
@@ -372,3 +448,77 @@ def test_served_dp2_ep_concurrent_requests_tokens_equal_and_both_engines_split(m
     assert got == want
     per_rank = [json.loads((tmp_path / f"served-{k}.json").read_text()) for k in range(2)]
     _assert_both_split_and_sent(per_rank, 2)
+
+
+#: two rounds in one launch (two generate calls per rank, submitted together): uneven in both, rank 0 done first in
+#: round 0 and rank 1 first in round 1
+TWO_ROUNDS = [[[_prompt(5, 1)], [_prompt(30, 21), _prompt(7, 22)]],
+              [[_prompt(40, 2), _prompt(6, 5)], [_prompt(4, 23)]]]
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_qwen3_moe_dp2_ep_two_generate_calls_in_one_launch(models, tmp_path):
+    runs, per_rank = _dp(tmp_path, models["qwen3_moe"], TWO_ROUNDS, TBO, dtype="float32")
+    for rank, rounds in enumerate(TWO_ROUNDS):
+        want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, dtype="float32")]
+        assert runs[rank].result["tokens"] == want, rank
+    _assert_both_split_and_sent(per_rank, 2)
+
+
+def _live_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that are alive (zombies, already dead, excluded)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_a_stalled_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(models, tmp_path):
+    """Rank 1 is stopped (SIGSTOP, its whole process group: front end, engine core, worker) mid-generation, not
+    killed: its sockets stay open, so no wait of rank 0's learns of it from a closed connection. Rank 0's engine
+    fails with tbo's `CommTimeoutError` naming its rank and the wait that timed out, within ``comm_timeout_s`` plus
+    the engine's teardown; nothing hangs, and every process (the stopped ones too) is gone at the end."""
+    from tbo.harness.vllm_dp import collect, start_rank, stop
+    from tbo.harness.launch import free_port
+
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    timeout_s = 20
+    spec = dict(model=str(models["qwen3_moe"]), engine={**ENGINE, "dtype": "float32", "enable_expert_parallel": True},
+                tbo={**TBO, "comm_timeout_s": timeout_s}, max_tokens=200, barrier_dir=str(barrier),
+                rounds=[[_prompt(4, s) for s in range(6)]])
+    port = free_port()
+    runs = [start_rank(k, 2, port, spec) for k in range(2)]
+    try:
+        deadline = time.monotonic() + 400
+        while not all((barrier / f"round0-{k}").exists() for k in range(2)):
+            assert time.monotonic() < deadline and all(r.proc.poll() is None for r in runs), "ranks did not start"
+            time.sleep(0.1)
+        time.sleep(3)  # both are generating (200 tokens each: far from done)
+        assert all(r.proc.poll() is None for r in runs)
+        stop(runs[1], signal.SIGSTOP)
+        survivor = collect(runs[0], timeout_s=timeout_s + 90)
+        assert _live_members(runs[1].proc.pid), "the stopped rank must still be there (stopped, not dead)"
+    finally:
+        for r in runs:
+            stop(r, signal.SIGKILL)  # a stopped process takes SIGKILL too
+            stop(r, signal.SIGCONT)
+        collect(runs[1], 10, grace_s=10)  # reaped, its output files removed
+    out = survivor.stdout + survivor.stderr
+    assert not survivor.extra.get("timed_out"), out[-4000:]
+    assert survivor.returncode != 0 and survivor.result is None, out[-4000:]
+    named = [line for line in out.splitlines() if "CommTimeoutError: rank 0:" in line]
+    assert named and any(f"timed out after {timeout_s}s" in line for line in named), out[-6000:]
+    for r in runs:
+        assert not _live_members(r.proc.pid), (r.rank, _live_members(r.proc.pid))

@@ -33,7 +33,8 @@ from tbo.split.plan import SplitPlan, plan_from_cuts
 #: them as each finishes loading the model, which under load may be minutes apart
 WARMUP_TIMEOUT_S = 600.0
 
-__all__ = ["check_dp_ep", "empty_tail_plan", "install_data_parallel", "peer_lost", "StepAgreementHook"]
+__all__ = ["bounded_engine_sync", "call_bounded", "check_dp_ep", "empty_tail_plan", "install_data_parallel",
+           "StepAgreementHook"]
 
 
 def check_dp_ep(par: Any) -> None:
@@ -89,17 +90,30 @@ class StepAgreementHook:
         return Step(step.mode, step.forward_mode, step.num_tokens, plan, agreed.strategy_mode, empty_tail)
 
 
-def peer_lost(error: RuntimeError, what: str) -> Exception:
-    """``error`` from a collective of vLLM's own (which tbo's deadline does not bound) as a `CommTimeoutError`
-    naming this rank and the op when it says a peer went away; else ``error`` itself."""
-    from tbo.comm.wait import _PEER_LOST, _rank_label
-    from tbo.core.errors import CommTimeoutError
+def call_bounded(group: Any, timeout_s: float, what: str, call: Any, /, *args: Any, label: str | None = None,
+                 **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, a blocking collective of vLLM's own on ``group`` inside it, waiting at most
+    ``timeout_s`` (`tbo.comm.wait.group_deadline`); when it times out or loses its peer, a `CommTimeoutError` naming
+    ``label`` (default: this rank) and ``what``."""
+    from tbo.comm.wait import group_deadline, named_comm_error
 
-    text = str(error).strip()
-    if any(marker in text.lower() for marker in _PEER_LOST):
-        return CommTimeoutError(f"{_rank_label()}: {what} could not complete, a data-parallel peer is gone: "
-                                f"{text.splitlines()[0]}")
-    return error
+    try:
+        with group_deadline(group, timeout_s):
+            return call(*args, **kwargs)
+    except RuntimeError as e:
+        named = named_comm_error(e, f"{what} (a data-parallel peer stalled or is gone)", timeout_s, label)
+        if named is e:
+            raise
+        raise named from e
+
+
+def bounded_engine_sync(core: Any, timeout_s: float, call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call(core, ...)``: vLLM's engine-loop DP all-reduce (``_has_global_unfinished_reqs`` of the engine core
+    ``core``), waiting at most ``timeout_s``. A peer that stalls or dies between two of its steps leaves this rank's
+    engine core waiting there, not in tbo's agreement (its worker has no step to run); gloo's own default is 30
+    minutes."""
+    return call_bounded(core.dp_group, timeout_s, "vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)",
+                        call, core, *args, label=f"rank {core.dp_rank}", **kwargs)
 
 
 def install_data_parallel(engine: Any) -> None:
@@ -133,3 +147,12 @@ def install_data_parallel(engine: Any) -> None:
             return dummy_run(*args, **kwargs)
 
     runner.execute_model, runner._dummy_run = execute_model, _dummy_run
+    # vLLM's own DP batch coordination (an all-reduce right after the agreement) gets the same deadline and names
+    # a stalled or lost peer
+    determine, group, timeout_s = patches._determine_original, patches.agree.group, patches.agree.timeout_s
+
+    @functools.wraps(determine)
+    def determine_bounded(*args: Any, **kwargs: Any) -> Any:
+        return call_bounded(group, timeout_s, "vLLM's DP batch coordination (all_reduce)", determine, *args, **kwargs)
+
+    patches._determine_original = determine_bounded

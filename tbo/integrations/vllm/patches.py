@@ -130,12 +130,9 @@ class RunnerPatches:
             allowed = self._allowed(bound)
             step, vetoed = self._decide(bound, allowed, num_tokens), not allowed
         step = self.step = self.agree(step, vetoed)  # type: ignore[misc]
-        try:
-            cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
-        except RuntimeError as e:
-            from tbo.integrations.vllm.dp import peer_lost
-
-            raise peer_lost(e, "vLLM's DP batch coordination (all_reduce)") from e
+        # vLLM's own DP batch coordination: `install_data_parallel` gave it the agreement's deadline and names
+        # a stalled or lost peer there
+        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
         if step.plan is not None and batch_desc.num_tokens != num_tokens:
             raise RuntimeError(f"tbo agreed to split a step of {num_tokens} tokens, but vLLM's runner padded it to "
                                f"{batch_desc.num_tokens}: its microbatches would not be the plan's")

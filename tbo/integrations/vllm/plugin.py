@@ -1,10 +1,14 @@
 """The vLLM general plugin (entry point ``vllm.general_plugins``: ``tbo = tbo.integrations.vllm.plugin:register``).
 
-vLLM calls `register` in every process it starts. It makes one change, and only that: the model runners'
-``load_model`` is wrapped so that, for an engine whose ``additional_config`` has a ``"tbo"`` key, the config and
-the engine are checked before the weights load (`check_engine`: a bad key, strategy, architecture, parallel
-setting or vLLM version fails the engine's start, naming it) and tbo is installed on that runner after
-(`TboEngine`). For every other engine the wrapper calls vLLM's ``load_model`` and does nothing else.
+vLLM calls `register` in every process it starts. It makes two changes, and only those, each doing nothing for an
+engine whose ``additional_config`` has no ``"tbo"`` key:
+
+* the model runners' ``load_model`` is wrapped so that the config and the engine are checked before the weights
+  load (`check_engine`: a bad key, strategy, architecture, parallel setting or vLLM version fails the engine's start,
+  naming it) and tbo is installed on that runner after (`TboEngine`);
+* with data parallelism, the engine core's ``_has_global_unfinished_reqs`` (vLLM's engine-loop all-reduce over the
+  DP ranks, every ``dp_sync_interval`` steps) waits at most ``comm_timeout_s`` and names a stalled or lost peer
+  (`tbo.integrations.vllm.dp.bounded_engine_sync`), as every other wait on a peer does.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ logger = logging.getLogger("vllm.tbo")
 #: (module, class) of the model runners whose ``load_model`` the plugin wraps (the CPU runner overrides it)
 RUNNER_CLASSES = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
                   ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"))
+#: (module, class, method) of vLLM's data-parallel engine-loop all-reduce, which the plugin bounds
+DP_ENGINE_SYNC = ("vllm.v1.engine.core", "DPEngineCoreProc", "_has_global_unfinished_reqs")
 _MARK = "__tbo_wrapped__"
 
 
@@ -39,6 +45,16 @@ def register() -> None:
         original = cls.__dict__.get("load_model")
         if original is not None and not getattr(original, _MARK, False):
             cls.load_model = _wrap_load_model(original)
+    module_name, class_name, method = DP_ENGINE_SYNC
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        logger.warning("tbo plugin: cannot wrap %s.%s (%s); vLLM's own DP all-reduce keeps its group's timeout",
+                       module_name, class_name, e)
+        return
+    original = cls.__dict__.get(method)
+    if original is not None and not getattr(original, _MARK, False):
+        setattr(cls, method, _wrap_engine_sync(original))
 
 
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,3 +76,20 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(load_model, _MARK, True)
     return load_model
+
+
+def _wrap_engine_sync(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _has_global_unfinished_reqs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        timeout_s = self.__dict__.get("_tbo_sync_timeout_s", 0.0)
+        if timeout_s == 0.0:  # once per engine: its tbo config's deadline, or None without tbo
+            config = parse_config(self.vllm_config.additional_config)
+            timeout_s = self._tbo_sync_timeout_s = None if config is None else config.comm_timeout_s
+        if timeout_s is None:
+            return original(self, *args, **kwargs)
+        from tbo.integrations.vllm.dp import bounded_engine_sync
+
+        return bounded_engine_sync(self, timeout_s, original, *args, **kwargs)
+
+    setattr(_has_global_unfinished_reqs, _MARK, True)
+    return _has_global_unfinished_reqs
