@@ -450,20 +450,25 @@ def test_served_dp2_ep_concurrent_requests_tokens_equal_and_both_engines_split(m
     _assert_both_split_and_sent(per_rank, 2)
 
 
-#: two rounds in one launch (two generate calls per rank, submitted together): uneven in both, rank 0 done first in
-#: round 0 and rank 1 first in round 1
-TWO_ROUNDS = [[[_prompt(5, 1)], [_prompt(30, 21), _prompt(7, 22)]],
-              [[_prompt(40, 2), _prompt(6, 5)], [_prompt(4, 23)]]]
+#: three generate calls in one launch, every rank submitting each round together: uneven in both directions (rank 0
+#: done first in round 0, rank 1 in round 1), then rank 1 has nothing (the harness submits a placeholder request
+#: for it, as vLLM's example does: offline, an engine without requests would not step for its peer)
+ROUNDS = [[[_prompt(5, 1)], [_prompt(30, 21), _prompt(7, 22)], [_prompt(9, 24)]],
+          [[_prompt(40, 2), _prompt(6, 5)], [_prompt(4, 23)], []]]
 
 
 @needs_vllm
 @pytest.mark.dist
-def test_qwen3_moe_dp2_ep_two_generate_calls_in_one_launch(models, tmp_path):
-    runs, per_rank = _dp(tmp_path, models["qwen3_moe"], TWO_ROUNDS, TBO, dtype="float32")
-    for rank, rounds in enumerate(TWO_ROUNDS):
+def test_qwen3_moe_dp2_ep_several_generate_calls_in_one_launch_tokens_equal(models, tmp_path):
+    """Each round's tokens exactly equal vLLM's DP = 1 engine's for that round, on both ranks; both ranks split and
+    sent rows; rank 0 ran split dummy steps (idle) while rank 1 finished round 0."""
+    runs, per_rank = _dp(tmp_path, models["qwen3_moe"], ROUNDS, TBO, dtype="float32")
+    for rank, rounds in enumerate(ROUNDS):
         want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
+        assert len(want) == 3 and all(want[k] for k in range(2)), want  # two rounds compared per rank, at least
     _assert_both_split_and_sent(per_rank, 2)
+    assert per_rank[0]["split_steps_by_mode"]["idle"] > 0 and per_rank[1]["split_steps_by_mode"]["idle"] > 0, per_rank
 
 
 def _live_members(pgid: int) -> list[int]:

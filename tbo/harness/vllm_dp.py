@@ -140,8 +140,10 @@ def _rank_main(spec: dict[str, Any]) -> None:
     and, with ``spec["logprobs"]``, each position's top log-probabilities.
 
     Every rank must bring requests to every round: offline (no DP coordinator), an engine with none does not wake
-    for its peers' wave of steps, and they would wait for it (vLLM's example gives such a rank a placeholder
-    prompt). Within a round, a rank whose requests finish first runs dummy steps until its peers' finish."""
+    for its peers' wave of steps, and they would wait for it until tbo's deadline. A rank with an empty round
+    submits one placeholder request instead, as vLLM's example does (its round's tokens: ``[]``). Within a round, a
+    rank whose requests finish first runs dummy steps until its peers' finish; ``generate`` returns when the wave
+    ends on every rank (vLLM's offline DP front end waits for its engine's wave to complete)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -158,8 +160,12 @@ def _rank_main(spec: dict[str, Any]) -> None:
         _barrier(spec, f"round{k}", float(spec.get("barrier_s", 300)))  # every rank submits its round together
         print(f"TBO_DP_ROUND {k}", flush=True)
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                            use_tqdm=False) if prompts else []
+        if prompts:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        else:  # a placeholder request, as vLLM's example gives an empty rank: its engine then steps with its peers
+            llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(max_tokens=1, detokenize=False),
+                         use_tqdm=False)
+            outs = []
         seconds.append(time.perf_counter() - t0)
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
         if spec.get("logprobs"):  # per round, request and position: the top log-probabilities, best first

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.checks import _refuse
 from tbo.integrations.vllm.step import Step
 from tbo.split import ForwardMode
@@ -80,7 +81,12 @@ class StepAgreementHook:
                         mode=_mode_of(step))
         # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
         timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
-        agreed = self.last = agree_step(vote, self.group, timeout)
+        try:
+            agreed = self.last = agree_step(vote, self.group, timeout)
+        except CommTimeoutError as e:
+            raise CommTimeoutError(f"{e}: a data-parallel peer did not reach this step: it stalled or died, or "
+                                   "(offline, without vLLM's DP coordinator) it brought no requests to this generate "
+                                   "call, and an engine without requests does not step for its peers") from e
         if not agreed.split:
             plan, empty_tail = None, False
         elif step.plan is not None:
