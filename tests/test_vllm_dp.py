@@ -471,6 +471,33 @@ def test_qwen3_moe_dp2_ep_several_generate_calls_in_one_launch_tokens_equal(mode
     assert per_rank[0]["split_steps_by_mode"]["idle"] > 0 and per_rank[1]["split_steps_by_mode"]["idle"] > 0, per_rank
 
 
+@needs_vllm
+@pytest.mark.dist
+def test_requests_arriving_while_the_engine_steps_do_not_end_the_wave_on_every_rank(models, tmp_path):
+    """One-token requests (each finishes in the step that prefills it). Rank 0's first request goes alone, the other
+    three arrive 1 s later, while its engine steps the first (an emulated link makes each step take seconds). At the
+    step's all-reduce no rank's scheduler has an unfinished request; vLLM alone would end the wave on both ranks,
+    rank 1 (done) would leave, and rank 0's engine would step its other requests alone until the deadline. tbo's
+    wrapper counts the three waiting in rank 0's input queue: both ranks step on, tokens equal DP = 1."""
+    rounds = [[[_prompt(6, 31), _prompt(5, 32), _prompt(7, 33), _prompt(4, 34)]], [[_prompt(5, 35)]]]
+    tbo = {**TBO, "link": "1000000,1"}  # 1 s per transfer: a step of 2 MoE layers takes 4 s or more
+    from tbo.harness.vllm_dp import run_dp
+
+    (tmp_path / "barrier").mkdir()
+    stats = tmp_path / "stats-{rank}.json"
+    engine = {**ENGINE, "dtype": "float32", "enable_expert_parallel": True}
+    specs = [dict(model=str(models["qwen3_moe"]), engine=engine,
+                  tbo={**tbo, "stats_file": str(stats)}, rounds=r, max_tokens=1, stagger_s=1.0,
+                  barrier_dir=str(tmp_path / "barrier")) for r in rounds]
+    runs = run_dp(specs, timeout_s=600)
+    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
+    per_rank = [json.loads(Path(str(stats).replace("{rank}", str(k))).read_text()) for k in range(2)]
+    for rank, r in enumerate(rounds):
+        want = [[list(o.token_ids)[:1] for o in x] for x in _reference(models["qwen3_moe"], r, dtype="float32")]
+        assert runs[rank].result["tokens"] == want, rank
+    assert per_rank[0]["steps"] >= 2 and per_rank[1]["steps_by_mode"]["idle"] >= 1, per_rank
+
+
 def _live_members(pgid: int) -> list[int]:
     """The processes of group ``pgid`` that are alive (zombies, already dead, excluded)."""
     alive = []

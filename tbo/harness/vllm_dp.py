@@ -137,7 +137,8 @@ def _rank_main(spec: dict[str, Any]) -> None:
     """One DP rank: an ``LLM`` with ``spec["engine"]`` (and ``additional_config["tbo"]`` when ``spec["tbo"]`` is
     not None), then each of ``spec["rounds"]`` (lists of token prompts) generated greedily with
     ``spec["max_tokens"]`` (one count, or one per round); prints one result line with the tokens, the seconds per round
-    and, with ``spec["logprobs"]``, each position's top log-probabilities.
+    and, with ``spec["logprobs"]``, each position's top log-probabilities. With ``spec["stagger_s"]`` each round's
+    first request goes ``stagger_s`` before the others (`_staggered`).
 
     Every rank must bring requests to every round: offline (no DP coordinator), an engine with none does not wake
     for its peers' wave of steps, and they would wait for it until tbo's deadline. A rank with an empty round
@@ -160,7 +161,10 @@ def _rank_main(spec: dict[str, Any]) -> None:
         _barrier(spec, f"round{k}", float(spec.get("barrier_s", 300)))  # every rank submits its round together
         print(f"TBO_DP_ROUND {k}", flush=True)
         t0 = time.perf_counter()
-        if prompts:
+        if prompts and spec.get("stagger_s"):
+            outs = _staggered(llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                              float(spec["stagger_s"]))
+        elif prompts:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         else:  # a placeholder request, as vLLM's example gives an empty rank: its engine then steps with its peers
             llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(max_tokens=1, detokenize=False),
@@ -174,6 +178,22 @@ def _rank_main(spec: dict[str, Any]) -> None:
     print(_RESULT + json.dumps({"tokens": rounds, "seconds": seconds, "logprobs": top}), flush=True)
     _barrier(spec, "done", float(spec.get("barrier_s", 300)))
     llm.llm_engine.engine_core.shutdown()
+
+
+def _staggered(llm: Any, prompts: list[Any], params: Any, stagger_s: float) -> list[Any]:
+    """What ``llm.generate(prompts, params)`` returns, the first request submitted ``stagger_s`` before the others
+    (its engine then steps it alone while they arrive): how a front end's one-by-one submission looks to the
+    engine under load, made wide enough to test."""
+    engine = llm.llm_engine
+    ids = [f"staggered-{k}" for k in range(len(prompts))]
+    engine.add_request(ids[0], prompts[0], params)
+    time.sleep(stagger_s)
+    for rid, prompt in zip(ids[1:], prompts[1:]):
+        engine.add_request(rid, prompt, params)
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [done[rid] for rid in ids]
 
 
 def _barrier(spec: dict[str, Any], name: str, timeout_s: float) -> None:

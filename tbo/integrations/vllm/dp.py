@@ -113,13 +113,20 @@ def call_bounded(group: Any, timeout_s: float, what: str, call: Any, /, *args: A
         raise named from e
 
 
-def bounded_engine_sync(core: Any, timeout_s: float, call: Any, *args: Any, **kwargs: Any) -> Any:
-    """``call(core, ...)``: vLLM's engine-loop DP all-reduce (``_has_global_unfinished_reqs`` of the engine core
-    ``core``), waiting at most ``timeout_s``. A peer that stalls or dies between two of its steps leaves this rank's
-    engine core waiting there, not in tbo's agreement (its worker has no step to run); gloo's own default is 30
-    minutes."""
+def bounded_engine_sync(core: Any, timeout_s: float, call: Any, local_unfinished: bool) -> Any:
+    """``call(core, local_unfinished)``: vLLM's engine-loop DP all-reduce (``_has_global_unfinished_reqs`` of the
+    engine core ``core``), which ends the ranks' wave of steps when no rank has unfinished requests.
+
+    * It waits at most ``timeout_s``: a peer that stalls or dies between two of its steps leaves this rank's engine
+      core waiting there, not in tbo's agreement (its worker has no step to run); gloo's own default is 30 minutes.
+    * Requests waiting in the engine core's input queue count as unfinished. vLLM asks its scheduler only, which
+      has not seen them yet: requests that reached the queue during the step (a front end adds a round's requests
+      one by one while the engine already steps the first) would otherwise let every rank end the wave, and offline
+      (no DP coordinator) this rank's engine would then start a wave of its own that no idle peer joins.
+    """
+    pending = bool(getattr(core, "input_queue", None) is not None and not core.input_queue.empty())
     return call_bounded(core.dp_group, timeout_s, "vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)",
-                        call, core, *args, label=f"rank {core.dp_rank}", **kwargs)
+                        call, core, local_unfinished or pending, label=f"rank {core.dp_rank}")
 
 
 def install_data_parallel(engine: Any) -> None:

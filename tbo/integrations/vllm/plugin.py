@@ -7,8 +7,9 @@ engine whose ``additional_config`` has no ``"tbo"`` key:
   load (`check_engine`: a bad key, strategy, architecture, parallel setting or vLLM version fails the engine's start,
   naming it) and tbo is installed on that runner after (`TboEngine`);
 * with data parallelism, the engine core's ``_has_global_unfinished_reqs`` (vLLM's engine-loop all-reduce over the
-  DP ranks, every ``dp_sync_interval`` steps) waits at most ``comm_timeout_s`` and names a stalled or lost peer
-  (`tbo.integrations.vllm.dp.bounded_engine_sync`), as every other wait on a peer does.
+  DP ranks, every ``dp_sync_interval`` steps, that ends a wave of steps) waits at most ``comm_timeout_s`` and names a
+  stalled or lost peer, as every other wait on a peer does, and counts the requests still in the engine core's
+  input queue as unfinished (`tbo.integrations.vllm.dp.bounded_engine_sync`).
 """
 
 from __future__ import annotations
@@ -80,16 +81,16 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_engine_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def _has_global_unfinished_reqs(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def _has_global_unfinished_reqs(self: Any, local_unfinished: bool) -> Any:
         timeout_s = self.__dict__.get("_tbo_sync_timeout_s", 0.0)
         if timeout_s == 0.0:  # once per engine: its tbo config's deadline, or None without tbo
             config = parse_config(self.vllm_config.additional_config)
             timeout_s = self._tbo_sync_timeout_s = None if config is None else config.comm_timeout_s
         if timeout_s is None:
-            return original(self, *args, **kwargs)
+            return original(self, local_unfinished)
         from tbo.integrations.vllm.dp import bounded_engine_sync
 
-        return bounded_engine_sync(self, timeout_s, original, *args, **kwargs)
+        return bounded_engine_sync(self, timeout_s, original, local_unfinished)
 
     setattr(_has_global_unfinished_reqs, _MARK, True)
     return _has_global_unfinished_reqs
