@@ -352,18 +352,32 @@ def test_deepseek_v3_bf16_dp2_ep_matches_vllm_and_both_ranks_split(models, tmp_p
     _assert_both_split_and_sent(per_rank, 2)
 
 
-@needs_vllm
-@pytest.mark.dist
-def test_a_killed_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(models, tmp_path):
-    """Rank 1 is killed (SIGKILL, its whole process group) mid-generation: rank 0's engine fails with tbo's
-    `CommTimeoutError` naming its rank and the op that lost its peer, well within ``comm_timeout_s`` plus the
-    engine's own teardown; nothing hangs and no process is left."""
-    from tbo.harness.vllm_dp import collect, start_rank, stop
+def _live_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that are alive (zombies, already dead, excluded)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+def _signal_rank_1_mid_generation(models: dict, tmp_path: Path, sig: int, timeout_s: float) -> tuple:
+    """Two DP ranks generating 200 tokens each, ``comm_timeout_s=timeout_s``; once both generate, ``sig`` goes to
+    rank 1's whole process group. Returns rank 0's `RankRun` (once it exited, or ``timeout_s + 90`` s passed) and
+    the live processes of rank 1's group at that moment. Every process is gone when it returns (a stopped one takes
+    SIGKILL too)."""
     from tbo.harness.launch import free_port
+    from tbo.harness.vllm_dp import collect, start_rank, stop
 
     barrier = tmp_path / "barrier"
     barrier.mkdir()
-    timeout_s = 20
     spec = dict(model=str(models["qwen3_moe"]), engine={**ENGINE, "dtype": "float32", "enable_expert_parallel": True},
                 tbo={**TBO, "comm_timeout_s": timeout_s}, max_tokens=200, barrier_dir=str(barrier),
                 rounds=[[_prompt(4, s) for s in range(6)]])
@@ -376,12 +390,26 @@ def test_a_killed_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(mo
             time.sleep(0.1)
         time.sleep(3)  # both are generating (200 tokens each: far from done)
         assert all(r.proc.poll() is None for r in runs)
-        stop(runs[1], signal.SIGKILL)
+        stop(runs[1], sig)
         survivor = collect(runs[0], timeout_s=timeout_s + 90)
+        peer_left = _live_members(runs[1].proc.pid)
     finally:
         for r in runs:
-            stop(r)
-        collect(runs[1], 5, grace_s=1)  # reaped, its output files removed
+            stop(r, signal.SIGKILL)
+            stop(r, signal.SIGCONT)
+        collect(runs[1], 10, grace_s=10)  # reaped, its output files removed
+    for r in runs:
+        assert not _live_members(r.proc.pid), (r.rank, _live_members(r.proc.pid))
+    return survivor, peer_left
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_a_killed_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(models, tmp_path):
+    """Rank 1 is killed (SIGKILL, its whole process group) mid-generation: rank 0's engine fails with tbo's
+    `CommTimeoutError` naming its rank and the op that lost its peer, well within ``comm_timeout_s`` plus the
+    engine's own teardown; nothing hangs and no process is left."""
+    survivor, _ = _signal_rank_1_mid_generation(models, tmp_path, signal.SIGKILL, timeout_s=20)
     out = survivor.stdout + survivor.stderr
     assert not survivor.extra.get("timed_out"), out[-4000:]
     assert survivor.returncode != 0 and survivor.result is None, out[-4000:]
@@ -461,14 +489,15 @@ ROUNDS = [[[_prompt(5, 1)], [_prompt(30, 21), _prompt(7, 22)], [_prompt(9, 24)]]
 @pytest.mark.dist
 def test_qwen3_moe_dp2_ep_several_generate_calls_in_one_launch_tokens_equal(models, tmp_path):
     """Each round's tokens exactly equal vLLM's DP = 1 engine's for that round, on both ranks; both ranks split and
-    sent rows; rank 0 ran split dummy steps (idle) while rank 1 finished round 0."""
+    sent rows; both ran dummy steps (rank 0 while rank 1 finished round 0, rank 1 in round 2 beside its placeholder),
+    rank 0's split as agreed."""
     runs, per_rank = _dp(tmp_path, models["qwen3_moe"], ROUNDS, TBO, dtype="float32")
     for rank, rounds in enumerate(ROUNDS):
         want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
         assert len(want) == 3 and all(want[k] for k in range(2)), want  # two rounds compared per rank, at least
     _assert_both_split_and_sent(per_rank, 2)
-    assert per_rank[0]["split_steps_by_mode"]["idle"] > 0 and per_rank[1]["split_steps_by_mode"]["idle"] > 0, per_rank
+    assert per_rank[0]["split_steps_by_mode"]["idle"] > 0 and per_rank[1]["steps_by_mode"]["idle"] > 0, per_rank
 
 
 @needs_vllm
@@ -498,22 +527,6 @@ def test_requests_arriving_while_the_engine_steps_do_not_end_the_wave_on_every_r
     assert per_rank[0]["steps"] >= 2 and per_rank[1]["steps_by_mode"]["idle"] >= 1, per_rank
 
 
-def _live_members(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` that are alive (zombies, already dead, excluded)."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(entry))
-    return alive
-
-
 @needs_vllm
 @pytest.mark.dist
 def test_a_stalled_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(models, tmp_path):
@@ -521,36 +534,11 @@ def test_a_stalled_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(m
     killed: its sockets stay open, so no wait of rank 0's learns of it from a closed connection. Rank 0's engine
     fails with tbo's `CommTimeoutError` naming its rank and the wait that timed out, within ``comm_timeout_s`` plus
     the engine's teardown; nothing hangs, and every process (the stopped ones too) is gone at the end."""
-    from tbo.harness.vllm_dp import collect, start_rank, stop
-    from tbo.harness.launch import free_port
-
-    barrier = tmp_path / "barrier"
-    barrier.mkdir()
     timeout_s = 20
-    spec = dict(model=str(models["qwen3_moe"]), engine={**ENGINE, "dtype": "float32", "enable_expert_parallel": True},
-                tbo={**TBO, "comm_timeout_s": timeout_s}, max_tokens=200, barrier_dir=str(barrier),
-                rounds=[[_prompt(4, s) for s in range(6)]])
-    port = free_port()
-    runs = [start_rank(k, 2, port, spec) for k in range(2)]
-    try:
-        deadline = time.monotonic() + 400
-        while not all((barrier / f"round0-{k}").exists() for k in range(2)):
-            assert time.monotonic() < deadline and all(r.proc.poll() is None for r in runs), "ranks did not start"
-            time.sleep(0.1)
-        time.sleep(3)  # both are generating (200 tokens each: far from done)
-        assert all(r.proc.poll() is None for r in runs)
-        stop(runs[1], signal.SIGSTOP)
-        survivor = collect(runs[0], timeout_s=timeout_s + 90)
-        assert _live_members(runs[1].proc.pid), "the stopped rank must still be there (stopped, not dead)"
-    finally:
-        for r in runs:
-            stop(r, signal.SIGKILL)  # a stopped process takes SIGKILL too
-            stop(r, signal.SIGCONT)
-        collect(runs[1], 10, grace_s=10)  # reaped, its output files removed
+    survivor, peer_left = _signal_rank_1_mid_generation(models, tmp_path, signal.SIGSTOP, timeout_s)
+    assert peer_left, "the stopped rank must still be there (stopped, not dead)"
     out = survivor.stdout + survivor.stderr
     assert not survivor.extra.get("timed_out"), out[-4000:]
     assert survivor.returncode != 0 and survivor.result is None, out[-4000:]
     named = [line for line in out.splitlines() if "CommTimeoutError: rank 0:" in line]
     assert named and any(f"timed out after {timeout_s}s" in line for line in named), out[-6000:]
-    for r in runs:
-        assert not _live_members(r.proc.pid), (r.rank, _live_members(r.proc.pid))

@@ -15,7 +15,8 @@ DP group (its gloo CPU group) settles, the same on every rank:
 The profiling and warm-up runs vote too (every rank runs the same ones), so their collectives match; they are not
 counted in `stats`; their agreements wait up to `WARMUP_TIMEOUT_S` (the ranks finish loading at different times). A
 peer that dies or stalls while serving makes the wait raise `CommTimeoutError` naming this rank and the op, within
-``comm_timeout_s``.
+``comm_timeout_s``; vLLM's own waits on its DP peers (its batch coordination here, its engine-loop all-reduce in the
+engine core: `bounded_engine_sync`) get the same deadline and name (`call_bounded`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class StepAgreementHook:
             agreed = self.last = agree_step(vote, self.group, timeout)
         except CommTimeoutError as e:
             raise CommTimeoutError(f"{e}: a data-parallel peer did not reach this step: it stalled or died, or "
-                                   "(offline, without vLLM's DP coordinator) it brought no requests to this generate "
-                                   "call, and an engine without requests does not step for its peers") from e
+                                   "(offline, without vLLM's DP coordinator) it has no requests in this wave (none in "
+                                   "this generate call, or the wave ended before this rank's requests reached its "
+                                   "engine), and an engine without requests does not step for its peers") from e
         if not agreed.split:
             plan, empty_tail = None, False
         elif step.plan is not None:
