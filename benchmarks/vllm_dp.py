@@ -4,8 +4,9 @@ time and tokens/s, tbo split vs tbo unsplit, over real gloo traffic and over an 
 Each configuration is two DP rank processes launched as vLLM's offline data-parallel example does
 (`tbo.harness.vllm_dp`), each rank generating the same workload once: ``--batch`` requests of 4-token prompts,
 ``--decode-tokens`` greedy tokens each (one prefill step, then decode steps). The step time is the slower rank's
-round over its steps; tokens/s add both ranks'. (One round per launch: a second ``generate`` round in the same DP
-launch desynchronised the ranks' steps in our runs, see docs/vllm-dp.md.)
+round over its steps; tokens/s add both ranks'. (One round per launch. Several rounds run since the plugin counts
+requests still in an engine's input queue when vLLM decides whether a wave ends, see docs/vllm-dp.md, but a front end
+slower than a step can still start a wave alone.)
 
 * gloo: tbo's all-to-all over vLLM's expert-parallel group, real traffic between the two processes.
 * link: the same, plus `tbo.comm.EmulatedLink` around it, bandwidth-bound, sized from the unsplit gloo run so
