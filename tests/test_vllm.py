@@ -347,7 +347,7 @@ SCENARIOS = {
     "shared_prefix": [_prompt(5, 13)] + [_prompt(64, 40) + _prompt(k + 2, 100 + k) for k in range(13)],
 }
 
-TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "op_times": True}
 
 
 @pytest.fixture(scope="module")
@@ -381,11 +381,12 @@ def _counted(call: Any) -> tuple:
     """``call()``'s result and what the process's tbo counters did meanwhile."""
     from tbo.integrations.vllm import stats
 
+    def delta(after: Any, before: Any) -> Any:  # counters, and dicts of them (a key may be new)
+        return {k: delta(v, before.get(k, 0)) for k, v in after.items()} if isinstance(after, dict) else after - before
+
     before = stats()
     out = call()
-    after = stats()
-    return out, {k: (after[k] - before[k] if isinstance(after[k], int) else
-                     {m: after[k][m] - before[k][m] for m in after[k]}) for k in after}
+    return out, delta(stats(), before)
 
 
 def _run(llm, prompts, **kw):
@@ -400,6 +401,12 @@ def test_qwen3_moe_tokens_equal_vllm_and_the_steps_split(qwen_tbo, qwen_referenc
     out, delta = _run(qwen_tbo, SCENARIOS[scenario])
     assert _tokens(out) == qwen_reference[scenario]
     assert delta["split_steps"] > 0 and delta["split_steps_by_mode"][mode] > 0, delta
+    # op_times: every MoE layer's dispatch wait of every microbatch of every step was timed, within the layer stacks
+    moe_layers = sum(layer.kind == "moe" for layer in qwen_tbo.llm_engine.model_executor.driver_worker.worker
+                     .model_runner.tbo.layers)
+    assert delta["op_calls"]["dispatch_b"] == moe_layers * (delta["steps"] + delta["microbatches"]
+                                                            - delta["split_steps"]), delta
+    assert 0 < sum(delta["op_seconds"].values()) <= delta["layers_seconds"], delta
     assert delta["microbatches"] == 2 * delta["split_steps"]
     if scenario == "cut":
         assert delta["cut_requests"] > 0, delta  # a prefill chunk in two microbatches, still equal tokens
