@@ -136,7 +136,8 @@ def main() -> None:
     print("| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
     for name, (sec, tps, _) in rows.items():
         print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} |")
-    print("\nrank 0, per forward (op_times): the layer stacks, their compute ops, launches, waits, and what no op covers")
+    print("\nrank 0, per forward (op_times): the layer stacks, their compute ops, launches, waits, and what no op "
+          "covers")
     print("| configuration | layers | compute ops | launches (`*_a`) | dispatch_b | combine_b | not in ops |\n"
           "|---|---|---|---|---|---|---|")
     for name, (_, _, stats) in rows.items():

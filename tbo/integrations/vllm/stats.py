@@ -97,9 +97,9 @@ def stats() -> dict[str, Any]:
     ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``; ``idle``: a
     data-parallel rank's dummy steps while its peers work), ``cut_requests``, ``afd_stages_sent`` and
     ``local_ffn_calls`` (attention-FFN disaggregation), and with data parallel + expert parallel ``ep_size``,
-    ``remote_rows`` (token rows sent to other ranks) and ``peer_strategy_steps``; with ``op_times``, ``op_seconds``
-    and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and ``layers_seconds``. A copy: later steps do not
-    change it."""
+    ``remote_rows`` (token rows sent to other ranks) and ``peer_strategy_steps``; with ``op_times``,
+    ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
+    ``layers_seconds``. A copy: later steps do not change it."""
     return PROCESS_STATS.as_dict()
 
 
