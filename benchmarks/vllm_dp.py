@@ -115,6 +115,9 @@ def main() -> None:
     p.add_argument("--strategy", default="qwen3_moe_prefill",
                    help="the split engines' strategy key (lead 0: the other microbatch's attention hides the "
                         "dispatch, which a bandwidth-bound link needs; 'auto' for the family's decode/prefill pair)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="launches per configuration, unsplit and split alternating; the median launch is reported "
+                        "(load drift between launches moves single ones)")
     args = p.parse_args()
 
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
@@ -123,12 +126,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = save_model(tmp / "qwen3_moe", args.hidden, args.layers, args.experts)
-        rows["gloo: tbo unsplit"] = run(model, args, never, tmp, "gloo-unsplit")
-        rows["gloo: tbo split"] = run(model, args, split, tmp, "gloo-split")
+
+        def pair(over: str, extra: dict) -> None:
+            launches: dict[str, list] = {"unsplit": [], "split": []}
+            for k in range(args.repeat):
+                for how, tbo in (("unsplit", never), ("split", split)):
+                    launches[how].append(run(model, args, {**tbo, **extra}, tmp, f"{over.split()[0]}-{how}-{k}"))
+            for how, got in launches.items():
+                rows[f"{over}: tbo {how}"] = sorted(got, key=lambda r: r[0])[len(got) // 2]
+
+        pair("gloo", {})
         compute = compute_per_forward(rows["gloo: tbo unsplit"][2])
         link = args.link or f"0,{moe_bytes_per_step(args.batch, args.hidden, 2, args.layers) / compute / 1e9:.6f}"
-        rows[f"link {link}: tbo unsplit"] = run(model, args, {**never, "link": link}, tmp, "link-unsplit")
-        rows[f"link {link}: tbo split"] = run(model, args, {**split, "link": link}, tmp, "link-split")
+        pair(f"link {link}", {"link": link})
 
     print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
           f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
