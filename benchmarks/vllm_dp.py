@@ -142,7 +142,7 @@ def main() -> None:
 
     print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
           f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
-          f"prompts, then decode); split strategy {args.strategy}")
+          f"prompts, then decode); split strategy {args.strategy}; median of {args.repeat} launch(es) each")
     print("| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
     for name, (sec, tps, _) in rows.items():
         print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} |")
