@@ -94,6 +94,11 @@ class VllmFFNModel:
         return ffn_info(self.vllm_config.model_config.hf_config.architectures[0], len(self.layers),
                         self.hf.hidden_size, self.dtype, self.max_tokens, self.kinds)
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest payload a request may carry (``--max-tokens`` of this model's hidden states)."""
+        return self.max_tokens * self.hf.hidden_size * self.dtype.itemsize
+
     def check_request(self, meta: AFDMeta) -> None:
         """Refuse a request this model cannot serve, before its payload is allocated."""
         problems = []
@@ -164,7 +169,8 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_PEER
     connector = TorchDistributedAFDConnector(AFDTopology(1, 1), args.timeout_s, group=group,
                                              idle_timeout_s=args.idle_timeout_s, device=model.device,
-                                             check_request=model.check_request)
+                                             check_request=model.check_request,
+                                             max_request_bytes=model.max_request_bytes)
     server = AFDFFNServer(model, connector)
     try:
         served = server.serve()
