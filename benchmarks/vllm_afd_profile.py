@@ -100,15 +100,14 @@ def start_server(model: Path, dtype: str, max_tokens: int, core: int, out: Path)
 
 
 def decode_windows(llm, work) -> list[tuple[float, float]]:
-    """Run the decode workload; return the (start, end) of each timed decode step."""
-    work._add(llm, work.context, work.decode_tokens + 1)
+    """Run the decode workload; return the (start, end) of each timed decode step (`Workload.decode_window`)."""
+    work._add(llm, work.context, work.decode_window.stop + 1)
     windows = []
     while llm.llm_engine.has_unfinished_requests():
         t = time.perf_counter()
         llm.llm_engine.step()
         windows.append((t, time.perf_counter()))
-    prefill_steps = -(-work.batch * work.context // work.max_batched) + 1
-    return windows[prefill_steps:]
+    return windows[work.decode_window]
 
 
 def breakdown(windows, engine_events, server_events) -> dict[str, float]:
@@ -124,6 +123,8 @@ def breakdown(windows, engine_events, server_events) -> dict[str, float]:
             if t0 <= a and b <= t1:
                 sums["server " + name] += b - a
         sums["step"] = t1 - t0
+        tokens = [meta[0] for name, a, b, meta in server_events if name == "ffn" and t0 <= a and b <= t1]
+        rows["tokens per FFN call (max)"].append(max(tokens, default=0))
         for k, v in sums.items():
             rows[k].append(v * 1e3)
     return {k: statistics.median(v) for k, v in sorted(rows.items())}
@@ -145,7 +146,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--moe-intermediate", type=int, default=1024)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--context", type=int, default=160)
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32")
