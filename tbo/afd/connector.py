@@ -2,8 +2,9 @@
 
 Ranks ``[0, M)`` are attention ranks, ``[M, M + N)`` FFN ranks; attention rank ``a`` talks to FFN rank
 ``M + a // (M / N)``. Each message is a header (`AFDMeta` as int64) followed by the payload, so the FFN side knows,
-before it allocates anything, which layer and microbatch a tensor belongs to and how big it is. Sends are asynchronous;
-every receive has a deadline and raises `CommTimeoutError` naming the rank, the layer and the microbatch.
+before it allocates or uses anything, which layer and microbatch a tensor belongs to and how big it is. Sends are
+asynchronous; every receive has a deadline and raises `CommTimeoutError` naming the rank, the layer and the
+microbatch. Over gloo, receives are posted before their messages arrive (`_Posted`).
 
 The ranks meet in a registered ``torch.distributed`` group (the default one, or ``group=``), or in an `AFDGroup` of
 their own when an engine owns the default group (vLLM): the connector sends through either the same way.
