@@ -21,6 +21,7 @@ there is little latency to hide, and a split step runs the experts kernel twice 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -47,8 +48,8 @@ def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) ->
     return moe_layers * tokens * (2 * hidden * 4 + top_k * (8 + 4))
 
 
-def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> tuple[float, float]:
-    """One DP=2 launch, one round: (seconds per step, tokens/s over both ranks)."""
+def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> tuple[float, float, dict]:
+    """One DP=2 launch, one round: (seconds per step, tokens/s over both ranks, rank 0's stats with op times)."""
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp / f"barrier-{name}"
@@ -57,14 +58,29 @@ def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) 
     engine = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
                   max_num_batched_tokens=1024, enable_prefix_caching=False, dtype=args.dtype, seed=0,
                   enable_expert_parallel=True)
-    spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(tmp / f"stats-{name}-{{rank}}.json")},
+    stats = tmp / f"stats-{name}-{{rank}}.json"
+    spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(stats), "op_times": True},
                 rounds=[prompts], max_tokens=args.decode_tokens, barrier_dir=str(barrier))
     runs = run_dp([spec, spec], timeout_s=1200)
     for r in runs:
         if r.returncode != 0 or not r.result:
             raise RuntimeError(f"{name}: DP rank {r.rank} failed\n{r.tail()}")
     seconds = max(r.result["seconds"][0] for r in runs)
-    return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds
+    rank0 = json.loads(Path(str(stats).replace("{rank}", "0")).read_text())
+    return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds, rank0
+
+
+def breakdown(stats: dict) -> str:
+    """Rank 0's layer-stack time per counted step: compute ops, each wait (``*_b``: exposed transfer time), and what
+    no op covers (the executor, microbatch contexts, splitting and merging)."""
+    from tbo.core.operations import comm_role
+
+    steps, ops = stats["steps"], stats["op_seconds"]
+    waits = {n: s for n, s in ops.items() if (comm_role(n) or ("",))[0] == "wait"}
+    compute = sum(ops.values()) - sum(waits.values())
+    rest = stats["layers_seconds"] - sum(ops.values())
+    cells = [stats["layers_seconds"], compute, *(waits.get(n, 0.0) for n in ("dispatch_b", "combine_b")), rest]
+    return " | ".join(f"{1e3 * c / steps:.1f} ms" for c in cells)
 
 
 def main() -> None:
@@ -97,9 +113,13 @@ def main() -> None:
     print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
           f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
           f"prompts, then decode); split strategy {args.strategy}")
-    print(f"| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
-    for name, (sec, tps) in rows.items():
+    print("| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
+    for name, (sec, tps, _) in rows.items():
         print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} |")
+    print("\nrank 0, per step (op_times): the layer stacks, their compute ops, the waits, and what no op covers")
+    print("| configuration | layers | compute ops | dispatch_b | combine_b | not in ops |\n|---|---|---|---|---|---|")
+    for name, (_, _, stats) in rows.items():
+        print(f"| {name} | {breakdown(stats)} |")
     for over in ("gloo", f"link {link}"):
         ratio = rows[f"{over}: tbo unsplit"][0] / rows[f"{over}: tbo split"][0]
         print(f"{over}: split is {ratio:.2f}x unsplit" + (" (target >= 1.3x)" if over != "gloo" else ""))
