@@ -71,10 +71,12 @@ class Workload(bench.Workload):
         return self._steps(llm)[self.decode_window]
 
 
-def start_server(model: Path, dtype: str, max_tokens: int, core: int) -> tuple[subprocess.Popen, str]:
-    """``tbo afd-ffn`` on a free loopback port, pinned to ``core``, one thread; returns it and its address."""
+def start_server(model: Path, dtype: str, max_tokens: int, core: int,
+                 python_args: tuple[str, ...] = ("-m", "tbo")) -> tuple[subprocess.Popen, str]:
+    """``tbo afd-ffn`` on a free loopback port, pinned to ``core``, one thread; returns it and its address.
+    ``python_args``: what runs the ``tbo`` command (`benchmarks/vllm_afd_profile.py` runs it timed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen",
+    proc = subprocess.Popen([sys.executable, *python_args, "afd-ffn", "--model", str(model), "--listen",
                              "127.0.0.1:0", "--dtype", dtype, "--max-tokens", str(max_tokens), "--threads", "1",
                              "--idle-timeout-s", "3600"], stdout=subprocess.PIPE, text=True, env=env,
                             preexec_fn=lambda: os.sched_setaffinity(0, {core}))

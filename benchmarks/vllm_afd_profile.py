@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +32,10 @@ afd_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(afd_bench)
 bench = afd_bench.bench
 
-#: run inside each `tbo afd-ffn` process: time its requests, write them to $TBO_AFD_PROFILE at exit
+#: runs each `tbo afd-ffn` process (``python -c _SERVER OUT afd-ffn ...``): times its requests, writes them to OUT
+#: at exit
 _SERVER = r"""
-import atexit, json, os, sys, time
+import atexit, json, sys, time
 from tbo.afd.connector import TorchDistributedAFDConnector as C
 from tbo.integrations.vllm.afd import ffn
 events = []
@@ -51,7 +51,8 @@ C.recv_attn_output = timed("recv", C.recv_attn_output, lambda a, out: [out[1].la
 C.send_ffn_output = timed("send", C.send_ffn_output, lambda a, out: [a[2].layer_idx, a[2].microbatch_idx,
                                                                    a[2].num_microbatches])
 ffn._FFNLayer.ffn = timed("ffn", ffn._FFNLayer.ffn, lambda a, out: [out.shape[0]])
-atexit.register(lambda: json.dump(events, open(os.environ["TBO_AFD_PROFILE"], "w")))
+out = sys.argv.pop(1)
+atexit.register(lambda: json.dump(events, open(out, "w")))
 from tbo.tools.cli import main
 sys.exit(main())
 """
@@ -84,19 +85,6 @@ def patch_engine(events: list) -> None:
         return out
 
     LayerLoop.__call__ = forward
-
-
-def start_server(model: Path, dtype: str, max_tokens: int, core: int, out: Path) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "TBO_AFD_PROFILE": str(out),
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, "afd-ffn", "--model", str(model), "--listen",
-                             "127.0.0.1:0", "--dtype", dtype, "--max-tokens", str(max_tokens), "--threads", "1",
-                             "--idle-timeout-s", "3600"], stdout=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-    for line in proc.stdout:
-        if line.startswith("tbo afd-ffn: serving"):
-            return proc, line.split(" on ", 1)[1].split(",", 1)[0]
-    raise RuntimeError(f"tbo afd-ffn exited with {proc.wait()} before serving")
 
 
 def decode_windows(llm, work) -> list[tuple[float, float]]:
@@ -171,7 +159,8 @@ def main() -> None:
         try:
             engines, windows = {}, {}
             for name, tbo in (("no DBO", never), ("DBO", split)):
-                proc, address = start_server(model, args.dtype, max_tokens, 1, Path(tmp) / f"{name}.json")
+                proc, address = afd_bench.start_server(model, args.dtype, max_tokens, 1,
+                                                       ("-c", _SERVER, str(Path(tmp) / f"{name}.json")))
                 servers.append((name, proc))
                 engines[name] = bench.start_engine(model, {**tbo, "afd": {"ffn": address}}, work, args.dtype)
                 windows[name] = []
