@@ -8,9 +8,9 @@ it. So the FFN math is vLLM colocated's, the router included. There is no schedu
 
 Every request's header is checked before its payload is used (layer in range, this model's hidden size and dtype,
 stage index below the stage count, at most ``--max-tokens`` tokens); payloads land in two buffers sized by
-``--max-tokens``, never by a header, posted before the requests arrive (`tbo.afd.connector`). The server exits 0 when the attention
-side says it shuts down; if the attention side goes away, or sends nothing for ``--idle-timeout-s``, it exits 3
-naming it.
+``--max-tokens``, never by a header, posted before the requests arrive (`tbo.afd.connector`). The server exits 0
+when the attention side says it shuts down; if the attention side goes away, or sends nothing for
+``--idle-timeout-s``, it exits 3 naming it.
 """
 
 from __future__ import annotations
