@@ -49,22 +49,34 @@ def save_model(path: Path, hidden: int, layers: int, experts: int, heads: int, m
 
 class Workload(bench.Workload):
     """`benchmarks/vllm.py`'s, with decode requests that attend over ``context`` tokens (their prefill steps are
-    not timed): a decode step's attention then reads a KV cache of that length, as a served model's does."""
+    not timed): a decode step's attention then reads a KV cache of that length, as a served model's does.
+
+    Chunked prefill admits the requests' prompts a few per step, and each request starts decoding as soon as its
+    prompt is in; so every request generates through the prefill steps too, and only the ``decode_tokens`` steps
+    after the last prompt is in, when all ``batch`` requests decode and none has finished, are timed. (Timing every
+    step after the prefill, as before, timed a batch shrinking from ``batch`` to 1 as the requests finished.)"""
 
     def __init__(self, batch: int, prompt: int, decode_tokens: int, context: int, max_batched: int) -> None:
         super().__init__(batch, prompt, decode_tokens)
         self.context, self.max_batched = context, max_batched
 
-    def decode_steps(self, llm) -> list[float]:
-        self._add(llm, self.context, self.decode_tokens + 1)
+    @property
+    def decode_window(self) -> slice:
+        """Which of a decode run's steps are timed: those where all ``batch`` requests decode."""
         prefill_steps = -(-self.batch * self.context // self.max_batched) + 1
-        return self._steps(llm)[prefill_steps:]
+        return slice(prefill_steps, prefill_steps + self.decode_tokens)
+
+    def decode_steps(self, llm) -> list[float]:
+        self._add(llm, self.context, self.decode_window.stop + 1)
+        return self._steps(llm)[self.decode_window]
 
 
-def start_server(model: Path, dtype: str, max_tokens: int, core: int) -> tuple[subprocess.Popen, str]:
-    """``tbo afd-ffn`` on a free loopback port, pinned to ``core``, one thread; returns it and its address."""
+def start_server(model: Path, dtype: str, max_tokens: int, core: int,
+                 python_args: tuple[str, ...] = ("-m", "tbo")) -> tuple[subprocess.Popen, str]:
+    """``tbo afd-ffn`` on a free loopback port, pinned to ``core``, one thread; returns it and its address.
+    ``python_args``: what runs the ``tbo`` command (`benchmarks/vllm_afd_profile.py` runs it timed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen",
+    proc = subprocess.Popen([sys.executable, *python_args, "afd-ffn", "--model", str(model), "--listen",
                              "127.0.0.1:0", "--dtype", dtype, "--max-tokens", str(max_tokens), "--threads", "1",
                              "--idle-timeout-s", "3600"], stdout=subprocess.PIPE, text=True, env=env,
                             preexec_fn=lambda: os.sched_setaffinity(0, {core}))
@@ -83,7 +95,9 @@ def main() -> None:
     p.add_argument("--moe-intermediate", type=int, default=256)
     p.add_argument("--batch", type=int, default=64, help="requests per step")
     p.add_argument("--prompt", type=int, default=16, help="prefill tokens per request")
-    p.add_argument("--context", type=int, default=256, help="decode requests' prompt length (KV read per step)")
+    p.add_argument("--context", type=int, default=160,
+                   help="decode requests' prompt length (KV read per step; batch x (context + the steps the prefill "
+                        "and the decode take) must fit the engines' 256 MiB KV cache)")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="rounds of decode and prefill per engine, after a warm-up")
     p.add_argument("--dtype", default="float32")

@@ -9,8 +9,11 @@ requests still in an engine's input queue when vLLM decides whether a wave ends,
 slower than a step can still start a wave alone.)
 
 * gloo: tbo's all-to-all over vLLM's expert-parallel group, real traffic between the two processes.
-* link: the same, plus `tbo.comm.EmulatedLink` around it, bandwidth-bound, sized from the unsplit gloo run so
-  that a decode step's communication about equals its compute (``--link`` sets it).
+* link: the same, plus `tbo.comm.EmulatedLink` around it, bandwidth-bound, sized from the unsplit gloo run's
+  compute ops (``op_times``) so that a decode step's communication about equals its compute (``--link`` sets it).
+
+Each configuration also prints rank 0's per-step breakdown from ``op_times``: compute ops, the waits overlap left
+exposed, and what no op covers.
 
 Target (reported, not asserted): split >= 1.3x unsplit over the link. Over real gloo on two shared cores the ranks'
 traffic is a memory copy through loopback TCP that competes with the other rank's compute for the same two cores:
@@ -22,6 +25,7 @@ there is little latency to hide, and a split step runs the experts kernel twice 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -48,8 +52,8 @@ def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) ->
     return moe_layers * tokens * (2 * hidden * 4 + top_k * (8 + 4))
 
 
-def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> tuple[float, float]:
-    """One DP=2 launch, one round: (seconds per step, tokens/s over both ranks)."""
+def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> tuple[float, float, dict]:
+    """One DP=2 launch, one round: (seconds per step, tokens/s over both ranks, rank 0's stats with op times)."""
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp / f"barrier-{name}"
@@ -58,14 +62,46 @@ def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) 
     engine = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
                   max_num_batched_tokens=1024, enable_prefix_caching=False, dtype=args.dtype, seed=0,
                   enable_expert_parallel=True)
-    spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(tmp / f"stats-{name}-{{rank}}.json")},
+    stats = tmp / f"stats-{name}-{{rank}}.json"
+    spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(stats), "op_times": True},
                 rounds=[prompts], max_tokens=args.decode_tokens, barrier_dir=str(barrier))
     runs = run_dp([spec, spec], timeout_s=1200)
     for r in runs:
         if r.returncode != 0 or not r.result:
             raise RuntimeError(f"{name}: DP rank {r.rank} failed\n{r.tail()}")
     seconds = max(r.result["seconds"][0] for r in runs)
-    return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds
+    rank0 = json.loads(Path(str(stats).replace("{rank}", "0")).read_text())
+    return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds, rank0
+
+
+def _comm(ops: dict[str, float], role: str) -> dict[str, float]:
+    """The ops of one communication role ("launch": ``*_a``, "wait": ``*_b``) and their seconds."""
+    from tbo.core.operations import comm_role
+
+    return {n: s for n, s in ops.items() if (comm_role(n) or ("",))[0] == role}
+
+
+def compute_per_forward(stats: dict) -> float:
+    """Seconds of compute ops (neither launches nor waits) per counted forward (``op_times``): what the link is sized
+    against, so that a decode step's transfers take about as long as its compute (the step's time also holds
+    vLLM's own work, which no overlap touches, and sizing against it made the link slower than the compute it could
+    hide)."""
+    ops = stats["op_seconds"]
+    comm = sum(_comm(ops, "wait").values()) + sum(_comm(ops, "launch").values())
+    return (sum(ops.values()) - comm) / stats["steps"]
+
+
+def breakdown(stats: dict) -> str:
+    """Rank 0's layer-stack time per counted forward: compute ops, launches (``*_a``: routing, the blocking count
+    exchange with the peer, starting the transfers), each wait (``*_b``: exposed transfer time), and what no op
+    covers (the executor, microbatch contexts, splitting and merging)."""
+    steps, ops = stats["steps"], stats["op_seconds"]
+    waits, launches = _comm(ops, "wait"), _comm(ops, "launch")
+    compute = sum(ops.values()) - sum(waits.values()) - sum(launches.values())
+    rest = stats["layers_seconds"] - sum(ops.values())
+    cells = [stats["layers_seconds"], compute, sum(launches.values()),
+             *(waits.get(n, 0.0) for n in ("dispatch_b", "combine_b")), rest]
+    return " | ".join(f"{1e3 * c / steps:.1f} ms" for c in cells)
 
 
 def main() -> None:
@@ -80,6 +116,9 @@ def main() -> None:
     p.add_argument("--strategy", default="qwen3_moe_prefill",
                    help="the split engines' strategy key (lead 0: the other microbatch's attention hides the "
                         "dispatch, which a bandwidth-bound link needs; 'auto' for the family's decode/prefill pair)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="launches per configuration, unsplit and split alternating; the median launch is reported "
+                        "(load drift between launches moves single ones)")
     args = p.parse_args()
 
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
@@ -88,19 +127,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = save_model(tmp / "qwen3_moe", args.hidden, args.layers, args.experts)
-        rows["gloo: tbo unsplit"] = run(model, args, never, tmp, "gloo-unsplit")
-        rows["gloo: tbo split"] = run(model, args, split, tmp, "gloo-split")
-        step = rows["gloo: tbo unsplit"][0]
-        link = args.link or f"0,{moe_bytes_per_step(args.batch, args.hidden, 2, args.layers) / step / 1e9:.6f}"
-        rows[f"link {link}: tbo unsplit"] = run(model, args, {**never, "link": link}, tmp, "link-unsplit")
-        rows[f"link {link}: tbo split"] = run(model, args, {**split, "link": link}, tmp, "link-split")
+
+        def pair(over: str, extra: dict) -> None:
+            launches: dict[str, list] = {"unsplit": [], "split": []}
+            for k in range(args.repeat):
+                for how, tbo in (("unsplit", never), ("split", split)):
+                    launches[how].append(run(model, args, {**tbo, **extra}, tmp, f"{over.split()[0]}-{how}-{k}"))
+            for how, got in launches.items():
+                rows[f"{over}: tbo {how}"] = sorted(got, key=lambda r: r[0])[len(got) // 2]
+
+        pair("gloo", {})
+        compute = compute_per_forward(rows["gloo: tbo unsplit"][2])
+        link = args.link or f"0,{moe_bytes_per_step(args.batch, args.hidden, 2, args.layers) / compute / 1e9:.6f}"
+        pair(f"link {link}", {"link": link})
 
     print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
           f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
-          f"prompts, then decode); split strategy {args.strategy}")
-    print(f"| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
-    for name, (sec, tps) in rows.items():
+          f"prompts, then decode); split strategy {args.strategy}; median of {args.repeat} launch(es) each")
+    print("| configuration | step | tokens/s (both ranks) |\n|---|---|---|")
+    for name, (sec, tps, _) in rows.items():
         print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} |")
+    print("\nrank 0, per forward (op_times): the layer stacks, their compute ops, launches, waits, and what no op "
+          "covers")
+    print("| configuration | layers | compute ops | launches (`*_a`) | dispatch_b | combine_b | not in ops |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, (_, _, stats) in rows.items():
+        print(f"| {name} | {breakdown(stats)} |")
     for over in ("gloo", f"link {link}"):
         ratio = rows[f"{over}: tbo unsplit"][0] / rows[f"{over}: tbo split"][0]
         print(f"{over}: split is {ratio:.2f}x unsplit" + (" (target >= 1.3x)" if over != "gloo" else ""))

@@ -82,3 +82,60 @@ def test_meta_header_round_trip_and_topology():
     topo = AFDTopology(4, 2)
     assert [topo.ffn_peer(a) for a in range(4)] == [4, 4, 5, 5]
     assert topo.attention_peers(5) == [2, 3]
+
+
+@pytest.mark.dist
+def test_gloo_receives_are_posted_before_their_messages_arrive():
+    """Over an AFDGroup (two ranks, as tbo afd-ffn and a vLLM engine meet; here two threads): the attention side
+    posts each answer's receives when it sends the request, the FFN side the next request's into one of two buffers
+    of its largest request. Requests of several sizes round-trip intact (views of the right bytes of a reused
+    buffer), each direction has its own connection, and a header announcing more than the buffer is refused by
+    name before its payload is waited for."""
+    import threading
+
+    from tbo.afd.connector import TorchDistributedAFDConnector
+    from tbo.afd.group import AFDGroup, AFDPeerError
+
+    hidden, largest = 16, 8 * 16 * 4  # at most 8 fp32 tokens per request
+    bound, served, failure = [], [], []
+
+    def ffn_side() -> None:
+        group = AFDGroup.listen("127.0.0.1:0", {"tbo_afd": 1}, timeout_s=30, on_listening=lambda h, p: bound.append(p))
+        ffn = TorchDistributedAFDConnector(AFDTopology(1, 1), 30, group=group, max_request_bytes=largest)
+        try:
+            while True:
+                hidden_states, meta = ffn.recv_attn_output()
+                if meta.shutdown:
+                    break
+                assert ffn._next is not None  # the next request's receives are posted before this one's FFN
+                served.append((meta.layer_idx, meta.microbatch_idx, meta.num_tokens))
+                ffn.send_ffn_output(hidden_states * 2 + meta.layer_idx, meta)
+        except AFDPeerError as e:
+            failure.append(str(e))
+        finally:
+            ffn.flush()
+            group.close()
+
+    thread = threading.Thread(target=ffn_side, daemon=True)
+    thread.start()
+    while not bound:
+        thread.join(0.05)
+    group = AFDGroup.connect(f"127.0.0.1:{bound[0]}", timeout_s=30)
+    assert len(group.pg.options._devices) == 2  # a connection per direction: a message's tag is its sender
+    attention = TorchDistributedAFDConnector(AFDTopology(1, 1), 30, group=group)
+    assert attention.post_early
+    sent = {}
+    for layer, mb, tokens in [(0, 0, 5), (0, 1, 3), (1, 0, 8), (1, 1, 1)]:
+        meta = AFDMeta(layer, mb, 2, tokens, hidden)
+        sent[layer, mb] = (meta, torch.randn(tokens, hidden))
+        attention.send_attn_output(sent[layer, mb][1], meta)
+        assert (layer, mb) in attention._answers  # posted at send time
+    for (layer, mb), (meta, x) in sent.items():
+        assert torch.equal(attention.recv_ffn_output(meta), x * 2 + layer)
+    assert served == [(0, 0, 5), (0, 1, 3), (1, 0, 8), (1, 1, 1)] and not attention._answers
+    attention._send(None, AFDMeta(2, 0, 1, 9, hidden), 1)  # a header alone, announcing 9 tokens: over the buffer
+    attention.flush()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert failure and "9 tokens x 16: 576 bytes, more than the 512 this FFN rank takes" in failure[0], failure
+    group.close()

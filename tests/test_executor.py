@@ -180,6 +180,20 @@ def test_profile_adds_record_function_ranges():
     assert "tbo/mb1/stage3" in names and "tbo/mb0/dispatch_a" in names
 
 
+def test_op_times_sum_each_op_over_microbatches_and_layers():
+    """`OpTimes` with a clock that advances one tick per read: each op's start and end are one tick apart, so every
+    op adds exactly one tick per call; the waits are the ``*_b`` ops."""
+    from tbo.runtime.op_times import OpTimes
+
+    ticks = iter(range(1_000_000))
+    timer = OpTimes(clock=lambda: float(next(ticks)))
+    strategy = build(num_layers=2, delta=1)
+    execute_overlapped_operations(inputs((2, 2)), strategy, observer=[Recorder(), timer])
+    assert timer.calls == {name: 2 * 2 for name in OP_ORDER}  # 2 microbatches x 2 layers
+    assert timer.seconds == {name: 4.0 for name in OP_ORDER}
+    assert timer.exposed_wait_s() == 4.0 * sum(name.endswith("_b") for name in OP_ORDER) > 0
+
+
 def test_operation_error_names_microbatch_stage_op_and_stops():
     ran = []
 

@@ -137,8 +137,8 @@ def _rank_main(spec: dict[str, Any]) -> None:
     """One DP rank: an ``LLM`` with ``spec["engine"]`` (and ``additional_config["tbo"]`` when ``spec["tbo"]`` is
     not None), then each of ``spec["rounds"]`` (lists of token prompts) generated greedily with
     ``spec["max_tokens"]`` (one count, or one per round); prints one result line with the tokens, the seconds per round
-    and, with ``spec["logprobs"]``, each position's top log-probabilities. With ``spec["stagger_s"]`` each round's
-    first request goes ``stagger_s`` before the others (`_staggered`).
+    and, with ``spec["logprobs"]``, each position's top ``[token, log-probability]`` pairs. With ``spec["stagger_s"]``
+    each round's first request goes ``stagger_s`` before the others (`_staggered`).
 
     Every rank must bring requests to every round: offline (no DP coordinator), an engine with none does not wake
     for its peers' wave of steps, and they would wait for it until tbo's deadline. A rank with an empty round
@@ -172,9 +172,9 @@ def _rank_main(spec: dict[str, Any]) -> None:
             outs = []
         seconds.append(time.perf_counter() - t0)
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
-        if spec.get("logprobs"):  # per round, request and position: the top log-probabilities, best first
-            top.append([[sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in o.outputs[0].logprobs]
-                        for o in outs])
+        if spec.get("logprobs"):  # per round, request and position: [token, log-probability] pairs, best first
+            top.append([[sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda p: -p[1])
+                         for pos in o.outputs[0].logprobs] for o in outs])
     print(_RESULT + json.dumps({"tokens": rounds, "seconds": seconds, "logprobs": top}), flush=True)
     _barrier(spec, "done", float(spec.get("barrier_s", 300)))
     llm.llm_engine.engine_core.shutdown()

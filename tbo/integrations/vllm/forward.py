@@ -8,14 +8,17 @@ State) and its own forward context (`ContextSwitcher`), and the outputs are merg
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
+from tbo.core.observer import as_observer
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
 from tbo.runtime.forward import model_forward_maybe_tbo
+from tbo.runtime.op_times import OpTimes
 from tbo.split.plan import MicrobatchSlice
 
 __all__ = ["LayerLoop"]
@@ -33,6 +36,7 @@ class LayerLoop:
         self.stats = StepStats()
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`tbo.integrations.vllm.ep`)
         self.stats_file: StatsFile | None = None  #: ``stats_file``, written during the run (the engine sets it)
+        self.op_times = False  #: ``op_times``: time every op of the counted steps (the engine sets it)
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -49,16 +53,21 @@ class LayerLoop:
                 raise RuntimeError(f"tbo planned {plan.num_tokens} tokens but the model got {hidden.shape[0]}")
             if not step.empty_tail:  # empty tail: microbatch 0 is the whole step, in the step's own context
                 observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
+        counted = step is not None and step.mode != "warmup"
+        timer = OpTimes() if self.op_times and counted else None
         rows_before = self.traffic.remote_rows if self.traffic is not None else 0
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             return {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
 
         strategy = self.strategies[step.strategy_mode if step is not None else "prefill"]
+        t0 = time.perf_counter() if timer is not None else 0.0
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
-                                      output_key=_OUTPUTS, backend=self.backend, observer=observer)
+                                      output_key=_OUTPUTS, backend=self.backend,
+                                      observer=as_observer([observer, timer]))
+        layers_s = time.perf_counter() - t0 if timer is not None else 0.0
         hidden, _ = model.norm(out["hidden_states"], out["residual"])
-        if step is not None and step.mode != "warmup":
+        if counted:
             parts = 1 if plan is None else plan.num_microbatches
             cut = plan is not None and plan.two_chunk
             rows = self.traffic.remote_rows - rows_before if self.traffic is not None else 0
@@ -66,6 +75,8 @@ class LayerLoop:
                 s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
                 s.remote_rows += rows
                 s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
+                if timer is not None:
+                    s.add_op_times(timer.seconds, timer.calls, layers_s)
             if self.stats_file is not None:
                 self.stats_file.write(self.stats)
         return hidden

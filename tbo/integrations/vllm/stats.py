@@ -36,6 +36,11 @@ class StepStats:
     remote_rows: int = 0  #: token rows this rank's dispatches sent to other ranks, over the counted steps
     #: data parallel: steps with work of its own that ran the strategy a peer needed (it decoded, a peer prefilled)
     peer_strategy_steps: int = 0
+    #: ``op_times``: wall seconds and calls per op name (layers and microbatches summed), over the counted steps,
+    #: and the wall seconds of their layer stacks (what the ops do not cover is the executor's and tbo's own time)
+    op_seconds: dict[str, float] = field(default_factory=dict)
+    op_calls: dict[str, int] = field(default_factory=dict)
+    layers_seconds: float = 0.0
 
     def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
         """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
@@ -48,6 +53,13 @@ class StepStats:
             self.split_tokens += num_tokens
             self.split_steps_by_mode[mode] += 1
             self.cut_requests += int(cut_request)
+
+    def add_op_times(self, seconds: dict[str, float], calls: dict[str, int], layers_seconds: float) -> None:
+        """Add one step's `tbo.runtime.op_times.OpTimes` figures and its layer stack's wall time."""
+        self.layers_seconds += layers_seconds
+        for name, s in seconds.items():
+            self.op_seconds[name] = self.op_seconds.get(name, 0.0) + s
+            self.op_calls[name] = self.op_calls.get(name, 0) + calls[name]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,8 +97,9 @@ def stats() -> dict[str, Any]:
     ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``; ``idle``: a
     data-parallel rank's dummy steps while its peers work), ``cut_requests``, ``afd_stages_sent`` and
     ``local_ffn_calls`` (attention-FFN disaggregation), and with data parallel + expert parallel ``ep_size``,
-    ``remote_rows`` (token rows sent to other ranks) and ``peer_strategy_steps``. A copy: later steps do not change
-    it."""
+    ``remote_rows`` (token rows sent to other ranks) and ``peer_strategy_steps``; with ``op_times``,
+    ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
+    ``layers_seconds``. A copy: later steps do not change it."""
     return PROCESS_STATS.as_dict()
 
 

@@ -6,10 +6,11 @@ experts and routed scaling, or its dense MLP), with vLLM's fused-MoE kernel, cal
 it. So the FFN math is vLLM colocated's, the router included. There is no scheduler and no KV cache: the loop is
 `tbo.afd.AFDFFNServer`, fed by `tbo.afd`'s connector over an `AFDGroup` of its own.
 
-Every request's header is checked before its payload is allocated (layer in range, this model's hidden size and
-dtype, stage index below the stage count, at most ``--max-tokens`` tokens). The server exits 0 when the attention
-side says it shuts down; if the attention side goes away, or sends nothing for ``--idle-timeout-s``, it exits 3
-naming it.
+Every request's header is checked before its payload is used (layer in range, this model's hidden size and dtype,
+stage index below the stage count, at most ``--max-tokens`` tokens); payloads land in two buffers sized by
+``--max-tokens``, never by a header, posted before the requests arrive (`tbo.afd.connector`). The server exits 0
+when the attention side says it shuts down; if the attention side goes away, or sends nothing for
+``--idle-timeout-s``, it exits 3 naming it.
 """
 
 from __future__ import annotations
@@ -94,8 +95,13 @@ class VllmFFNModel:
         return ffn_info(self.vllm_config.model_config.hf_config.architectures[0], len(self.layers),
                         self.hf.hidden_size, self.dtype, self.max_tokens, self.kinds)
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest payload a request may carry (``--max-tokens`` of this model's hidden states)."""
+        return self.max_tokens * self.hf.hidden_size * self.dtype.itemsize
+
     def check_request(self, meta: AFDMeta) -> None:
-        """Refuse a request this model cannot serve, before its payload is allocated."""
+        """Refuse a request this model cannot serve, before its payload is used."""
         problems = []
         if not 0 <= meta.layer_idx < len(self.layers):
             problems.append(f"layer {meta.layer_idx} (the model has {len(self.layers)})")
@@ -164,7 +170,8 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_PEER
     connector = TorchDistributedAFDConnector(AFDTopology(1, 1), args.timeout_s, group=group,
                                              idle_timeout_s=args.idle_timeout_s, device=model.device,
-                                             check_request=model.check_request)
+                                             check_request=model.check_request,
+                                             max_request_bytes=model.max_request_bytes)
     server = AFDFFNServer(model, connector)
     try:
         served = server.serve()
