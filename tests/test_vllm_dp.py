@@ -7,8 +7,8 @@ over the same prompts (each rank's round in its own ``generate`` call). Qwen3-Mo
 DeepSeek-V3 float32: tokens exactly equal too; bfloat16: judged by the float32 model at every generated position,
 tbo's tokens as faithful as vLLM's own (tests/bf16_oracle.py); its references have vLLM's CPU rotary kernel fixed
 as the plugin fixes it. Every engine test also asserts that both ranks split steps and sent token rows to the other
-(``remote_rows > 0``): none passes with local experts or without splitting. Every process a test starts is killed when it ends, passing or failing
-(`run_dp`).
+(``remote_rows > 0``): none passes with local experts or without splitting. Every process a test starts is killed
+when it ends, passing or failing (`run_dp`).
 
 `make test-vllm` runs this file in .venv-vllm; without vLLM the engine tests skip and the agreement tests (gloo
 processes, no vLLM) still run.
