@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-#: nats: how much tbo's mean regret may exceed vLLM's. Correct bf16 engines measured 0.03 to 0.07 mean regret (one
+#: nats: how much tbo's mean regret may exceed vLLM's. Correct bf16 engines measured 0.02 to 0.06 mean regret (one
 #: flipped position among 50 adds up to 0.035); a wrong attention or experts computation picks tokens the model
 #: ranks far lower (mean regret well above 0.3).
 REGRET_SLACK = 0.15
