@@ -74,11 +74,13 @@ def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) 
     return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds, rank0
 
 
-def _comm(ops: dict[str, float], role: str) -> dict[str, float]:
-    """The ops of one communication role ("launch": ``*_a``, "wait": ``*_b``) and their seconds."""
-    from tbo.core.operations import comm_role
+def _parts(stats: dict) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Rank 0's op seconds (``op_times``) as compute (neither launch nor wait), launches and waits."""
+    from tbo.runtime.op_times import ops_of_role
 
-    return {n: s for n, s in ops.items() if (comm_role(n) or ("",))[0] == role}
+    ops = stats["op_seconds"]
+    launches, waits = ops_of_role(ops, "launch"), ops_of_role(ops, "wait")
+    return sum(ops.values()) - sum(launches.values()) - sum(waits.values()), launches, waits
 
 
 def compute_per_forward(stats: dict) -> float:
@@ -86,22 +88,18 @@ def compute_per_forward(stats: dict) -> float:
     against, so that a decode step's transfers take about as long as its compute (the step's time also holds
     vLLM's own work, which no overlap touches, and sizing against it made the link slower than the compute it could
     hide)."""
-    ops = stats["op_seconds"]
-    comm = sum(_comm(ops, "wait").values()) + sum(_comm(ops, "launch").values())
-    return (sum(ops.values()) - comm) / stats["steps"]
+    return _parts(stats)[0] / stats["steps"]
 
 
 def breakdown(stats: dict) -> str:
     """Rank 0's layer-stack time per counted forward: compute ops, launches (``*_a``: routing, the blocking count
     exchange with the peer, starting the transfers), each wait (``*_b``: exposed transfer time), and what no op
     covers (the executor, microbatch contexts, splitting and merging)."""
-    steps, ops = stats["steps"], stats["op_seconds"]
-    waits, launches = _comm(ops, "wait"), _comm(ops, "launch")
-    compute = sum(ops.values()) - sum(waits.values()) - sum(launches.values())
-    rest = stats["layers_seconds"] - sum(ops.values())
+    compute, launches, waits = _parts(stats)
+    rest = stats["layers_seconds"] - sum(stats["op_seconds"].values())
     cells = [stats["layers_seconds"], compute, sum(launches.values()),
              *(waits.get(n, 0.0) for n in ("dispatch_b", "combine_b")), rest]
-    return " | ".join(f"{1e3 * c / steps:.1f} ms" for c in cells)
+    return " | ".join(f"{1e3 * c / stats['steps']:.1f} ms" for c in cells)
 
 
 def main() -> None:

