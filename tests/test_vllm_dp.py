@@ -232,15 +232,14 @@ def models(tmp_path_factory):
     return _save_moe_models(tmp_path_factory.mktemp("dp_models"))
 
 
-def _reference(model: Path, rounds: list[list[list[int]]], logprobs: int | None = None, **kw) -> list:
+def _reference(model: Path, rounds: list[list[list[int]]], **kw) -> list:
     """vLLM's own tokens, DP = 1, without tbo: each rank's round in its own generate call."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=str(model), **{**ENGINE, **kw})
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True,
-                            logprobs=logprobs)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
     try:
         return [[o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                                     use_tqdm=False)] if prompts else [] for prompts in rounds]
@@ -250,8 +249,7 @@ def _reference(model: Path, rounds: list[list[list[int]]], logprobs: int | None 
         gc.collect()
 
 
-def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600,
-        logprobs: int | None = None, **kw) -> tuple:
+def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600, **kw) -> tuple:
     """Run the DP ranks; returns (runs, stats per rank). Fails with both ranks' output unless both exit 0."""
     from tbo.harness.vllm_dp import run_dp
 
@@ -260,7 +258,7 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
     stats = tmp_path / "stats-{rank}.json"
     specs = [dict(model=str(model), engine={**ENGINE, **kw, "enable_expert_parallel": True},
                   tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
-                  barrier_dir=str(barrier), logprobs=logprobs) for rounds in rounds_per_rank]
+                  barrier_dir=str(barrier)) for rounds in rounds_per_rank]
     runs = run_dp(specs, timeout_s=timeout_s)
     assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
     per_rank = []
