@@ -18,6 +18,9 @@ A tiny random Qwen3-MoE (``--hidden``, ``--layers``, ``--experts``) is saved in 
 downloaded. On 2 shared cores timing is noisy: run it several times and report the range.
 
     .venv-vllm/bin/python benchmarks/vllm.py            # after make test-vllm
+
+``--data-parallel 2`` measures data-parallel attention with expert parallelism instead (two DP rank processes, tbo
+carrying the expert traffic): it runs ``benchmarks/vllm_dp.py`` with the other arguments (see its ``--help``).
 """
 
 from __future__ import annotations
@@ -125,7 +128,26 @@ def close(engines: dict) -> None:
     gc.collect()
 
 
+def data_parallel(argv: list[str]) -> bool:
+    """``--data-parallel N`` in ``argv``: run the DP + EP benchmark (``vllm_dp.py``, DP = 2 only) with the rest of
+    ``argv`` and return True; False when it is absent or 1."""
+    import runpy
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--data-parallel", type=int, default=1)
+    known, rest = p.parse_known_args(argv)
+    if known.data_parallel == 1:
+        return False
+    if known.data_parallel != 2:
+        raise SystemExit(f"--data-parallel {known.data_parallel}: the DP + EP benchmark runs two DP ranks (2 cores)")
+    sys.argv = [str(Path(__file__).with_name("vllm_dp.py")), *rest]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    return True
+
+
 def main() -> None:
+    if data_parallel(sys.argv[1:]):
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -136,6 +158,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="rounds of decode and prefill per engine, after a warm-up")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: per mode, comm ~= compute")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="2: data-parallel attention + expert parallelism, two DP ranks (benchmarks/vllm_dp.py)")
     p.add_argument("--strategies", default="auto,qwen3_moe_prefill",
                    help="the plugin's strategy key for the split engines over the link, comma-separated: auto (the "
                         "model family's decode and prefill strategies) or a registered name for both modes")

@@ -207,3 +207,93 @@ def test_peer_death_raises_comm_timeout_error():
         launch(_peer_dies, 2, timeout_s=60, failure_grace_s=30)
     message = info.value.results[0]
     assert "rank 0: dispatch_a" in message and ("peer is gone" in message or "timed out" in message)
+
+
+# ---- agreed rows: NORMAL without the count exchange --------------------------------------------------------------
+
+
+def _agreed_rows(rank, world, signal_dir):
+    """The same microbatches dispatched twice, by the count exchange and by agreed rows (two in flight at once, one
+    of them empty on a rank); then rank 1 starts its dispatch only once rank 0's ``dispatch_a`` has returned, which
+    with a count exchange would wait for rank 1 forever."""
+    import os
+    from pathlib import Path
+
+    num_experts, top_k = 8, 2
+    experts = SwiGLUExperts.build(num_experts, HIDDEN, INTER, seed=7)
+    backend = TorchDistributedBackend(num_experts, DispatchFormat.NORMAL, timeout_s=30)
+    fn = experts.local(rank, backend.num_local_experts)
+    sizes = [[5 + 2 * r, 0 if r == 1 else 3] for r in range(world)]  # per rank, per microbatch
+    g = torch.Generator().manual_seed(300 + rank)
+    xs = [torch.randn(n, HIDDEN, generator=g) for n in sizes[rank]]
+    routes = [make_routing(x.shape[0], num_experts, top_k, seed=rank * 10 + i, drop=0.2) for i, x in enumerate(xs)]
+    exchanged = [moe(backend, x, *r, fn) for x, r in zip(xs, routes)]
+    exchanges = backend.count_exchanges
+    agreed = [tuple(s[m] for s in sizes) for m in range(2)]
+    states = [backend.dispatch_a(x, *r, rows_per_rank=agreed[m]) for m, (x, r) in enumerate(zip(xs, routes))]
+    sent = [s.nbytes for s in states]
+    outs = [backend.dispatch_b(s) for s in states]
+    combines = [backend.combine_a(run_experts(o, fn), o.handle) for o in outs]
+    overlapped = [backend.combine_b(c) for c in combines]
+    same = all(torch.equal(a, b) for a, b in zip(exchanged, overlapped))
+    # the ordering test: rank 0 launches first, and only then tells rank 1 to start
+    flag = Path(signal_dir) / "rank0-launched"
+    x, r = xs[0], routes[0]
+    if rank == 0:
+        state = backend.dispatch_a(x, *r, rows_per_rank=agreed[0])
+        flag.touch()
+    else:
+        deadline = time.monotonic() + 20
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not flag.exists():
+            return "rank 0 never returned from dispatch_a"
+        state = backend.dispatch_a(x, *r, rows_per_rank=agreed[0])
+    out = backend.dispatch_b(state)
+    late = backend.combine_b(backend.combine_a(run_experts(out, fn), out.handle))
+    return (same, torch.equal(late, exchanged[0]), exchanges, backend.count_exchanges - exchanges, sent,
+            [int(o.hidden.shape[0]) for o in outs], os.getpid())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_agreed_rows_dispatch_equals_the_exchange_and_waits_for_no_peer(world, tmp_path):
+    """NORMAL dispatch by agreed rows (`rows_per_rank`): bit-identical results to the count exchange's, with two
+    microbatches in flight and an empty one; no count exchange made; the padding is on the wire (and counted), and
+    dropped on arrival; and ``dispatch_a`` returns before the peer has even started its own."""
+    results = launch(_agreed_rows, world, str(tmp_path), timeout_s=180)
+    for rank, res in enumerate(results):
+        assert not isinstance(res, str), f"rank {rank}: {res}"
+        same, late_same, before, after, sent, received, _ = res
+        assert same and late_same, f"rank {rank}: agreed-rows results differ from the count exchange's"
+        assert before == 2 and after == 0, f"rank {rank}: count exchanges {before} then {after}"
+        row = HIDDEN * 4 + 2 * (8 + 4)  # fp32 row, int64 ids, fp32 weights
+        n = [5 + 2 * rank, 0 if rank == 1 else 3]
+        assert sent[0] >= (world - 1) * n[0] * row  # every peer's chunk padded to this rank's rows
+        assert received[0] <= sum(5 + 2 * r for r in range(world))  # the padding dropped on arrival
+    assert any(r[5][0] > 0 for r in results)  # rows did arrive
+
+
+def _bad_rows(rank, world):
+    backend = TorchDistributedBackend(8, DispatchFormat.NORMAL, timeout_s=5)
+    x, (idx, w) = torch.randn(3, HIDDEN), make_routing(3, 8, 2, seed=1)
+    errors = []
+    for rows in ([3], [3, -1], [4, 3] if rank == 0 else [3, 4]):
+        try:
+            backend.dispatch_a(x, idx, w, rows_per_rank=rows)
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        TorchDistributedBackend(8, DispatchFormat.EXPANDED, timeout_s=5).dispatch_a(x, idx, w, rows_per_rank=[3, 3])
+    except ValueError as e:
+        errors.append(str(e))
+    return errors, backend.count_exchanges, len(backend.transport.in_flight)
+
+
+@pytest.mark.dist
+def test_agreed_rows_that_cannot_be_this_dispatchs_are_refused_by_name():
+    for errors, exchanges, in_flight in launch(_bad_rows, 2, timeout_s=60):
+        assert len(errors) == 4 and exchanges == 0 and in_flight == 0, errors
+        assert "must give 2 row counts" in errors[0] and "must give 2 row counts" in errors[1]
+        assert "dispatches 4 rows, but it was given 3" in errors[2]
+        assert "needs the NORMAL layout" in errors[3]

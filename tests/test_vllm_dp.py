@@ -46,11 +46,19 @@ def _prompt(n: int, start: int) -> list[int]:
 
 
 def test_decide_step_rule():
-    wants = StepVote(2, True, True, "decode")
-    idle = StepVote(2, False, True, "idle")
-    prefill = StepVote(2, False, True, "prefill")
+    wants = StepVote(2, True, True, "decode", (3, 2))
+    idle = StepVote(2, False, True, "idle", (1, 0))
+    prefill = StepVote(2, False, True, "prefill", (9, 0))
     a = decide_step((wants, idle))
     assert (a.split, a.num_microbatches, a.strategy_mode, a.idle_ranks) == (True, 2, "decode", 1)
+    assert a.rows == ((3, 1), (2, 0))  # per microbatch, per rank
+    assert decide_step((idle, prefill)).rows == ((1, 9),)  # unsplit: each rank's total
+    assert decide_step((wants, StepVote(2, False, True, "idle"))).rows is None  # a rank did not tell
+    for bad in ((5,), (3, -1)):
+        with pytest.raises(ValueError, match="StepVote.rows must give 2 row counts"):
+            StepVote(2, True, True, "decode", bad)
+    with pytest.raises(ValueError, match="num_microbatches must be 1..16"):
+        StepVote(17, True, True, "decode")
     assert decide_step((wants, prefill)).strategy_mode == "prefill"  # its collectives' order rules
     assert not decide_step((wants, StepVote(2, True, False, "decode"))).split  # one veto: nobody splits
     assert not decide_step((idle, prefill)).split  # nobody planned a split
@@ -61,15 +69,15 @@ def test_decide_step_rule():
 
 
 def _agree_rank(rank: int, world: int) -> tuple:
-    votes = [StepVote(2, True, True, "decode"), StepVote(2, False, True, "idle")]
+    votes = [StepVote(2, True, True, "decode", (7, 6)), StepVote(2, False, True, "idle", (1, 0))]
     a = agree_step(votes[rank], timeout_s=20)
     if rank == 1:
-        return (a.split, a.strategy_mode)  # and then never takes part in the second agreement
+        return (a.split, a.strategy_mode, a.rows)  # and then never takes part in the second agreement
     try:
         agree_step(votes[0], timeout_s=2)
     except CommTimeoutError as e:
-        return (a.split, a.strategy_mode, str(e))
-    return (a.split, a.strategy_mode, "no error")
+        return (a.split, a.strategy_mode, a.rows, str(e))
+    return (a.split, a.strategy_mode, a.rows, "no error")
 
 
 @pytest.mark.dist
@@ -77,9 +85,9 @@ def test_agree_step_over_gloo_and_a_missing_peer_is_named():
     from tbo.harness.launch import launch
 
     results = launch(_agree_rank, 2, timeout_s=120)
-    assert results[1] == (True, "decode")
-    split, mode, error = results[0]
-    assert (split, mode) == (True, "decode")
+    assert results[1] == (True, "decode", ((7, 1), (6, 0)))
+    split, mode, rows, error = results[0]
+    assert (split, mode, rows) == (True, "decode", ((7, 1), (6, 0)))
     assert "rank 0" in error and "agree_step" in error, error
 
 
@@ -159,8 +167,9 @@ def test_vllm_engine_loop_dp_all_reduce_is_bounded_and_named_on_a_stalled_peer()
     assert "timed out after 2s" in error and waited < 8, (error, waited)
 
 
-def _zero_rows_rank(rank: int, world: int) -> tuple:
-    """Rank 0 dispatches no rows at all (an empty microbatch), rank 1 five tokens, some to each rank's experts."""
+def _zero_rows_rank(rank: int, world: int, agreed: bool) -> tuple:
+    """Rank 0 dispatches no rows at all (an empty microbatch), rank 1 five tokens, some to each rank's experts;
+    ``agreed``: by the rows both ranks agreed (padded, no count exchange), as a DP step's dispatches go."""
     import torch
 
     from tbo.integrations.vllm.ep import EpBackend
@@ -171,24 +180,28 @@ def _zero_rows_rank(rank: int, world: int) -> tuple:
     x = torch.arange(n * h, dtype=torch.float32).view(n, h)
     ids = torch.tensor([[0, 3], [1, 2], [2, 3], [0, 1], [3, 1]])[:n]
     weights = torch.full((n, 2), 0.5)
-    d = backend.dispatch_b(backend.dispatch_a(x, ids, weights))
+    d = backend.dispatch_b(backend.dispatch_a(x, ids, weights, **({"rows_per_rank": (0, 5)} if agreed else {})))
     # the experts: local expert e multiplies by (global id + 1); -1 slots (other rank's experts) add nothing
     local = d.topk_idx
     scale = torch.where(local >= 0, (local + 1 + rank * 2).float(), torch.zeros_like(local, dtype=torch.float32))
     out = d.hidden * (scale * d.topk_weights.float()).sum(1, keepdim=True)
     y = backend.combine_b(backend.combine_a(out, d.handle))
     want = x * (weights * (ids + 1).float()).sum(1, keepdim=True)
-    return (tuple(y.shape), bool(torch.equal(y, want)), backend.remote_rows, int(d.hidden.shape[0]))
+    return (tuple(y.shape), bool(torch.equal(y, want)), backend.remote_rows, int(d.hidden.shape[0]),
+            backend.count_exchanges)
 
 
 @pytest.mark.dist
-def test_ep_backend_dispatch_and_combine_handle_zero_rows_and_count_remote_rows():
+@pytest.mark.parametrize("agreed", [False, True], ids=["count-exchange", "agreed-rows"])
+def test_ep_backend_dispatch_and_combine_handle_zero_rows_and_count_remote_rows(agreed):
     from tbo.harness.launch import launch
 
-    (shape0, ok0, remote0, got0), (shape1, ok1, remote1, got1) = launch(_zero_rows_rank, 2, timeout_s=120)
+    (shape0, ok0, remote0, got0, ex0), (shape1, ok1, remote1, got1, ex1) = launch(_zero_rows_rank, 2, agreed,
+                                                                                   timeout_s=120)
     assert shape0 == (0, 8) and ok0 and remote0 == 0  # nothing to send, still took part in every collective
     assert shape1 == (5, 8) and ok1
     assert remote1 == 4 and got0 == 4  # 4 of its 5 tokens name an expert of rank 0 (0 or 1): 4 rows sent there
+    assert ex0 == ex1 == (0 if agreed else 1)  # agreed rows: the padding (5 rows to rank 0, 1 of them) dropped
 
 
 class _Par:
@@ -210,6 +223,26 @@ def test_dp_ep_combinations_refused_by_name(kw, match):
     check_dp_ep(_Par())  # DP 2 + EP, TP 1, linear: accepted
     with pytest.raises(TboConfigError, match=match):
         check_dp_ep(_Par(**kw))
+
+
+def test_more_microbatches_than_the_agreement_carries_refused_at_engine_start():
+    from tbo.integrations.vllm.config import TboConfigError
+    from tbo.integrations.vllm.dp import StepAgreementHook
+
+    StepAgreementHook(16, None, 1.0)
+    with pytest.raises(TboConfigError, match=r"num_microbatches=17: not supported .*at most 16 with data parallel"):
+        StepAgreementHook(17, None, 1.0)
+
+
+def test_microbatch_rows_of_a_step():
+    from tbo.integrations.vllm.dp import empty_tail_plan
+    from tbo.integrations.vllm.step import microbatch_rows
+    from tbo.split import ForwardMode, SplitPolicy
+
+    plan = SplitPolicy().plan(ForwardMode.DECODE, 7, None)
+    assert microbatch_rows(plan, 7, 2) == tuple(mb.tokens_len for mb in plan.microbatches) and sum(
+        microbatch_rows(plan, 7, 2)) == 7
+    assert microbatch_rows(None, 3, 3) == (3, 0, 0) == microbatch_rows(empty_tail_plan(3, 3), 3, 3)
 
 
 def test_empty_tail_plan():
@@ -273,6 +306,7 @@ def _assert_both_split_and_sent(per_rank: list[dict], microbatches: int) -> None
     for rank, s in enumerate(per_rank):
         assert s["ep_size"] == 2, (rank, s)
         assert s["split_steps"] > 0 and s["remote_rows"] > 0, (rank, s)
+        assert s["count_exchanges"] == 0, (rank, s)  # every dispatch went by the step's agreed rows
         assert s["microbatches"] == microbatches * s["split_steps"], (rank, s)
 
 

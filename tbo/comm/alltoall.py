@@ -5,6 +5,14 @@ and lays the rows out in the requested `DispatchFormat`. ``combine_a`` launches 
 route; ``combine_b`` waits and reduces over the top-k slots. The local backend is the same code with an identity
 transport, which is why it is the reference for equivalence.
 
+The count exchange waits for every peer to reach the same dispatch: it absorbs all the skew between the ranks, on
+the host, before the payload even starts, twice as often when a step splits. NORMAL layout can skip it when the
+ranks agreed beforehand on how many token rows each dispatches (``rows_per_rank``: `tbo.split.agree` carries them
+in its once-per-step all-reduce). A token goes to a rank at most once, so those rows bound what any peer can send:
+each peer's chunk is padded to the sender's row count (zero rows, every top-k slot -1), ``dispatch_a`` launches at
+once, and ``dispatch_b`` drops the padding. Fixed receive sizes, as DeepEP's low-latency mode has, for the price of
+the padding's bytes.
+
 What a CUDA graph can capture (no host sync, no data-dependent shape), per backend and format:
 
 * `LocalBackend`, MASKED with a fixed ``masked_capacity``: **capture-safe**. Routing is a stable sort and a
@@ -23,7 +31,7 @@ What a CUDA graph can capture (no host sync, no data-dependent shape), per backe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -81,6 +89,18 @@ def _sum_by_token(rows: torch.Tensor, route: NormalRoute, num_tokens: int) -> to
     return out
 
 
+def _drop_padding(rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                  chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows a padded NORMAL dispatch received, without the padding, and how many came from each rank. A rank's
+    real rows come first in its chunk, each naming at least one of this rank's experts; padding names none."""
+    real = (idx >= 0).any(dim=1)
+    source = torch.repeat_interleave(torch.arange(len(chunks), device=idx.device),
+                                     torch.tensor(chunks, device=idx.device))
+    recv_counts = torch.bincount(source[real], minlength=len(chunks))
+    keep = torch.nonzero(real).squeeze(1)
+    return rows[keep], idx[keep], weights[keep], recv_counts
+
+
 class AllToAllBackend:
     """Expert-parallel dispatch/combine over a `Transport`, in any `DispatchFormat`."""
 
@@ -98,6 +118,8 @@ class AllToAllBackend:
         self.num_ranks = transport.num_ranks
         self.num_experts = num_experts
         self.num_local_experts = num_experts // transport.num_ranks
+        #: blocking row-count exchanges this backend's dispatches made (none where the rows were agreed)
+        self.count_exchanges = 0
 
     @property
     def capture_safe(self) -> bool:
@@ -120,16 +142,30 @@ class AllToAllBackend:
                 f"num_experts={self.num_experts}, format={self.format.name})")
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchState:
+    @property
+    def accepts_rows_per_rank(self) -> bool:
+        """Whether `dispatch_a` takes ``rows_per_rank`` (NORMAL layout): the agreed rows that replace the count
+        exchange."""
+        return self.format is DispatchFormat.NORMAL
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+                   rows_per_rank: Sequence[int] | None = None) -> DispatchState:
         """`EPBackend.dispatch_a`: exchange the row counts (small, blocking), then launch the rows; on the
         capture-safe path (MASKED, fixed capacity, one rank), scatter into fixed-shape slabs with no host read.
-        ``topk_idx`` comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
+        ``topk_idx`` comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``.
+
+        ``rows_per_rank`` (NORMAL only): the token rows every rank passes to this same dispatch, indexed by rank and
+        agreed by all of them beforehand (this rank's must be ``hidden``'s). Then nothing is exchanged and nothing
+        waits here: each peer's chunk is padded to the sender's rows (see the module docstring)."""
         check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a", sync_free=self.capture_safe)
+        if rows_per_rank is not None and not self.accepts_rows_per_rank:
+            raise ValueError(f"dispatch_a: rows_per_rank needs the NORMAL layout, this backend's is {self.format.name}")
         if self.capture_safe:
             return self._dispatch_a_static(hidden, topk_idx, topk_weights)
         if self.format is DispatchFormat.NORMAL:
-            return self._dispatch_a_normal(hidden, topk_idx, topk_weights)
+            return self._dispatch_a_normal(hidden, topk_idx, topk_weights, rows_per_rank)
         route = expanded_route(topk_idx, self.num_ranks, self.num_local_experts)
+        self.count_exchanges += 1
         recv_counts = self.transport.exchange(route.send_counts.reshape(-1), "dispatch_a (row counts)")
         recv_counts = recv_counts.view(self.num_ranks, self.num_local_experts)
         rows = hidden[torch.div(route.pair_ids, route.top_k, rounding_mode="floor")]
@@ -138,9 +174,14 @@ class AllToAllBackend:
         return DispatchState(pending, rows.nbytes, {"route": route, "recv_counts": recv_counts,
                                                     "topk_weights": topk_weights})
 
-    def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
-                           topk_weights: torch.Tensor) -> DispatchState:
+    def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                           rows_per_rank: Sequence[int] | None) -> DispatchState:
         route = normal_route(topk_idx, topk_weights, self.num_ranks, self.num_local_experts)
+        if rows_per_rank is not None:
+            bounds = self._checked_rows(rows_per_rank, hidden.shape[0])
+            if not route.identity:
+                return self._dispatch_a_padded(hidden, route, bounds)
+        self.count_exchanges += 1
         recv_counts = self.transport.exchange(route.send_counts, "dispatch_a (token counts)")
         if route.identity:  # one rank: what is sent is what arrives, and its size needs no host read
             send = recv = [hidden.shape[0]]
@@ -155,6 +196,44 @@ class AllToAllBackend:
         nbytes = rows.nbytes + route.local_idx.nbytes + route.weights.nbytes
         return DispatchState(pending, nbytes, {"route": route, "recv_counts": recv_counts,
                                                "num_tokens": hidden.shape[0]})
+
+    def _checked_rows(self, rows_per_rank: Sequence[int], num_tokens: int) -> list[int]:
+        """``rows_per_rank`` as a list, refused by name when it cannot be the agreed rows of this dispatch: a wrong
+        count here would make the ranks' transfers disagree in size."""
+        bounds = [int(n) for n in rows_per_rank]
+        if len(bounds) != self.num_ranks or min(bounds) < 0:
+            raise ValueError(f"dispatch_a: rows_per_rank must give {self.num_ranks} row counts >= 0 (one per rank), "
+                             f"got {list(rows_per_rank)}")
+        if bounds[self.rank] != num_tokens:
+            raise ValueError(f"dispatch_a: rows_per_rank says rank {self.rank} dispatches {bounds[self.rank]} rows, "
+                             f"but it was given {num_tokens}: the agreed rows are not this microbatch's")
+        return bounds
+
+    def _dispatch_a_padded(self, hidden: torch.Tensor, route: NormalRoute, bounds: list[int]) -> DispatchState:
+        """NORMAL without the count exchange: the chunk for each peer padded to this rank's rows (the most it can
+        send any rank), the peers' chunks received at their agreed rows; this rank's own chunk exact both ways."""
+        n, me, w = hidden.shape[0], self.rank, self.num_ranks
+        counts = route.send_counts.tolist()
+        send = [counts[q] if q == me else n for q in range(w)]
+        recv = [counts[me] if p == me else bounds[p] for p in range(w)]
+        dev = route.token_ids.device
+        shift = (torch.tensor(send, device=dev).cumsum(0) - torch.tensor(send, device=dev)
+                 - route.send_counts.cumsum(0) + route.send_counts)  # per destination: padded start - exact start
+        at = torch.arange(route.token_ids.shape[0], device=dev) + torch.repeat_interleave(shift, route.send_counts)
+        total, k = sum(send), route.local_idx.shape[1]
+        rows = hidden.new_zeros((total, hidden.shape[1]))
+        rows[at] = hidden[route.token_ids]
+        idx = route.local_idx.new_full((total, k), -1)
+        idx[at] = route.local_idx
+        weights = route.weights.new_zeros((total, k))
+        weights[at] = route.weights
+        pending = (
+            self.transport.start(rows, send, recv, "dispatch_b (tokens)"),
+            self.transport.start(idx, send, recv, "dispatch_b (topk_idx)"),
+            self.transport.start(weights, send, recv, "dispatch_b (topk_weights)"),
+        )
+        return DispatchState(pending, rows.nbytes + idx.nbytes + weights.nbytes,
+                             {"route": route, "padded_recv": recv, "num_tokens": n})
 
     def _slab_rows(self, tokens: int, device: torch.device) -> int:
         """Rows per expert slab: the step's tokens, which no routing can overflow (top-k picks distinct experts).
@@ -197,8 +276,11 @@ class AllToAllBackend:
                                   _StaticMaskedHandle(route, info["topk_weights"]))
         if self.format is DispatchFormat.NORMAL:
             rows, idx, weights = (self.transport.finish(p) for p in state.pending)
+            recv_counts = info.get("recv_counts")
+            if recv_counts is None:  # padded chunks (agreed rows): a real row names a local expert, padding none
+                rows, idx, weights, recv_counts = _drop_padding(rows, idx, weights, info["padded_recv"])
             counts = count_per_expert(idx, self.num_local_experts)
-            handle = _NormalHandle(info["route"], info["recv_counts"], info["num_tokens"])
+            handle = _NormalHandle(info["route"], recv_counts, info["num_tokens"])
             return DispatchOutput(DispatchFormat.NORMAL, rows, counts, handle, topk_idx=idx, topk_weights=weights)
         rows = self.transport.finish(state.pending)
         perm = expert_major_perm(info["recv_counts"])

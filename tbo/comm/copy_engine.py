@@ -187,6 +187,11 @@ class CopyEngineLink(BackendWrapper):
         return {"transfers": len(self.transfers), "bytes": sum(t.nbytes for t in self.transfers),
                 "comm_s": sum(durations), "exposed_s": sum(exposed)}
 
+    @property
+    def accepts_rows_per_rank(self) -> bool:
+        """False: this link moves the step's tensors itself, with no count exchange to replace."""
+        return False
+
     # ---- dispatch / combine -------------------------------------------------------------------------------------
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> _Sent:
         t = hidden.shape[0]

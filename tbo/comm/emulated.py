@@ -163,10 +163,11 @@ class EmulatedLink(BackendWrapper):
         self.clock.sleep_until(transfer.complete)
         transfer.wait_end = max(self.clock.now(), transfer.wait_start)
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> _InFlight:
-        """The inner `EPBackend.dispatch_a`, booked on the link (``topk_idx`` before ``topk_weights``, unlike
-        ``torch.topk``)."""
-        inner = self.inner.dispatch_a(hidden, topk_idx, topk_weights)
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   **agreed: Any) -> _InFlight:
+        """The inner `EPBackend.dispatch_a` (``agreed``: its ``rows_per_rank``), booked on the link (``topk_idx``
+        before ``topk_weights``, unlike ``torch.topk``)."""
+        inner = self.inner.dispatch_a(hidden, topk_idx, topk_weights, **agreed)
         nbytes = getattr(inner, "nbytes", 0) or hidden.nbytes * topk_idx.shape[1]
         return _InFlight(inner, self._book("dispatch", nbytes))
 

@@ -145,12 +145,20 @@ class BackendWrapper:
         """The inner backend's fixed MASKED capacity (None: none is set): a wrapper moves the same slabs."""
         return getattr(self.inner, "masked_capacity", None)
 
+    @property
+    def accepts_rows_per_rank(self) -> bool:
+        """Whether ``dispatch_a`` takes the agreed ``rows_per_rank`` (the inner backend's: a wrapper passes them on;
+        see `tbo.comm.alltoall`)."""
+        return bool(getattr(self.inner, "accepts_rows_per_rank", False))
+
     def drain(self) -> int:
         return self.inner.drain()
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
-        """The inner backend's `EPBackend.dispatch_a` (``topk_idx`` before ``topk_weights``, unlike torch.topk)."""
-        return self.inner.dispatch_a(hidden, topk_idx, topk_weights)
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   **agreed: Any) -> Any:
+        """The inner backend's `EPBackend.dispatch_a` (``topk_idx`` before ``topk_weights``, unlike torch.topk);
+        ``agreed`` (``rows_per_rank``) passed on."""
+        return self.inner.dispatch_a(hidden, topk_idx, topk_weights, **agreed)
 
     def dispatch_b(self, state: Any) -> DispatchOutput:
         """The inner backend's `EPBackend.dispatch_b`."""

@@ -353,9 +353,9 @@ class _Traced(BackendWrapper):
         super().__init__(inner)
         self.tracer = tracer
 
-    def _launch(self, kind: str, fn: Any, *args: Any) -> Any:
+    def _launch(self, kind: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         start = self.tracer.stamp()
-        state = fn(*args)
+        state = fn(*args, **kwargs)
         transfer = getattr(state, "transfer", None)
         nbytes = getattr(transfer, "nbytes", getattr(state, "nbytes", 0))
         if getattr(transfer, "start", None) is not None and hasattr(transfer, "end"):  # a CopyEngineLink, timed
@@ -375,8 +375,8 @@ class _Traced(BackendWrapper):
             self.tracer.on_comm_wait(kind, start, end)
         return out
 
-    def dispatch_a(self, hidden: Any, topk_idx: Any, topk_weights: Any) -> Any:
-        return self._launch("dispatch", self.inner.dispatch_a, hidden, topk_idx, topk_weights)
+    def dispatch_a(self, hidden: Any, topk_idx: Any, topk_weights: Any, **agreed: Any) -> Any:
+        return self._launch("dispatch", self.inner.dispatch_a, hidden, topk_idx, topk_weights, **agreed)
 
     def dispatch_b(self, state: Any) -> Any:
         return self._wait("dispatch", state, self.inner.dispatch_b)

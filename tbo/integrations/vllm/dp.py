@@ -10,7 +10,9 @@ DP group (its gloo CPU group) settles, the same on every rank:
   rule: a request reading blocks another request of the same step writes). A rank whose own tokens are too few (or none: an idle rank's dummy step) still runs the
   agreed microbatches, all its tokens in the first and the others empty (`Step.empty_tail`);
 * the microbatch count (the same config on every rank, checked);
-* the strategy: prefill when any rank prefills, decode otherwise (their collectives come in different orders).
+* the strategy: prefill when any rank prefills, decode otherwise (their collectives come in different orders);
+* every rank's token rows in each microbatch (`Step.rows`): the dispatches send by them, padded, and none waits on a
+  row-count exchange with its peers (`tbo.comm.alltoall`).
 
 The profiling and warm-up runs vote too (every rank runs the same ones), so their collectives match; they are not
 counted in `stats`; their agreements wait up to `WARMUP_TIMEOUT_S` (the ranks finish loading at different times). A
@@ -25,9 +27,9 @@ from typing import Any
 
 from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.checks import _refuse
-from tbo.integrations.vllm.step import Step
+from tbo.integrations.vllm.step import Step, microbatch_rows
 from tbo.split import ForwardMode
-from tbo.split.agree import StepVote, agree_step
+from tbo.split.agree import MAX_AGREED_MICROBATCHES, StepVote, agree_step
 from tbo.split.index import Cut
 from tbo.split.plan import SplitPlan, plan_from_cuts
 
@@ -74,12 +76,15 @@ class StepAgreementHook:
     """Called by `RunnerPatches` with this rank's own `Step`; returns the step every rank agreed to run."""
 
     def __init__(self, num_microbatches: int, group: Any, timeout_s: float) -> None:
+        if num_microbatches > MAX_AGREED_MICROBATCHES:
+            _refuse("num_microbatches", num_microbatches, f"at most {MAX_AGREED_MICROBATCHES} with data parallel",
+                    "the step agreement carries every rank's rows per microbatch in a table of fixed width")
         self.num_microbatches, self.group, self.timeout_s = num_microbatches, group, timeout_s
         self.last: Any = None  #: the last `StepAgreement` (for tests and logs)
 
     def __call__(self, step: Step, vetoed: bool) -> Step:
         vote = StepVote(self.num_microbatches, wants_split=step.plan is not None, can_split=not vetoed,
-                        mode=_mode_of(step))
+                        mode=_mode_of(step), rows=microbatch_rows(step.plan, step.num_tokens, self.num_microbatches))
         # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
         timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
         try:
@@ -95,7 +100,8 @@ class StepAgreementHook:
             plan, empty_tail = step.plan, False
         else:
             plan, empty_tail = empty_tail_plan(step.num_tokens, agreed.num_microbatches), True
-        return Step(step.mode, step.forward_mode, step.num_tokens, plan, agreed.strategy_mode, empty_tail)
+        return Step(step.mode, step.forward_mode, step.num_tokens, plan, agreed.strategy_mode, empty_tail,
+                    agreed.rows)
 
 
 def call_bounded(group: Any, timeout_s: float, what: str, call: Any, /, *args: Any, label: str | None = None,

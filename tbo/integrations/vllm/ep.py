@@ -17,7 +17,7 @@ and combines pair up with its peers'.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -54,8 +54,9 @@ class EpBackend(TorchDistributedBackend):
         super().__init__(num_experts, DispatchFormat.NORMAL, group=group, timeout_s=timeout_s)
         self.remote_rows = 0
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Any:
-        state = super().dispatch_a(hidden, topk_idx, topk_weights)
+    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+                   rows_per_rank: Sequence[int] | None = None) -> Any:
+        state = super().dispatch_a(hidden, topk_idx, topk_weights, rows_per_rank=rows_per_rank)
         sent = state.info["route"].send_counts
         self.remote_rows += int(sent.sum()) - int(sent[self.rank])
         return state
@@ -105,6 +106,14 @@ class EpDecoderLayer(VllmDecoderLayer):
         # vLLM's experts kernel as it is, behind the prepare/finalize that moves nothing: its own (naive DP/EP:
         # all_gatherv, reduce_scatter) would move the tokens a second time, and does not run on a CPU
         self._kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), impl.fused_experts)
+
+    def op_dispatch_a(self, state: State) -> None:
+        """The dispatch, sent by the rows every rank agreed for this microbatch (``rows_per_rank``, pinned by the
+        layer loop) where the backend takes them: no row-count exchange with the peers, nothing waits here."""
+        if "rows_per_rank" not in state or not getattr(self.backend, "accepts_rows_per_rank", False):
+            return super().op_dispatch_a(state)
+        x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
+        state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"), rows_per_rank=state.rows_per_rank)
 
     # ---- a microbatch of zero rows runs no vLLM kernel -----------------------------------------------------------
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,

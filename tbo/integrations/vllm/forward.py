@@ -55,10 +55,13 @@ class LayerLoop:
                 observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
         counted = step is not None and step.mode != "warmup"
         timer = OpTimes() if self.op_times and counted else None
-        rows_before = self.traffic.remote_rows if self.traffic is not None else 0
+        traffic_before = self._traffic()
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
-            return {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
+            values = {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
+            if step is not None and step.rows is not None:  # data parallel: every rank's rows, agreed
+                values["rows_per_rank"] = step.rows[0 if mb is None else mb.microbatch_idx]
+            return values
 
         strategy = self.strategies[step.strategy_mode if step is not None else "prefill"]
         t0 = time.perf_counter() if timer is not None else 0.0
@@ -70,13 +73,19 @@ class LayerLoop:
         if counted:
             parts = 1 if plan is None else plan.num_microbatches
             cut = plan is not None and plan.two_chunk
-            rows = self.traffic.remote_rows - rows_before if self.traffic is not None else 0
+            rows, exchanges = (a - b for a, b in zip(self._traffic(), traffic_before))
             for s in (self.stats, PROCESS_STATS):
                 s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
                 s.remote_rows += rows
+                s.count_exchanges += exchanges
                 s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
                 if timer is not None:
                     s.add_op_times(timer.seconds, timer.calls, layers_s)
             if self.stats_file is not None:
                 self.stats_file.write(self.stats)
         return hidden
+
+    def _traffic(self) -> tuple[int, int]:
+        """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zeros without one)."""
+        t = self.traffic
+        return (t.remote_rows, t.count_exchanges) if t is not None else (0, 0)

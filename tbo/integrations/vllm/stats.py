@@ -34,6 +34,9 @@ class StepStats:
     local_ffn_calls: int = 0  #: FFN or MoE computations on this side (0 under AFD: the FFN server makes them)
     ep_size: int = 1  #: the expert-parallel group's size (data parallel + expert parallel; 1 otherwise)
     remote_rows: int = 0  #: token rows this rank's dispatches sent to other ranks, over the counted steps
+    #: dispatches that waited on a blocking row-count exchange with the peers (none where the step agreed every
+    #: rank's rows: `tbo.split.agree`), over the counted steps
+    count_exchanges: int = 0
     #: data parallel: steps with work of its own that ran the strategy a peer needed (it decoded, a peer prefilled)
     peer_strategy_steps: int = 0
     #: ``op_times``: wall seconds and calls per op name (layers and microbatches summed), over the counted steps,
@@ -97,7 +100,8 @@ def stats() -> dict[str, Any]:
     ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``; ``idle``: a
     data-parallel rank's dummy steps while its peers work), ``cut_requests``, ``afd_stages_sent`` and
     ``local_ffn_calls`` (attention-FFN disaggregation), and with data parallel + expert parallel ``ep_size``,
-    ``remote_rows`` (token rows sent to other ranks) and ``peer_strategy_steps``; with ``op_times``,
+    ``remote_rows`` (token rows sent to other ranks), ``count_exchanges`` (dispatches that waited on a row-count
+    exchange: none once the step agreed every rank's rows) and ``peer_strategy_steps``; with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
     ``layers_seconds``. A copy: later steps do not change it."""
     return PROCESS_STATS.as_dict()

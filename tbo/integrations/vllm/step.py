@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 
-__all__ = ["Step", "decide", "ubatch_slices"]
+__all__ = ["Step", "decide", "microbatch_rows", "ubatch_slices"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class Step:
     #: the plan puts every token in microbatch 0 and leaves the others empty: they run only for their collectives
     #: (vLLM's runner runs the step unsplit)
     empty_tail: bool = False
+    #: data parallel: per microbatch (one entry unsplit), the token rows every DP rank runs in it, indexed by rank
+    #: (`tbo.split.agree.StepAgreement.rows`); its dispatches send by them, with no count exchange. None: not agreed
+    rows: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def strategy_mode(self) -> str:
@@ -70,6 +73,14 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
     if allowed and not cascade and padded_tokens == num_tokens and len(lens) > 0:
         plan = policy.plan(fmode, num_tokens, None if fmode is ForwardMode.DECODE else lens)
     return Step(mode, fmode, num_tokens, plan)
+
+
+def microbatch_rows(plan: SplitPlan | None, num_tokens: int, num_microbatches: int) -> tuple[int, ...]:
+    """The token rows of each of ``num_microbatches`` microbatches should this step split: ``plan``'s, or (no plan of
+    its own) every token in the first and none in the others."""
+    if plan is None:
+        return (num_tokens,) + (0,) * (num_microbatches - 1)
+    return tuple(mb.tokens_end - mb.tokens_start for mb in plan.microbatches)
 
 
 def ubatch_slices(plan: SplitPlan) -> list[Any]:
