@@ -236,6 +236,13 @@ def _agreed_rows(rank, world, signal_dir):
     combines = [backend.combine_a(run_experts(o, fn), o.handle) for o in outs]
     overlapped = [backend.combine_b(c) for c in combines]
     same = all(torch.equal(a, b) for a, b in zip(exchanged, overlapped))
+    # bf16 rows travel as bytes: what arrives is bit for bit what the count exchange delivers
+    low = [backend.dispatch_b(backend.dispatch_a(xs[0].bfloat16(), *routes[0], **kw))
+           for kw in ({}, {"rows_per_rank": agreed[0]})]
+    same = same and all(torch.equal(getattr(low[0], f), getattr(low[1], f)) for f in ("hidden", "topk_idx",
+                                                                                     "topk_weights"))
+    same = same and low[1].hidden.dtype == torch.bfloat16
+    exchanges += 1
     # the ordering test: rank 0 launches first, and only then tells rank 1 to start
     flag = Path(signal_dir) / "rank0-launched"
     x, r = xs[0], routes[0]
@@ -266,7 +273,7 @@ def test_agreed_rows_dispatch_equals_the_exchange_and_waits_for_no_peer(world, t
         assert not isinstance(res, str), f"rank {rank}: {res}"
         same, late_same, before, after, sent, received, _ = res
         assert same and late_same, f"rank {rank}: agreed-rows results differ from the count exchange's"
-        assert before == 2 and after == 0, f"rank {rank}: count exchanges {before} then {after}"
+        assert before == 3 and after == 0, f"rank {rank}: count exchanges {before} then {after}"
         row = HIDDEN * 4 + 2 * (8 + 4)  # fp32 row, int64 ids, fp32 weights
         n = [5 + 2 * rank, 0 if rank == 1 else 3]
         assert sent[0] >= (world - 1) * n[0] * row  # every peer's chunk padded to this rank's rows

@@ -89,6 +89,44 @@ def _sum_by_token(rows: torch.Tensor, route: NormalRoute, num_tokens: int) -> to
     return out
 
 
+@dataclass(frozen=True)
+class _Packing:
+    """A NORMAL row as one byte record: the token's hidden row, its top-k local expert ids (int64), its top-k
+    weights, each reinterpreted, never converted (bit-exact both ways, any dtype: float8 included)."""
+
+    hidden_dtype: torch.dtype
+    hidden_size: int
+    idx_dtype: torch.dtype
+    weights_dtype: torch.dtype
+    top_k: int
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor, route: NormalRoute) -> "_Packing":
+        return cls(hidden.dtype, hidden.shape[1], route.local_idx.dtype, route.weights.dtype, route.local_idx.shape[1])
+
+    @property
+    def widths(self) -> tuple[int, int, int]:
+        size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+        return (self.hidden_size * size(self.hidden_dtype), self.top_k * size(self.idx_dtype),
+                self.top_k * size(self.weights_dtype))
+
+    def empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        """``rows`` padding records: zero hidden rows and weights, every expert id -1 (all bits set)."""
+        h, i, _ = self.widths
+        records = torch.zeros((rows, sum(self.widths)), dtype=torch.uint8, device=device)
+        records[:, h:h + i] = 255
+        return records
+
+    def pack(self, rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+                          for t, width in zip((rows, idx, weights), self.widths)], dim=1)
+
+    def unpack(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, i, w = self.widths
+        return (records[:, :h].contiguous().view(self.hidden_dtype), records[:, h:h + i].contiguous().view(
+            self.idx_dtype), records[:, h + i:].contiguous().view(self.weights_dtype))
+
+
 def _drop_padding(rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                   chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows a padded NORMAL dispatch received, without the padding, and how many came from each rank. A rank's
@@ -211,7 +249,10 @@ class AllToAllBackend:
 
     def _dispatch_a_padded(self, hidden: torch.Tensor, route: NormalRoute, bounds: list[int]) -> DispatchState:
         """NORMAL without the count exchange: the chunk for each peer padded to this rank's rows (the most it can
-        send any rank), the peers' chunks received at their agreed rows; this rank's own chunk exact both ways."""
+        send any rank), the peers' chunks received at their agreed rows; this rank's own chunk exact both ways.
+
+        A row travels as one byte record (the token's row, its local expert ids, its weights: `_Packing`), so a
+        dispatch is one transfer, not three: each is a collective, with its own fixed cost on every rank."""
         n, me, w = hidden.shape[0], self.rank, self.num_ranks
         counts = route.send_counts.tolist()
         send = [counts[q] if q == me else n for q in range(w)]
@@ -220,20 +261,12 @@ class AllToAllBackend:
         shift = (torch.tensor(send, device=dev).cumsum(0) - torch.tensor(send, device=dev)
                  - route.send_counts.cumsum(0) + route.send_counts)  # per destination: padded start - exact start
         at = torch.arange(route.token_ids.shape[0], device=dev) + torch.repeat_interleave(shift, route.send_counts)
-        total, k = sum(send), route.local_idx.shape[1]
-        rows = hidden.new_zeros((total, hidden.shape[1]))
-        rows[at] = hidden[route.token_ids]
-        idx = route.local_idx.new_full((total, k), -1)
-        idx[at] = route.local_idx
-        weights = route.weights.new_zeros((total, k))
-        weights[at] = route.weights
-        pending = (
-            self.transport.start(rows, send, recv, "dispatch_b (tokens)"),
-            self.transport.start(idx, send, recv, "dispatch_b (topk_idx)"),
-            self.transport.start(weights, send, recv, "dispatch_b (topk_weights)"),
-        )
-        return DispatchState(pending, rows.nbytes + idx.nbytes + weights.nbytes,
-                             {"route": route, "padded_recv": recv, "num_tokens": n})
+        packing = _Packing.of(hidden, route)
+        records = packing.empty(sum(send), dev)
+        records[at] = packing.pack(hidden[route.token_ids], route.local_idx, route.weights)
+        pending = self.transport.start(records, send, recv, "dispatch_b (tokens, topk_idx, topk_weights)")
+        return DispatchState(pending, records.nbytes, {"route": route, "padded_recv": recv, "num_tokens": n,
+                                                       "packing": packing})
 
     def _slab_rows(self, tokens: int, device: torch.device) -> int:
         """Rows per expert slab: the step's tokens, which no routing can overflow (top-k picks distinct experts).
@@ -275,10 +308,12 @@ class AllToAllBackend:
             return DispatchOutput(DispatchFormat.MASKED, state.pending, route.counts,
                                   _StaticMaskedHandle(route, info["topk_weights"]))
         if self.format is DispatchFormat.NORMAL:
-            rows, idx, weights = (self.transport.finish(p) for p in state.pending)
             recv_counts = info.get("recv_counts")
-            if recv_counts is None:  # padded chunks (agreed rows): a real row names a local expert, padding none
+            if recv_counts is None:  # padded records (agreed rows): a real row names a local expert, padding none
+                rows, idx, weights = info["packing"].unpack(self.transport.finish(state.pending))
                 rows, idx, weights, recv_counts = _drop_padding(rows, idx, weights, info["padded_recv"])
+            else:
+                rows, idx, weights = (self.transport.finish(p) for p in state.pending)
             counts = count_per_expert(idx, self.num_local_experts)
             handle = _NormalHandle(info["route"], recv_counts, info["num_tokens"])
             return DispatchOutput(DispatchFormat.NORMAL, rows, counts, handle, topk_idx=idx, topk_weights=weights)
