@@ -302,11 +302,14 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
     return runs, per_rank
 
 
-def _assert_both_split_and_sent(per_rank: list[dict], microbatches: int) -> None:
+def _assert_both_split_and_sent(per_rank: list[dict], microbatches: int, agreed_rows: bool = True) -> None:
     for rank, s in enumerate(per_rank):
         assert s["ep_size"] == 2, (rank, s)
         assert s["split_steps"] > 0 and s["remote_rows"] > 0, (rank, s)
-        assert s["count_exchanges"] == 0, (rank, s)  # every dispatch went by the step's agreed rows
+        if agreed_rows:  # every dispatch went by the step's agreed rows
+            assert s["count_exchanges"] == 0, (rank, s)
+        else:  # every dispatch exchanged row counts first: the MoE layers' dispatches of every step, split or not
+            assert s["count_exchanges"] >= s["steps"] + s["microbatches"] - s["split_steps"] > 0, (rank, s)
         assert s["microbatches"] == microbatches * s["split_steps"], (rank, s)
 
 
@@ -334,14 +337,17 @@ def test_qwen3_moe_dp2_ep_uneven_load_tokens_equal_and_both_ranks_split(models, 
 
 @needs_vllm
 @pytest.mark.dist
-def test_qwen3_moe_dp2_ep_three_microbatches(models, tmp_path):
+@pytest.mark.parametrize("agreed_rows", [True, False], ids=["agreed-rows", "count-exchange"])
+def test_qwen3_moe_dp2_ep_three_microbatches(models, tmp_path, agreed_rows):
+    """Three microbatches, tokens equal; by the agreed rows, and (``agreed_rows: false``) with every dispatch
+    exchanging row counts first."""
     rounds = [[[_prompt(9, 7), _prompt(8, 8), _prompt(3, 9)]], [[_prompt(4, 10), _prompt(17, 11)]]]
-    tbo = {**TBO, "num_microbatches": 3, "decode_token_threshold": 3}
+    tbo = {**TBO, "num_microbatches": 3, "decode_token_threshold": 3, "agreed_rows": agreed_rows}
     runs, per_rank = _dp(tmp_path, models["qwen3_moe"], rounds, tbo, dtype="float32")
     for rank, r in enumerate(rounds):
         want = [[list(o.token_ids) for o in x] for x in _reference(models["qwen3_moe"], r, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
-    _assert_both_split_and_sent(per_rank, 3)
+    _assert_both_split_and_sent(per_rank, 3, agreed_rows)
 
 
 def _deepseek_reference(model: Path, rounds_per_rank: list, dtype: str) -> list:

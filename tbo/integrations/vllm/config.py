@@ -74,6 +74,9 @@ class TboVllmConfig(BaseModel):
                                       "'HOST:PORT', ...}; the FFN runs in `tbo afd-ffn` (docs/vllm-afd.md)")
     comm_timeout_s: float = Field(default=60.0, gt=0, description="data parallel + expert parallel: the deadline "
                                   "of every wait on another rank (a dead or stalled peer is a named error)")
+    agreed_rows: bool = Field(default=True, description="data parallel + expert parallel: each dispatch sends by "
+                              "the token rows every rank agreed for the step, padded, with no row-count exchange; "
+                              "False: each dispatch first exchanges row counts with its peers (blocking)")
     op_times: bool = Field(default=False, description="add each op's wall time to stats() (op_seconds, op_calls): "
                            "where a step's time goes, a *_b op's time being a wait the overlap left exposed")
     stats_file: str | None = Field(default=None, description="each worker writes its stats() as JSON here "

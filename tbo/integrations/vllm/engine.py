@@ -85,7 +85,7 @@ class TboEngine:
         self.patches = RunnerPatches(runner, config.split_policy())
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
         self.loop.stats = step_stats
-        self.loop.op_times = config.op_times
+        self.loop.op_times, self.loop.agreed_rows = config.op_times, config.agreed_rows
         if config.stats_file:
             self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())))
         self._model = model

@@ -37,6 +37,8 @@ class LayerLoop:
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`tbo.integrations.vllm.ep`)
         self.stats_file: StatsFile | None = None  #: ``stats_file``, written during the run (the engine sets it)
         self.op_times = False  #: ``op_times``: time every op of the counted steps (the engine sets it)
+        #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows (the engine sets it)
+        self.agreed_rows = True
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -59,7 +61,7 @@ class LayerLoop:
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             values = {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
-            if step is not None and step.rows is not None:  # data parallel: every rank's rows, agreed
+            if self.agreed_rows and step is not None and step.rows is not None:  # data parallel: agreed rows
                 values["rows_per_rank"] = step.rows[0 if mb is None else mb.microbatch_idx]
             return values
 
@@ -86,6 +88,5 @@ class LayerLoop:
         return hidden
 
     def _traffic(self) -> tuple[int, int]:
-        """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zeros without one)."""
-        t = self.traffic
-        return (t.remote_rows, t.count_exchanges) if t is not None else (0, 0)
+        """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zero where it counts none)."""
+        return getattr(self.traffic, "remote_rows", 0), getattr(self.traffic, "count_exchanges", 0)
