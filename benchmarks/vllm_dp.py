@@ -151,9 +151,11 @@ def main() -> None:
     print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
           f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
           f"prompts, then decode); split strategy {args.strategy}; median of {args.repeat} launch(es) each")
-    print("| configuration | step | tokens/s (both ranks) | rank 0's forwards (split) |\n|---|---|---|---|")
+    print("| configuration | step | tokens/s (both ranks) | rank 0's forwards: all, split, dummy |\n"
+          "|---|---|---|---|")
     for name, (sec, tps, stats) in rows.items():
-        print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} | {stats['steps']} ({stats['split_steps']}) |")
+        print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} | {stats['steps']}, {stats['split_steps']}, "
+              f"{stats['steps_by_mode']['idle']} |")
     print("\nrank 0, per forward (op_times): the layer stacks, their compute ops, launches, waits, and what no op "
           "covers")
     print("| configuration | layers | compute ops | launches (`*_a`) | dispatch_b | combine_b | not in ops |\n"
