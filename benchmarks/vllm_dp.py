@@ -127,7 +127,7 @@ def main() -> None:
 
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
     split = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "strategy": args.strategy}
-    rows = {}
+    rows, every = {}, {}  # the median launch per configuration; every launch's step time
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = save_model(tmp / "qwen3_moe", args.hidden, args.layers, args.experts)
@@ -142,6 +142,7 @@ def main() -> None:
                     launches[how].append(run(model, args, {**tbo, **extra}, tmp, f"{over.split()[0]}-{i}-{k}"))
             for how, got in launches.items():
                 rows[f"{over}: tbo {how}"] = sorted(got, key=lambda r: r[0])[len(got) // 2]
+                every[f"{over}: tbo {how}"] = [r[0] for r in got]
 
         pair("gloo", {})
         compute = compute_per_forward(rows["gloo: tbo unsplit"][2])
@@ -151,10 +152,11 @@ def main() -> None:
     print(f"DP=2 + EP, Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, "
           f"{args.dtype}; per rank {args.batch} requests x {args.decode_tokens} tokens (one prefill step of 4-token "
           f"prompts, then decode); split strategy {args.strategy}; median of {args.repeat} launch(es) each")
-    print("| configuration | step | tokens/s (both ranks) | rank 0's forwards: all, split, dummy |\n"
-          "|---|---|---|---|")
+    print("| configuration | step | tokens/s (both ranks) | every launch's step | rank 0's forwards: all, split, "
+          "dummy |\n|---|---|---|---|---|")
     for name, (sec, tps, stats) in rows.items():
-        print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} | {stats['steps']}, {stats['split_steps']}, "
+        launches = ", ".join(f"{1e3 * t:.0f}" for t in every[name])
+        print(f"| {name} | {sec * 1e3:.1f} ms | {tps:.0f} | {launches} ms | {stats['steps']}, {stats['split_steps']}, "
               f"{stats['steps_by_mode']['idle']} |")
     print("\nrank 0, per forward (op_times): the layer stacks, their compute ops, launches, waits, and what no op "
           "covers")
