@@ -98,8 +98,8 @@ def compute_per_forward(stats: dict) -> float:
 
 
 def breakdown(stats: dict) -> str:
-    """Rank 0's layer-stack time per counted forward: compute ops, launches (``*_a``: routing, the blocking count
-    exchange with the peer, starting the transfers), each wait (``*_b``: exposed transfer time), and what no op
+    """Rank 0's layer-stack time per counted forward: compute ops, launches (``*_a``: routing, padding or the
+    blocking count exchange with the peer, starting the transfers), each wait (``*_b``: exposed transfer time), and what no op
     covers (the executor, microbatch contexts, splitting and merging)."""
     compute, launches, waits = _parts(stats)
     rest = stats["layers_seconds"] - sum(stats["op_seconds"].values())
