@@ -106,9 +106,8 @@ class _Packing:
 
     @property
     def widths(self) -> tuple[int, int, int]:
-        size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
-        return (self.hidden_size * size(self.hidden_dtype), self.top_k * size(self.idx_dtype),
-                self.top_k * size(self.weights_dtype))
+        return (self.hidden_size * self.hidden_dtype.itemsize, self.top_k * self.idx_dtype.itemsize,
+                self.top_k * self.weights_dtype.itemsize)
 
     def empty(self, rows: int, device: torch.device) -> torch.Tensor:
         """``rows`` padding records: zero hidden rows and weights, every expert id -1 (all bits set)."""

@@ -107,13 +107,12 @@ class EpDecoderLayer(VllmDecoderLayer):
         # all_gatherv, reduce_scatter) would move the tokens a second time, and does not run on a CPU
         self._kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), impl.fused_experts)
 
-    def op_dispatch_a(self, state: State) -> None:
-        """The dispatch, sent by the rows every rank agreed for this microbatch (``rows_per_rank``, pinned by the
-        layer loop) where the backend takes them: no row-count exchange with the peers, nothing waits here."""
+    def _dispatch_options(self, state: State) -> dict[str, Any]:
+        """The dispatch goes by the rows every rank agreed for this microbatch (``rows_per_rank``, pinned by the
+        layer loop) where the backend takes them: no row-count exchange with the peers, nothing waits there."""
         if "rows_per_rank" not in state or not getattr(self.backend, "accepts_rows_per_rank", False):
-            return super().op_dispatch_a(state)
-        x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
-        state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"), rows_per_rank=state.rows_per_rank)
+            return {}
+        return {"rows_per_rank": state.rows_per_rank}
 
     # ---- a microbatch of zero rows runs no vLLM kernel -----------------------------------------------------------
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,

@@ -189,7 +189,12 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def op_dispatch_a(self, state: State) -> None:
         x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
-        state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"))
+        state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"), **self._dispatch_options(state))
+
+    def _dispatch_options(self, state: State) -> dict[str, Any]:
+        """Keyword arguments of this microbatch's ``dispatch_a`` beyond the tensors (none here; data parallel:
+        `tbo.integrations.vllm.ep.EpDecoderLayer`)."""
+        return {}
 
     def op_shared_experts(self, state: State) -> None:
         if self.has_shared_experts:
