@@ -216,7 +216,6 @@ def _agreed_rows(rank, world, signal_dir):
     """The same microbatches dispatched twice, by the count exchange and by agreed rows (two in flight at once, one
     of them empty on a rank); then rank 1 starts its dispatch only once rank 0's ``dispatch_a`` has returned, which
     with a count exchange would wait for rank 1 forever."""
-    import os
     from pathlib import Path
 
     num_experts, top_k = 8, 2
@@ -259,7 +258,7 @@ def _agreed_rows(rank, world, signal_dir):
     out = backend.dispatch_b(state)
     late = backend.combine_b(backend.combine_a(run_experts(out, fn), out.handle))
     return (same, torch.equal(late, exchanged[0]), exchanges, backend.count_exchanges - exchanges, sent,
-            [int(o.hidden.shape[0]) for o in outs], os.getpid())
+            [int(o.hidden.shape[0]) for o in outs])
 
 
 @pytest.mark.dist
@@ -271,7 +270,7 @@ def test_agreed_rows_dispatch_equals_the_exchange_and_waits_for_no_peer(world, t
     results = launch(_agreed_rows, world, str(tmp_path), timeout_s=180)
     for rank, res in enumerate(results):
         assert not isinstance(res, str), f"rank {rank}: {res}"
-        same, late_same, before, after, sent, received, _ = res
+        same, late_same, before, after, sent, received = res
         assert same and late_same, f"rank {rank}: agreed-rows results differ from the count exchange's"
         assert before == 3 and after == 0, f"rank {rank}: count exchanges {before} then {after}"
         row = HIDDEN * 4 + 2 * (8 + 4)  # fp32 row, int64 ids, fp32 weights
