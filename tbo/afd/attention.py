@@ -61,7 +61,7 @@ class AFDAttentionModel:
     """A reference model's embedding, attention layers and head on an attention rank; FFNs served remotely."""
 
     def __init__(self, model: Any, connector: Any) -> None:
-        self.model = model
+        self.model, self.connector = model, connector
         self.layers = [AFDAttentionLayer(layer, connector) for layer in model.layers]
         self.strategy = strategies.bind_layers(self.layers, strategies.get("afd_attention_dbo"))
 
@@ -73,5 +73,5 @@ class AFDAttentionModel:
             return {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
 
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": self.model.embed(input_ids)}, self.strategy,
-                                      plan, pinned=pinned, **kwargs)
+                                      plan, pinned=pinned, backend=self.connector, **kwargs)
         return self.model.head(out["hidden_states"])

@@ -10,7 +10,18 @@ The ranks meet in a registered ``torch.distributed`` group (the default one, or 
 their own when an engine owns the default group (vLLM): the connector sends through either the same way.
 
 Header words, in order: magic ``0x7B0AFD``, shutdown flag, layer, microbatch (stage) index, number of microbatches,
-tokens, hidden size, dtype code (index into float32, float64, bfloat16, float16).
+tokens, hidden size, dtype code (index into float32, float64, bfloat16, float16), step, sequence number. Every
+payload ends with an 8-byte trailer repeating its message's sequence number, so that a payload shorter than its
+header says (which gloo accepts into a longer buffer) is refused instead of served from the bytes a previous
+request left there. The step counter is the attention side's: an answer echoes its request's, and one of another
+step (left by a failed step) is refused, naming both.
+
+gloo aborts the whole process when a message is longer than its posted receive. So every receive is posted with
+the room the protocol allows: a header receive has room for more words than a header has; a request's payload is
+received only after its header was checked (at most ``max_request_bytes``), into a buffer of that size; an answer
+into a buffer of the largest answer the server may send (``max_answer_bytes``). A peer that sends more than that
+can still abort its partner: only a peer that has joined the group can, and docs/hardening.md says where that
+boundary lies.
 """
 
 from __future__ import annotations
@@ -21,13 +32,24 @@ from typing import Any, Callable, Protocol
 import torch
 
 from tbo.afd.group import AFDGroup, AFDPeerError
-from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
+from tbo.comm.wait import DEFAULT_TIMEOUT_S, named_comm_error, wait_work
 
-__all__ = ["AFDMeta", "AFDConnector", "AFDTopology", "TorchDistributedAFDConnector"]
+__all__ = ["AFDMeta", "AFDConnector", "AFDTopology", "TorchDistributedAFDConnector", "HEADER_WORDS",
+           "MAX_MICROBATCHES"]
 
 _MAGIC = 0x7B0AFD
 _KEEP_SENDS = 16
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+#: words of a header on the wire
+HEADER_WORDS = 10
+#: words a gloo header receive is posted with: room for a longer message, so that one up to this size is refused by
+#: name (a message longer than its posted receive aborts the receiving process inside gloo)
+_HEADER_ROOM = 16
+#: what a posted header receive is filled with: a word still equal to it after the wait was never written
+_UNWRITTEN = -0x5EA1_0AFD_5EA1_0AFD
+#: the most microbatches one request may say its step has
+MAX_MICROBATCHES = 64
+_TRAILER = 8  # bytes after every payload: its message's sequence number
 
 
 @dataclass(frozen=True)
@@ -42,21 +64,38 @@ class AFDMeta:
     dtype: torch.dtype = torch.float32
     shutdown: bool = False
     src: int = -1  #: filled in by the receiver: the rank it came from
+    step: int = 0  #: the attention side's step counter (set by the connector; an answer echoes its request's)
+    seq: int = 0  #: the message's number on its connection (set by the connector at send)
 
     def encode(self) -> torch.Tensor:
         return torch.tensor([_MAGIC, int(self.shutdown), self.layer_idx, self.microbatch_idx, self.num_microbatches,
-                             self.num_tokens, self.hidden, _DTYPES.index(self.dtype)], dtype=torch.int64)
+                             self.num_tokens, self.hidden, _DTYPES.index(self.dtype), self.step, self.seq],
+                            dtype=torch.int64)
 
     @classmethod
     def decode(cls, header: torch.Tensor, src: int) -> "AFDMeta":
-        magic, shutdown, layer, mb, num_mbs, tokens, hidden, dtype = header.tolist()
+        """Check every word, and that the message was exactly `HEADER_WORDS` long (the receive is posted with room
+        to spare, filled with a marker: a shorter message leaves the marker in its last words, a longer one
+        overwrites the room after them)."""
+        words = header.tolist()
+        if len(words) < HEADER_WORDS or _UNWRITTEN in words[:HEADER_WORDS] or any(
+                w != _UNWRITTEN for w in words[HEADER_WORDS:]):
+            written = sum(1 for w in words if w != _UNWRITTEN)
+            raise RuntimeError(f"AFD header from rank {src} is not {HEADER_WORDS} words long (about {written} were "
+                               "written); the peers are out of step or speak another version")
+        magic, shutdown, layer, mb, num_mbs, tokens, hidden, dtype, step, seq = words[:HEADER_WORDS]
         if magic != _MAGIC:
             raise RuntimeError(f"AFD header from rank {src} is corrupt (magic {magic:#x}); the peers are out of step")
-        if shutdown not in (0, 1) or not 0 <= dtype < len(_DTYPES) or min(tokens, hidden) < 0 or (
-                not shutdown and not 0 <= mb < num_mbs):
-            raise RuntimeError(f"AFD header from rank {src} is malformed: shutdown={shutdown}, microbatch {mb} of "
-                               f"{num_mbs}, {tokens} tokens x {hidden}, dtype code {dtype}")
-        return cls(layer, mb, num_mbs, tokens, hidden, _DTYPES[dtype], bool(shutdown), src)
+        if shutdown not in (0, 1) or not 0 <= dtype < len(_DTYPES) or min(tokens, hidden, step, seq) < 0 or (
+                not shutdown and not (0 <= mb < num_mbs <= MAX_MICROBATCHES and layer >= 0)):
+            raise RuntimeError(f"AFD header from rank {src} is malformed: shutdown={shutdown}, layer {layer}, "
+                               f"microbatch {mb} of {num_mbs} (at most {MAX_MICROBATCHES}), {tokens} tokens x "
+                               f"{hidden}, dtype code {dtype}, step {step}, sequence {seq}")
+        return cls(layer, mb, num_mbs, tokens, hidden, _DTYPES[dtype], bool(shutdown), src, step, seq)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * self.hidden * self.dtype.itemsize
 
     def describe(self) -> str:
         return f"layer {self.layer_idx}, microbatch {self.microbatch_idx}/{self.num_microbatches}"
@@ -97,18 +136,22 @@ class _Sent:
 
 @dataclass
 class _Posted:
-    """A header receive and a payload receive, posted before their message arrives.
+    """A header receive, and (attention side) the answer's payload receive, posted before their message arrives.
 
     gloo's point-to-point is a rendezvous: a send's bytes move only once the receiver has posted a matching receive.
     A receive posted after its message is announced costs a round trip through the sender's transport thread, which
     shares a busy core with the sender's compute; posted early, the sender writes the bytes itself, at once. gloo
-    takes a message shorter than the posted buffer, so the FFN side posts a buffer of its largest request.
+    takes a message shorter than the posted buffer (the trailer and the header's length check catch one), never a
+    longer one. ``seq`` and ``step``: what the message must say.
     """
 
     header: torch.Tensor
     header_work: Any
-    payload: torch.Tensor
+    payload: torch.Tensor | None
     payload_work: Any
+    seq: int
+    step: int = 0
+    expect: tuple[int, int, int] = (0, 0, 0)  #: attention side: the request's layer, microbatch and tokens
 
 
 class TorchDistributedAFDConnector:
@@ -117,48 +160,80 @@ class TorchDistributedAFDConnector:
     def __init__(self, topology: AFDTopology, timeout_s: float = DEFAULT_TIMEOUT_S, group: Any = None,
                  idle_timeout_s: float = 600.0, *, device: Any = None,
                  check_request: Callable[[AFDMeta], None] | None = None,
-                 max_request_bytes: int | None = None) -> None:
+                 max_request_bytes: int | None = None, max_answer_bytes: int | None = None) -> None:
         """``timeout_s`` bounds every wait inside a step; ``idle_timeout_s`` bounds how long an FFN rank waits for
         the next request, which includes the attention side's time between steps. ``group``: a registered
         process group, or an `AFDGroup`. ``device``: where received payloads go. ``check_request`` (FFN side)
-        sees every request's header before its payload is used, and raises to refuse it.
+        sees every request's header before its payload is received, and raises to refuse it.
         ``max_request_bytes`` (FFN side): the largest payload a request may carry; over gloo with one attention
-        peer, each request's receives are then posted before it arrives (`_Posted`)."""
+        peer, each request's header receive is then posted before it arrives (`_Posted`), and its payload lands in
+        a buffer of that size. ``max_answer_bytes`` (attention side): the largest answer the FFN side may send (its
+        ``max_tokens`` of hidden states); each answer's receive is posted with that room (default: the request's
+        size)."""
         import torch.distributed as dist
 
         self.topology, self.timeout_s, self.group = topology, timeout_s, group
         self.idle_timeout_s, self.device, self.check_request = idle_timeout_s, device, check_request
         if isinstance(group, AFDGroup):
             self.rank, world, backend = group.rank, group.size, group.backend
-            self._isend, self._irecv = group.isend, group.irecv
+            isend, irecv = group.isend, group.irecv
         else:
             self.rank, world, backend = dist.get_rank(), dist.get_world_size(group), dist.get_backend(group)
-            self._isend = lambda t, dst: dist.isend(t, dst, group=group)
-            self._irecv = lambda t, src: dist.irecv(t, src, group=group)
+            isend = lambda t, dst: dist.isend(t, dst, group=group)  # noqa: E731
+            irecv = lambda t, src: dist.irecv(t, src, group=group)  # noqa: E731
+        self._isend = lambda t, dst: self._call(isend, t, dst, f"afd send to rank {dst}")
+        self._irecv = lambda t, src: self._call(irecv, t, src, f"afd receive from rank {src}")
         if world != topology.num_attention_ranks + topology.num_ffn_ranks:
             raise ValueError(f"world size {world} != {topology.num_attention_ranks} attention + "
                              f"{topology.num_ffn_ranks} FFN ranks")
         self._sent: list[_Sent] = []
         #: gloo's point-to-point ops are independent of one another, so a receive can wait posted while sends run
         #: (NCCL runs a pair's sends and receives in order on one stream: a receive posted early would hold back
-        #: the sends behind it, the overlap itself)
+        #: the sends behind it, the overlap itself; NCCL also needs each receive the exact size of its message)
         self.post_early = str(backend).lower() == "gloo"
+        self._header_words = _HEADER_ROOM if self.post_early else HEADER_WORDS
         self._answers: dict[tuple[int, int], list[_Posted]] = {}  #: attention side: receives posted at send time
-        self._next: _Posted | None = None  #: FFN side: the next request's receives, posted before it arrives
-        self._spare: torch.Tensor | None = None  #: FFN side: the request buffer not in use (two alternate)
+        self._next: _Posted | None = None  #: FFN side: the next request's header receive, posted before it arrives
+        self._buffer: torch.Tensor | None = None  #: FFN side: where requests' payloads land
         self.max_request_bytes = max_request_bytes
+        self.max_answer_bytes = max_answer_bytes
         if not self.post_early or topology.is_attention(self.rank) or len(topology.attention_peers(self.rank)) != 1:
             self.max_request_bytes = None  # NCCL, or receives from any peer: each payload sized by its header
+        self._send_seq: dict[int, int] = {}  #: per peer: the sequence number of the next message sent to it
+        self._recv_seq: dict[int, int] = {}  #: per peer: of the next message expected from it
+        self._step = 0  #: attention side: this step's number
+        self._step_keys: set[tuple[int, int]] = set()  #: (layer, microbatch) sent in this step
+
+    def _call(self, fn: Callable[[torch.Tensor, Any], Any], tensor: torch.Tensor, peer: Any, what: str) -> Any:
+        """gloo raises a lost peer synchronously from ``send`` / ``recv``: as the named `CommTimeoutError` a wait
+        would raise."""
+        try:
+            return fn(tensor, peer)
+        except RuntimeError as e:
+            named = named_comm_error(e, what, self.timeout_s, f"rank {self.rank}")
+            if named is e:
+                raise
+            raise named from e
+
+    @staticmethod
+    def _next_seq(counters: dict[int, int], peer: int) -> int:
+        seq = counters.get(peer, 0)
+        counters[peer] = seq + 1
+        return seq
 
     # ---- shared -------------------------------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor | None, meta: AFDMeta, dst: int) -> _Sent:
-        """Header, then payload (none for a shutdown message)."""
+        """Header, then payload with its trailer (none for a shutdown message)."""
+        meta = replace(meta, seq=self._next_seq(self._send_seq, dst))
         header = meta.encode().to(self.device) if self.device is not None else meta.encode()
         works, buffers = [self._isend(header, dst)], [header]
         if tensor is not None:
-            payload = tensor.contiguous()
-            works.append(self._isend(payload, dst))
-            buffers.append(payload)
+            flat = tensor.contiguous().view(-1).view(torch.uint8)
+            wire = torch.empty(flat.numel() + _TRAILER, dtype=torch.uint8, device=flat.device)
+            wire[:flat.numel()].copy_(flat)
+            wire[flat.numel():].copy_(torch.tensor([meta.seq], dtype=torch.int64).view(torch.uint8))
+            works.append(self._isend(wire, dst))
+            buffers.append(wire)
         sent = _Sent(tuple(works), tuple(buffers))
         self._sent.append(sent)
         while len(self._sent) > _KEEP_SENDS:  # long answered by now: waiting costs nothing and frees the buffers
@@ -166,22 +241,44 @@ class TorchDistributedAFDConnector:
                 wait_work(work, self.timeout_s, "afd send")
         return sent
 
-    def _recv_payload(self, meta: AFDMeta, src: int, what: str) -> torch.Tensor:
-        out = torch.empty(meta.num_tokens, meta.hidden, dtype=meta.dtype, device=self.device)
-        wait_work(self._irecv(out, src), self.timeout_s, what)
-        return out
+    def _payload(self, buffer: torch.Tensor, meta: AFDMeta, peer: int) -> torch.Tensor:
+        """The payload in ``buffer`` (received, header checked), once its trailer says it is this message's whole:
+        a shorter one leaves another number there."""
+        nbytes = meta.nbytes
+        if nbytes + _TRAILER > buffer.numel():
+            raise AFDPeerError(f"rank {peer} announced {meta.describe()} of {meta.num_tokens} tokens x {meta.hidden} "
+                               f"({meta.dtype}): {nbytes} bytes, more than the {buffer.numel() - _TRAILER} posted")
+        trailer = int(buffer[nbytes:nbytes + _TRAILER].clone().view(torch.int64)[0])
+        if trailer != meta.seq:
+            raise AFDPeerError(f"rank {peer} sent a payload shorter than its header says ({meta.describe()}, "
+                               f"{meta.num_tokens} tokens x {meta.hidden}: {nbytes} bytes and a trailer expected): "
+                               "refused, not served from stale bytes")
+        return buffer[:nbytes].view(meta.dtype).view(meta.num_tokens, meta.hidden)
 
-    def _post(self, src: int, payload: torch.Tensor) -> _Posted:
-        """Post a header receive and a payload receive from ``src``, in that order (gloo matches them in order)."""
-        header = torch.empty(8, dtype=torch.int64, device=self.device)
-        header_work = self._irecv(header, src)
-        return _Posted(header, header_work, payload, self._irecv(payload, src))
+    def _recv_payload(self, meta: AFDMeta, src: int, what: str) -> torch.Tensor:
+        buffer = torch.empty(meta.nbytes + _TRAILER, dtype=torch.uint8, device=self.device)
+        wait_work(self._irecv(buffer, src), self.timeout_s, what)
+        return self._payload(buffer, meta, src)
+
+    def _header_buffer(self) -> torch.Tensor:
+        return torch.full((self._header_words,), _UNWRITTEN, dtype=torch.int64, device=self.device)
+
+    def _post_header(self, src: int) -> tuple[torch.Tensor, Any, int]:
+        header = self._header_buffer()
+        return header, self._irecv(header, src), self._next_seq(self._recv_seq, src)
+
+    def _check_seq(self, meta: AFDMeta, expected: int) -> AFDMeta:
+        if meta.seq != expected:
+            raise AFDPeerError(f"rank {meta.src} sent message {meta.seq} where {expected} was expected "
+                               f"({meta.describe()}): a message was lost or replayed")
+        return meta
 
     def _recv_header(self, src: int | None, what: str, timeout_s: float) -> AFDMeta:
-        header = torch.empty(8, dtype=torch.int64, device=self.device)
+        header = self._header_buffer()
         work = self._irecv(header, src)
         wait_work(work, timeout_s, what)
-        return AFDMeta.decode(header, src if src is not None else work._source_rank())
+        meta = AFDMeta.decode(header, src if src is not None else work._source_rank())
+        return self._check_seq(meta, self._next_seq(self._recv_seq, meta.src))
 
     def flush(self) -> None:
         """Wait for every send still in flight (before shutting down)."""
@@ -190,15 +287,50 @@ class TorchDistributedAFDConnector:
                 wait_work(work, self.timeout_s, "afd send")
         self._sent.clear()
 
+    @property
+    def in_flight(self) -> list[str]:
+        """Answers posted and not yet taken (attention side): what a failed step leaves behind."""
+        return [f"afd answer for layer {layer}, microbatch {mb}" for (layer, mb), posted in self._answers.items()
+                for _ in posted]
+
+    def drain(self, budget_s: float | None = None) -> int:
+        """After a failed step: wait out the answers still posted, all within one deadline (default ``timeout_s``),
+        and drop them, so that the next step's receives do not take them; return how many there were. An answer
+        that does not come in time arrives later into the next step's receives, which refuse it by its step."""
+        import time
+
+        posted = [p for answers in self._answers.values() for p in answers]
+        self._answers.clear()
+        self._step_keys.clear()
+        deadline = time.monotonic() + (self.timeout_s if budget_s is None else budget_s)
+        for p in posted:
+            try:
+                for work in (p.header_work, p.payload_work):
+                    wait_work(work, max(deadline - time.monotonic(), 1e-3), "afd drain")
+            except Exception:  # the step already failed; a second error would hide the first
+                break
+        return len(posted)
+
     # ---- attention side -----------------------------------------------------------------------------------------
     def send_attn_output(self, hidden: torch.Tensor, meta: AFDMeta) -> _Sent:
         """Send the stage's hidden states; over gloo, post the receives of its answer at once (`_Posted`): the
-        answer has the same shape, and the FFN side answers each attention rank in the order it asked."""
+        FFN side answers each attention rank in the order it asked. A (layer, microbatch) sent again starts a new
+        step."""
+        key = (meta.layer_idx, meta.microbatch_idx)
+        if key in self._step_keys:
+            self._step += 1
+            self._step_keys.clear()
+        self._step_keys.add(key)
+        meta = replace(meta, step=self._step)
         peer = self.topology.ffn_peer(self.rank)
         sent = self._send(hidden, meta, peer)
         if self.post_early:
-            answer = self._post(peer, torch.empty(meta.num_tokens, meta.hidden, dtype=meta.dtype, device=self.device))
-            self._answers.setdefault((meta.layer_idx, meta.microbatch_idx), []).append(answer)
+            room = max(meta.nbytes, self.max_answer_bytes or 0) + _TRAILER
+            header, header_work, seq = self._post_header(peer)
+            payload = torch.empty(room, dtype=torch.uint8, device=self.device)
+            answer = _Posted(header, header_work, payload, self._irecv(payload, peer), seq, self._step,
+                             (meta.layer_idx, meta.microbatch_idx, meta.num_tokens))
+            self._answers.setdefault(key, []).append(answer)
         return sent
 
     def recv_ffn_output(self, meta: AFDMeta) -> torch.Tensor:
@@ -207,19 +339,23 @@ class TorchDistributedAFDConnector:
         answer = self._take_answer(meta)
         if answer is not None:
             wait_work(answer.header_work, self.timeout_s, what)
-            got = AFDMeta.decode(answer.header, peer)
+            got = self._check_seq(AFDMeta.decode(answer.header, peer), answer.seq)
+            step = answer.step
         else:
             got = self._recv_header(peer, what, self.timeout_s)
-        if (got.layer_idx, got.microbatch_idx, got.num_tokens) != (meta.layer_idx, meta.microbatch_idx, meta.num_tokens):
+            step = self._step
+        if (got.layer_idx, got.microbatch_idx, got.num_tokens, got.step) != (
+                meta.layer_idx, meta.microbatch_idx, meta.num_tokens, step):
             raise RuntimeError(f"rank {self.rank}: FFN rank {peer} answered {got.describe()} ({got.num_tokens} "
-                               f"tokens) while {meta.describe()} ({meta.num_tokens} tokens) was expected")
+                               f"tokens, step {got.step}) while {meta.describe()} ({meta.num_tokens} tokens, step "
+                               f"{step}) was expected")
         if answer is None:
             return self._recv_payload(got, peer, what)
         wait_work(answer.payload_work, self.timeout_s, what)
-        return answer.payload
+        return self._payload(answer.payload, got, peer)
 
     def _take_answer(self, meta: AFDMeta) -> _Posted | None:
-        """The receives posted for this layer and stage's answer (the oldest, if a failed step left some)."""
+        """The receives posted for this layer and stage's answer."""
         key = (meta.layer_idx, meta.microbatch_idx)
         posted = self._answers.get(key)
         if not posted:
@@ -241,11 +377,15 @@ class TorchDistributedAFDConnector:
             return self._recv_posted_request()
         peers = self.topology.attention_peers(self.rank)
         # one peer: receive from it by name, so that its death is noticed at once (an any-source receive waits on)
-        meta = self._recv_header(peers[0] if len(peers) == 1 else None,
-                                 "afd: waiting for the next request from the attention ranks", self.idle_timeout_s)
-        if meta.src not in self.topology.attention_peers(self.rank):
+        src = peers[0] if len(peers) == 1 else None
+        header = self._header_buffer()
+        work = self._irecv(header, src)
+        wait_work(work, self.idle_timeout_s, "afd: waiting for the next request from the attention ranks")
+        meta = AFDMeta.decode(header, src if src is not None else work._source_rank())
+        if meta.src not in peers:
             raise RuntimeError(f"FFN rank {self.rank} got a request from rank {meta.src}, which is not one of its "
-                               f"attention ranks {self.topology.attention_peers(self.rank)}")
+                               f"attention ranks {peers}")
+        self._check_seq(meta, self._next_seq(self._recv_seq, meta.src))
         if meta.shutdown:
             return torch.zeros(0, 1), meta
         if self.check_request is not None:
@@ -253,36 +393,34 @@ class TorchDistributedAFDConnector:
         return self._recv_payload(meta, meta.src, f"afd payload ({meta.describe()}) from rank {meta.src}"), meta
 
     def _recv_posted_request(self) -> tuple[torch.Tensor, AFDMeta]:
-        """One peer over gloo: each request's receives are posted before it comes (`_Posted`), into one of two
-        buffers of ``max_request_bytes``; the next request's go into the other as soon as this one is in, so that
-        it arrives while this one's FFN runs. The payload returned is a view of its buffer, valid until the next
-        call."""
+        """One peer over gloo: each request's header receive is posted before it comes (`_Posted`); once the
+        header is checked (its payload at most ``max_request_bytes``), its payload receive is posted into a buffer of
+        that size, then the next request's header receive, so that it arrives while this one's FFN runs. The
+        payload returned is a view of the buffer, valid until the next call."""
         peer = self.topology.attention_peers(self.rank)[0]
-        current = self._next if self._next is not None else self._post(peer, self._request_buffer())
-        self._next = None
+        current, self._next = self._next, None
+        if current is None:
+            header, header_work, seq = self._post_header(peer)
+            current = _Posted(header, header_work, None, None, seq)
         wait_work(current.header_work, self.idle_timeout_s,
                   "afd: waiting for the next request from the attention ranks")
-        meta = AFDMeta.decode(current.header, peer)
-        if meta.shutdown:  # no payload follows: its posted receive ends with the group
+        meta = self._check_seq(AFDMeta.decode(current.header, peer), current.seq)
+        if meta.shutdown:
             return torch.zeros(0, 1), meta
         if self.check_request is not None:
             self.check_request(meta)
-        nbytes = meta.num_tokens * meta.hidden * meta.dtype.itemsize
-        if nbytes > current.payload.numel():
+        if meta.nbytes > self.max_request_bytes:
             raise AFDPeerError(f"rank {peer} sent {meta.describe()} of {meta.num_tokens} tokens x {meta.hidden}: "
-                               f"{nbytes} bytes, more than the {current.payload.numel()} this FFN rank takes")
-        wait_work(current.payload_work, self.timeout_s, f"afd payload ({meta.describe()}) from rank {peer}")
-        self._next = self._post(peer, self._request_buffer())  # the previous request's buffer: its FFN is done
-        self._spare = current.payload
-        return current.payload[:nbytes].view(meta.dtype).view(meta.num_tokens, meta.hidden), meta
-
-    def _request_buffer(self) -> torch.Tensor:
-        buffer, self._spare = self._spare, None
-        if buffer is None:
-            buffer = torch.empty(self.max_request_bytes, dtype=torch.uint8, device=self.device)
-        return buffer
+                               f"{meta.nbytes} bytes, more than the {self.max_request_bytes} this FFN rank takes "
+                               "(refused before its payload is received)")
+        if self._buffer is None:
+            self._buffer = torch.empty(self.max_request_bytes + _TRAILER, dtype=torch.uint8, device=self.device)
+        payload_work = self._irecv(self._buffer, peer)
+        header, header_work, seq = self._post_header(peer)
+        self._next = _Posted(header, header_work, None, None, seq)
+        wait_work(payload_work, self.timeout_s, f"afd payload ({meta.describe()}) from rank {peer}")
+        return self._payload(self._buffer, meta, peer), meta
 
     def send_ffn_output(self, out: torch.Tensor, meta: AFDMeta) -> _Sent:
         return self._send(out, replace(meta, num_tokens=out.shape[0], hidden=out.shape[1], dtype=out.dtype),
                           meta.src)
-

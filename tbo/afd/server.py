@@ -1,13 +1,15 @@
 """`AFDFFNServer`: the FFN side's loop. Receive a microbatch's hidden states, run that layer's FFN, send the result back.
 
 Requests are served in arrival order from all of this FFN rank's attention ranks; the header says which layer and
-stage each belongs to. The loop ends when every attention rank has sent its shutdown message.
+stage each belongs to. The loop ends when every attention rank has sent its shutdown message. What it keeps per
+request is bounded: the last ``log_size`` headers (`received`) and counters, so a server that runs for days holds
+the same memory on its last request as on its thousandth.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from tbo.afd.connector import AFDMeta, TorchDistributedAFDConnector
@@ -16,9 +18,13 @@ __all__ = ["AFDFFNServer"]
 
 
 class AFDFFNServer:
-    def __init__(self, model: Any, connector: TorchDistributedAFDConnector) -> None:
+    def __init__(self, model: Any, connector: TorchDistributedAFDConnector, log_size: int = 4096) -> None:
+        if log_size < 0:
+            raise ValueError(f"log_size={log_size} must be >= 0")
         self.model, self.connector = model, connector
-        self.received: list[AFDMeta] = []  #: every request's metadata, in arrival order
+        #: the last ``log_size`` requests' metadata, in arrival order (older ones are counted in `served` only)
+        self.received: deque[AFDMeta] = deque(maxlen=log_size)
+        self.served = 0  #: requests served so far
         #: seconds spent computing FFNs, by the requests' ``num_microbatches``: how busy DBO keeps this rank, and how
         #: much more work two half-size FFN calls cost than one full-size call
         self.busy_s: defaultdict[int, float] = defaultdict(float)
@@ -26,7 +32,6 @@ class AFDFFNServer:
     def serve(self) -> int:
         """Serve until all attention peers shut down; return how many requests were served."""
         remaining = set(self.connector.topology.attention_peers(self.connector.rank))
-        served = 0
         while remaining:
             hidden, meta = self.connector.recv_attn_output()
             if meta.shutdown:
@@ -40,6 +45,6 @@ class AFDFFNServer:
             out = self.model.layers[meta.layer_idx].ffn(hidden)
             self.busy_s[meta.num_microbatches] += time.perf_counter() - t0
             self.connector.send_ffn_output(out, meta)
-            served += 1
+            self.served += 1
         self.connector.flush()
-        return served
+        return self.served

@@ -81,7 +81,7 @@ def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
             _die_after(server, case.ffn_dies_after)
         server.serve()
         steps = Counter(m.num_microbatches for m in server.received if (m.layer_idx, m.microbatch_idx) == (0, 0))
-        return AFDResult(rank, "ffn", received=server.received,
+        return AFDResult(rank, "ffn", received=list(server.received),
                          ffn_busy_ms={n: s * 1e3 / steps[n] for n, s in server.busy_s.items()})
     return _attention(rank, case, config, model, connector)
 
@@ -90,7 +90,7 @@ def _die_after(server: AFDFFNServer, n: int) -> None:
     send = server.connector.send_ffn_output
 
     def send_then_maybe_die(out, meta):  # type: ignore[no-untyped-def]
-        if len(server.received) > n:
+        if server.served >= n:
             os._exit(1)  # the FFN process dies mid-step, without a word
         return send(out, meta)
 
