@@ -1,5 +1,6 @@
 """Attention-FFN disaggregation over real gloo processes."""
 
+import re
 from collections import Counter
 
 import pytest
@@ -139,3 +140,307 @@ def test_gloo_receives_are_posted_before_their_messages_arrive():
     assert not thread.is_alive()
     assert failure and "9 tokens x 16: 576 bytes, more than the 512 this FFN rank takes" in failure[0], failure
     group.close()
+
+
+# ---- a stranger, a dying peer, a lying peer (issue 35) ---------------------------------------------------------------
+import datetime
+import os
+import socket
+import threading
+import time
+
+from torch.distributed import TCPStore
+
+from tbo.afd.connector import HEADER_WORDS, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup, AFDPeerError
+from tbo.core.errors import CommTimeoutError
+
+
+def _listening(port: int, pid: str = "self") -> list[str]:
+    """The local addresses this process listens on at ``port`` (from /proc/net/tcp{,6} and its socket inodes)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            words = line.split()
+            local, state, inode = words[1], words[3], words[9]
+            if state == "0A" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+class _Server:
+    """`AFDGroup.listen` in a thread, then an echo FFN loop (x * 2 + layer) until shutdown or a failure."""
+
+    def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0):
+        self.port, self.failure, self.refusals, self.served = None, [], [], []
+        self.listening_at_start: list[str] = []
+        self.thread = threading.Thread(target=self._run, args=(token, max_request_bytes, timeout_s), daemon=True)
+        self.thread.start()
+        while self.port is None and self.thread.is_alive():
+            self.thread.join(0.02)
+
+    def _on_listening(self, host, port):
+        self.listening_at_start = _listening(port)
+        self.port = port
+
+    def _run(self, token, max_request_bytes, timeout_s):
+        try:
+            group = AFDGroup.listen("127.0.0.1:0", {"tbo_afd": 1}, timeout_s=timeout_s, token=token,
+                                    on_listening=self._on_listening, on_refused=self.refusals.append)
+        except Exception as e:  # noqa: BLE001 - for the test
+            self.failure.append(e)
+            return
+        self.listening_after_join = _listening(self.port)
+        ffn = TorchDistributedAFDConnector(AFDTopology(1, 1), timeout_s, group=group, idle_timeout_s=timeout_s,
+                                           max_request_bytes=max_request_bytes)
+        try:
+            while True:
+                x, meta = ffn.recv_attn_output()
+                if meta.shutdown:
+                    break
+                self.served.append(meta)
+                ffn.send_ffn_output(x * 2 + meta.layer_idx, meta)
+            ffn.flush()
+        except Exception as e:  # noqa: BLE001 - for the test
+            self.failure.append(e)
+        finally:
+            group.close()
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def join(self):
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the server still runs"
+
+
+def _engine(address, **kw):
+    group = AFDGroup.connect(address, timeout_s=20, connect_timeout_s=kw.pop("connect_timeout_s", 5), **kw)
+    return group, TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group)
+
+
+@pytest.mark.dist
+def test_the_store_listens_on_the_given_host_only_and_closes_after_the_claim():
+    server = _Server()
+    assert server.listening_at_start == ["0100007F"], server.listening_at_start  # 127.0.0.1, not 0.0.0.0 or ::
+    group, engine = _engine(server.address)
+    x = torch.randn(3, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 3, 16))
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 1, 3, 16)), x * 2)
+    assert server.listening_after_join == []  # closed to writes: nothing listens once the engine joined
+    engine.shutdown()
+    server.join()
+    assert not server.failure and len(server.served) == 1
+    group.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("junk", [b"", b"\x07" * 10])
+def test_stranger_writes_to_the_rendezvous_never_reach_gloo(junk):
+    """What used to crash the server (an empty value under the rendezvous key: SIGSEGV; ten random bytes: a C++
+    length error) is harmless where it used to be written, and refused by name when a claimant writes it."""
+    server = _Server()
+    stranger = TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
+    stranger.set("tbo-afd/pg/0/0", junk)  # the old rendezvous key: nobody reads it now
+    group, engine = _engine(server.address)
+    engine.send_attn_output(torch.ones(2, 16), AFDMeta(0, 0, 1, 2, 16))
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16)), torch.full((2, 16), 2.0))
+    engine.shutdown()
+    server.join()
+    assert not server.failure
+    group.close()
+
+    server = _Server(timeout_s=5)  # a claimant that writes an empty address where gloo reads the engine's
+    claimant = TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
+    ticket = claimant.add("tbo-afd/tickets", 1)
+    claimant.set(f"tbo-afd/pg/{ticket}/open/0/0", junk)
+    claimant.set(f"tbo-afd/claim/{ticket}", '{"proof": ""}')
+    server.join()
+    assert server.failure and isinstance(server.failure[0], AFDPeerError), server.failure
+    assert "rendezvous address '0/0'" in str(server.failure[0]) and "refused before gloo parses it" in str(
+        server.failure[0])
+
+
+@pytest.mark.dist
+def test_the_secret_guards_the_claim_and_one_engine_is_served():
+    server = _Server(token="s3cret")
+    with pytest.raises(AFDPeerError, match="requires a shared secret: give this engine the server's --token"):
+        _engine(server.address)
+    with pytest.raises(AFDPeerError, match="refused this engine: it did not prove it knows the shared secret"):
+        _engine(server.address, token="guess")
+    assert server.refusals and "refused claim #1" in server.refusals[0]
+    group, engine = _engine(server.address, token="s3cret")  # the server waited on for a valid claim
+    engine.send_attn_output(torch.ones(1, 16), AFDMeta(1, 0, 1, 1, 16))
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(1, 0, 1, 1, 16)), torch.full((1, 16), 3.0))
+    with pytest.raises(AFDPeerError, match="no tbo AFD FFN server at .*already serving an engine no longer listens"):
+        _engine(server.address, token="s3cret", connect_timeout_s=1)
+    engine.shutdown()
+    server.join()
+    assert not server.failure
+    group.close()
+
+
+@pytest.mark.dist
+def test_a_second_claim_while_the_first_is_judged_is_refused_by_name():
+    server = _Server(timeout_s=5)
+    first = TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
+    first.set("tbo-afd/claim/1", '{"proof": ""}')
+    first.add("tbo-afd/tickets", 1)  # claimed (and then never joins)
+    deadline = time.monotonic() + 10
+    while not first.check(["tbo-afd/served"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(AFDPeerError, match=f"the FFN server at {server.address} is already serving an engine"):
+        _engine(server.address)
+    server.join()
+    assert server.failure and "did not join its process group" in str(server.failure[0])
+
+
+def test_engine_start_against_a_silent_listener_is_bounded_and_names_the_address():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (in the kernel) and never answers, as a SIGSTOPped server does
+    port = silent.getsockname()[1]
+    caught = []
+    worker = threading.Thread(target=lambda: caught.append(pytest.raises(AFDPeerError, AFDGroup.connect,
+                                                                          f"127.0.0.1:{port}",
+                                                                          connect_timeout_s=1)), daemon=True)
+    worker.start()
+    worker.join(60)
+    silent.close()
+    assert not worker.is_alive(), "engine start still blocked: a hang"
+    assert f"127.0.0.1:{port}" in str(caught[0].value) and "connect_timeout_s" in str(caught[0].value)
+
+
+def _raw_pair():
+    server = _Server()
+    group, engine = _engine(server.address)
+    return server, group, engine
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fault, match", [
+    ("long_header", r"AFD header from rank 0 is not 10 words long"),
+    ("short_header", r"AFD header from rank 0 is not 10 words long"),
+    ("short_payload", r"payload shorter than its header says .* refused, not served from stale bytes"),
+    ("over_max", r"more than the 512 this FFN rank takes \(refused before its payload is received\)"),
+    ("many_microbatches", r"microbatch 0 of 65 \(at most 64\)"),
+])
+def test_a_lying_peer_is_refused_by_name_not_aborted(fault, match):
+    """A 9-word header used to abort the server inside gloo (72 bytes where 64 were posted), a payload one row over
+    the largest too, a short payload was served from a previous request's bytes, a 4-word header logged stale
+    words. Now each is refused by name, and the server's process lives on to say so."""
+    server, group, engine = _raw_pair()
+    x = torch.randn(2, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))  # a good request first: its bytes are in the buffer
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16)), x * 2)
+    seq = engine._send_seq[1]
+    words = AFDMeta(0, 0, 1, 3, 16, seq=seq).encode()
+    if fault == "long_header":
+        engine._isend(torch.cat([words, torch.zeros(1, dtype=torch.int64)]), 1)
+    elif fault == "short_header":
+        engine._isend(words[:4], 1)
+    elif fault == "short_payload":
+        short = torch.zeros(16 * 4 + 8, dtype=torch.uint8)  # 1 row and a trailer, 3 announced
+        kept = [engine._isend(words, 1), engine._isend(short, 1)]  # noqa: F841 - the sends live while it runs
+    elif fault == "over_max":
+        engine._isend(AFDMeta(0, 0, 1, 9, 16, seq=seq).encode(), 1)  # 9 rows: its payload never goes
+    else:
+        engine._isend(AFDMeta(0, 0, 65, 3, 16, seq=seq).encode(), 1)
+    server.join()
+    assert server.failure and re.search(match, str(server.failure[0])), server.failure
+    assert len(server.served) == 1
+    assert HEADER_WORDS == 10
+    group.close()
+
+
+@pytest.mark.dist
+def test_a_stale_answer_is_refused_by_its_step_and_a_failed_step_is_drained():
+    server, group, engine = _raw_pair()
+    x = torch.randn(2, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 2, 2, 16))
+    engine.send_attn_output(x, AFDMeta(0, 1, 2, 2, 16))
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 2, 2, 16)), x * 2)
+    # the step fails before microbatch 1's answer is taken: drained, the next step's answers are its own
+    assert engine.in_flight == ["afd answer for layer 0, microbatch 1"] and engine.drain() == 1
+    engine.send_attn_output(x + 1, AFDMeta(0, 0, 2, 2, 16))
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 2, 2, 16)), (x + 1) * 2)
+    # an answer of another step than the one its receive was posted for (a failed step's, left in flight)
+    engine.send_attn_output(x, AFDMeta(0, 0, 2, 2, 16))  # step 2 starts
+    assert engine._step == 2
+    engine._answers[0, 0][0].step = 3  # as if this receive had been posted in a later step
+    with pytest.raises(RuntimeError, match=r"answered layer 0, microbatch 0/2 \(2 tokens, step 2\) while .*step 3"):
+        engine.recv_ffn_output(AFDMeta(0, 0, 2, 2, 16))
+    engine.shutdown()
+    group.close()
+    server.thread.join(30)
+
+
+@pytest.mark.dist
+def test_an_engine_that_vanishes_mid_request_is_a_named_error():
+    import subprocess
+    import sys
+
+    server = _Server()
+    code = ("import os, sys, torch\n"
+            "from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector\n"
+            "from tbo.afd.group import AFDGroup\n"
+            "g = AFDGroup.connect(sys.argv[1], timeout_s=20)\n"
+            "c = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=g)\n"
+            "c._isend(AFDMeta(0, 0, 1, 3, 16, seq=0).encode(), 1)\n"  # a header, and gone before its payload
+            "c.flush(); os._exit(1)\n")
+    subprocess.run([sys.executable, "-c", code, server.address], timeout=60, check=False)
+    server.join()
+    assert server.failure and isinstance(server.failure[0], CommTimeoutError), server.failure
+    assert "the peer is gone" in str(server.failure[0]) or "timed out" in str(server.failure[0])
+
+
+def test_the_request_log_and_the_link_stats_are_bounded():
+    from tbo.afd.server import AFDFFNServer
+    from tbo.comm.emulated import EmulatedLink, LinkStats, SimulatedClock, Transfer
+    from tbo.comm.alltoall import LocalBackend
+
+    class Loop:  # a connector that replays one request n times: the server's own bookkeeping under test
+        topology = AFDTopology(1, 1)
+        rank = 1
+
+        def __init__(self, n):
+            self.n = n
+
+        def recv_attn_output(self):
+            self.n -= 1
+            if self.n < 0:
+                return torch.zeros(0, 1), AFDMeta(-1, 0, 0, 0, 1, shutdown=True, src=0)
+            return torch.ones(1, 4), AFDMeta(0, 0, 1, 1, 4, src=0)
+
+        def send_ffn_output(self, out, meta):
+            pass
+
+        def flush(self):
+            pass
+
+    class Model:
+        layers = [type("L", (), {"ffn": staticmethod(lambda x: x)})()]
+
+    server = AFDFFNServer(Model(), Loop(20_000), log_size=64)
+    assert server.serve() == 20_000 and server.served == 20_000 and len(server.received) == 64
+    link = EmulatedLink(LocalBackend(4), 1e-6, 1e9, clock=SimulatedClock())
+    stats = LinkStats(transfers=__import__("collections").deque(maxlen=8))
+    reference = []
+    for i in range(100):  # overlapping and disjoint intervals, folded as they leave
+        t = Transfer("dispatch", 8, float(i), float(i) + (2.5 if i % 3 else 0.5), float(i), float(i) + 0.25)
+        stats.add(t)
+        reference.append(t)
+    from tbo.util.intervals import interval_union
+    assert len(stats.transfers) == 8 and stats.count == 100
+    assert stats.comm_s == pytest.approx(interval_union((t.launched, t.complete) for t in reference))
+    assert stats.exposed_s == pytest.approx(25.0)
+    assert link.stats.transfers.maxlen is not None

@@ -302,6 +302,7 @@ class TorchDistributedAFDConnector:
         posted = [p for answers in self._answers.values() for p in answers]
         self._answers.clear()
         self._step_keys.clear()
+        self._step += 1  # the next step is another one, whatever it sends first
         deadline = time.monotonic() + (self.timeout_s if budget_s is None else budget_s)
         for p in posted:
             try:

@@ -47,6 +47,7 @@ AFD_INFO_KEY = "tbo-afd/ffn"
 #: the environment variable both sides read the shared secret from when it is not given explicitly
 TOKEN_ENV = "TBO_AFD_TOKEN"
 _TICKETS = "tbo-afd/tickets"  # store.add counter: a claim's ticket number
+_JOINED = "tbo-afd/joined"  # set by the engine once its side of the group is formed
 _SERVED = "tbo-afd/served"  # set once the server accepted a claim: the ticket it serves
 _MAX_JSON_BYTES = 1 << 16
 _MAX_JSON_DEPTH = 32
@@ -261,6 +262,11 @@ class AFDGroup:
         else:
             raise ValueError(f"AFD transport backend {backend!r}: accepted 'gloo' (CPU) or 'nccl' (CUDA)")
         if backend == "gloo":  # the group is formed and reads nothing more (NCCL reads it at its first op)
+            # the server closes the store once the engine has read all it needs from it: the engine says so
+            if rank == 0:
+                store.set(_JOINED, "1")
+            else:
+                store.wait([_JOINED], timeout)
             prefixed.inner = self.store = None
 
     # ---- meeting -----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ sleeps until it completes. Compute done between ``_a`` and ``_b`` therefore real
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -90,20 +91,52 @@ class Transfer:
         return self.complete - self.launched
 
 
+#: transfers a `LinkStats` keeps one by one; older ones are folded into its totals
+LINK_STATS_KEEP = 4096
+
+
 @dataclass
 class LinkStats:
-    """What the link carried since the last reset."""
+    """What the link carried since the last reset: the last `LINK_STATS_KEEP` transfers one by one, and totals over
+    all of them (a link in a long-running server would otherwise grow without bound)."""
 
-    transfers: list[Transfer] = field(default_factory=list)
+    transfers: deque[Transfer] = field(default_factory=lambda: deque(maxlen=LINK_STATS_KEEP))
+    count: int = 0  #: transfers booked since the last reset
+    _exposed_folded: float = 0.0
+    _busy_folded: tuple[float, float, float] | None = None  #: (busy time before the open interval, its start, end)
+
+    def add(self, transfer: Transfer) -> None:
+        if self.transfers.maxlen is not None and len(self.transfers) == self.transfers.maxlen:
+            self._fold(self.transfers[0])
+        self.transfers.append(transfer)
+        self.count += 1
+
+    def _fold(self, t: Transfer) -> None:
+        self._exposed_folded += t.exposed
+        self._busy_folded = _merge(self._busy_folded, t.launched, t.complete)
 
     @property
     def comm_s(self) -> float:
         """Time the link was busy: the union of the transfers' in-flight intervals (overlaps counted once)."""
-        return interval_union((t.launched, t.complete) for t in self.transfers)
+        if self._busy_folded is None:
+            return interval_union((t.launched, t.complete) for t in self.transfers)
+        busy = self._busy_folded
+        for t in self.transfers:  # launched in order: each interval starts no earlier than the one before
+            busy = _merge(busy, t.launched, t.complete)
+        return busy[0] + busy[2] - busy[1]
 
     @property
     def exposed_s(self) -> float:
-        return sum(t.exposed for t in self.transfers)
+        return self._exposed_folded + sum(t.exposed for t in self.transfers)
+
+
+def _merge(busy: tuple[float, float, float] | None, start: float, end: float) -> tuple[float, float, float]:
+    if busy is None:
+        return 0.0, start, end
+    total, a, b = busy
+    if start > b:
+        return total + b - a, start, end
+    return total, a, max(b, end)
 
 
 @dataclass
@@ -155,7 +188,7 @@ class EmulatedLink(BackendWrapper):
         start = max(now, self._free_at)
         self._free_at = start + nbytes / self.bandwidth
         transfer = Transfer(kind, nbytes, now, self._free_at + self.latency_s)
-        self.stats.transfers.append(transfer)
+        self.stats.add(transfer)
         return transfer
 
     def _wait(self, transfer: Transfer) -> None:

@@ -1,17 +1,25 @@
 """Transports move rows between ranks for the all-to-all backends: locally (identity) or over torch.distributed.
 
 A transport launches a transfer and returns a pending handle; finishing it waits, with a deadline. It keeps a
-registry of transfers in flight, so that after a failed step they can be drained before their buffers are reused.
+registry of transfers in flight, so that after a failed step they can be drained before their buffers are reused,
+all within one deadline (at most ``0.2 x timeout_s`` more once a wait has timed out, ``timeout_s`` otherwise).
+
+A distributed wait that timed out leaves its operation live inside the process group: a later step's operations
+would pair with it (gloo then aborts on mismatched sizes, or silently moves the wrong rows). So after a
+`CommTimeoutError` a `TorchDistributedTransport` is poisoned: it refuses every later transfer by name, and the
+caller rebuilds the group (and the backend) on every rank.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
+from tbo.core.errors import CommTimeoutError
 
 __all__ = ["Transport", "LocalTransport", "TorchDistributedTransport", "Pending"]
 
@@ -55,15 +63,24 @@ class Transport:
         """Transfers started and not yet finished."""
         return list(self._in_flight.values())
 
+    def _drain_budget_s(self) -> float | None:
+        return None
+
     def drain(self) -> int:
-        """Wait out every transfer still in flight (e.g. after an op failed); return how many there were."""
+        """Wait out every transfer still in flight (e.g. after an op failed), all within one deadline; return how
+        many there were."""
         pending = self.in_flight
+        budget = self._drain_budget_s()
+        deadline = None if budget is None else time.monotonic() + budget
         for p in pending:
             try:
-                self.finish(p)
+                self.finish(p) if deadline is None else self._finish_by(p, deadline)
             except Exception:  # the step already failed; a second error would hide the first
                 self._in_flight.pop(id(p), None)
         return len(pending)
+
+    def _finish_by(self, pending: Pending, deadline: float) -> torch.Tensor:
+        return self.finish(pending)
 
 
 class LocalTransport(Transport):
@@ -92,18 +109,46 @@ class TorchDistributedTransport(Transport):
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.timeout_s = timeout_s
+        self.poisoned: str | None = None  #: why this transport refuses every transfer (a wait that timed out)
+
+    def _refuse_if_poisoned(self, what: str) -> None:
+        if self.poisoned is not None:
+            raise CommTimeoutError(f"rank {self.rank}: {what} refused: an earlier wait timed out ({self.poisoned}), "
+                                   "and its operations are still live in the process group; rebuild the group and "
+                                   "the backend on every rank before the next step")
+
+    def _wait(self, work: Any, timeout_s: float, what: str) -> None:
+        try:
+            wait_work(work, timeout_s, what)
+        except CommTimeoutError as e:
+            self.poisoned = self.poisoned or str(e)
+            raise
+
+    def _drain_budget_s(self) -> float | None:
+        return 0.2 * self.timeout_s if self.poisoned is not None else self.timeout_s
+
+    def _finish_by(self, pending: Pending, deadline: float) -> torch.Tensor:
+        if not pending.done:
+            try:
+                self._wait(pending.work, max(deadline - time.monotonic(), 1e-3), pending.what)
+            finally:
+                self._in_flight.pop(id(pending), None)
+            pending.done = True
+        return pending.out
 
     def exchange(self, send: torch.Tensor, what: str) -> torch.Tensor:
         import torch.distributed as dist
 
+        self._refuse_if_poisoned(what)
         out = torch.empty_like(send)
         work = dist.all_to_all_single(out, send.contiguous(), group=self.group, async_op=True)
-        wait_work(work, self.timeout_s, what)
+        self._wait(work, self.timeout_s, what)
         return out
 
     def start(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str) -> Pending:
         import torch.distributed as dist
 
+        self._refuse_if_poisoned(what)
         out = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
         wire_out, wire_send = out, send.contiguous()
         if send.dtype in _BYTE_ONLY:  # gloo has no float8 types: move the bytes
@@ -115,10 +160,4 @@ class TorchDistributedTransport(Transport):
         return pending
 
     def finish(self, pending: Pending) -> torch.Tensor:
-        if not pending.done:
-            try:
-                wait_work(pending.work, self.timeout_s, pending.what)
-            finally:
-                self._in_flight.pop(id(pending), None)
-            pending.done = True
-        return pending.out
+        return self._finish_by(pending, time.monotonic() + self.timeout_s)

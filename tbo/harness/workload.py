@@ -147,7 +147,7 @@ def run_case(rank: int, world: int, case: Case) -> CaseResult:
             if isinstance(backend, EmulatedLink):
                 result.comm_ms += backend.stats.comm_s * 1e3 / case.repeats
                 result.exposed_ms += backend.stats.exposed_s * 1e3 / case.repeats
-                result.transfers = len(backend.stats.transfers)
+                result.transfers = backend.stats.count
     if tracer is not None:
         tracer.trace.spans.clear()
         tracer.trace.tokens = [mb.tokens_len for mb in plan.microbatches] if plan else [meta.num_tokens]

@@ -15,13 +15,14 @@ stage instead of the hidden states plus top-k ids and weights.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from tbo.afd.attention import AFDAttentionLayer
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
-from tbo.afd.group import AFDGroup, AFDPeerError
+from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError
 from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
 from tbo.integrations.vllm.config import TboConfigError
@@ -71,6 +72,9 @@ class AFDLink:
         try:
             return self.connector.recv_ffn_output(meta)
         except (CommTimeoutError, RuntimeError) as e:
+            # the step fails: its other answers still posted are waited out (shortly) and dropped, and one that
+            # comes later is refused by its step number, never taken for the next step's
+            self.connector.drain(budget_s=0.2 * self.connector.timeout_s)
             raise self._failed("answer", meta, e) from e
 
 
@@ -118,11 +122,17 @@ class AFDAttentionSide:
 
         vllm_config = runner.vllm_config
         self.address = config.ffn
+        token = config.token if config.token is not None else os.environ.get(TOKEN_ENV) or None
         self.group = AFDGroup.connect(config.ffn, backend=config.backend_for(current_platform.device_type),
                                       connect_timeout_s=config.connect_timeout_s, timeout_s=config.timeout_s,
-                                      check_info=lambda info: _check_info(info, vllm_config, config.ffn))
+                                      check_info=lambda info: _check_info(info, vllm_config, config.ffn),
+                                      token=token)
+        # an answer is as long as its request, at most a step's tokens: its receives are posted with that room
+        largest = (vllm_config.scheduler_config.max_num_batched_tokens * vllm_config.model_config.hf_text_config.
+                   hidden_size * vllm_config.model_config.dtype.itemsize)
         connector = TorchDistributedAFDConnector(AFDTopology(1, 1), config.timeout_s, group=self.group,
-                                                 device=runner.device if runner.device.type != "cpu" else None)
+                                                 device=runner.device if runner.device.type != "cpu" else None,
+                                                 max_answer_bytes=largest)
         self.link = AFDLink(connector, config.ffn, counters)
         model = runner.model.model
         self.freed_bytes = _take_out_ffns(runner.model, model, vllm_config, config.ffn)

@@ -27,6 +27,9 @@ class AFDVllmConfig(BaseModel):
     connect_timeout_s: float = Field(default=10.0, gt=0, description="deadline to reach the FFN server at start")
     transport: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="'auto': gloo on CPU, NCCL on CUDA")
+    token: str | None = Field(default=None, repr=False, min_length=1,
+                              description="the shared secret the FFN server requires (its --token); default: the "
+                                          "TBO_AFD_TOKEN environment variable at engine start")
 
     @field_validator("ffn")
     @classmethod

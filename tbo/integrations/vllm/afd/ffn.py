@@ -19,12 +19,13 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
-from tbo.afd.group import AFDGroup, AFDPeerError
+from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError, parse_address
 from tbo.afd.server import AFDFFNServer
 from tbo.core.errors import CommTimeoutError
 
@@ -32,6 +33,33 @@ __all__ = ["VllmFFNModel", "add_parser", "main", "ffn_info"]
 
 #: exit status when the attention side vanished or sent garbage
 EXIT_PEER = 3
+#: the largest ``--max-tokens`` (one request's rows) and timeout accepted
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _address(text: str) -> str:
+    try:
+        parse_address(text, "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (for example 127.0.0.1:29600), got {text!r}") from None
+    return text
+
+
+def _bounded(kind: type, low: float, high: float) -> Any:
+    """An argparse type: ``kind`` within [low, high] (finite), or argparse's error naming the flag."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got "
+                                             f"{text!r}") from None
+        if not (low <= value <= high):  # NaN fails both comparisons
+            raise argparse.ArgumentTypeError(f"expected {low:g} .. {high:g}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 _INFO_VERSION = 1
 
 
@@ -52,8 +80,6 @@ class VllmFFNModel:
     """vLLM's FFN modules of one checkpoint, one per decoder layer."""
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_tokens: int = 8192) -> None:
-        import socket
-
         from vllm.config import set_current_vllm_config
         from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
         from vllm.engine.arg_utils import EngineArgs
@@ -74,12 +100,10 @@ class VllmFFNModel:
                           max_num_batched_tokens=max_tokens, kv_cache_memory_bytes=1 << 20)
         self.vllm_config = config = args.create_engine_config()
         self.family = family_of(getattr(config.model_config.hf_config, "architectures", None))
-        with socket.socket() as s:  # vLLM's own world of one process: its layers ask for their TP/EP groups
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with set_current_vllm_config(config):
+        with set_current_vllm_config(config), _loopback_gloo():
             backend = "gloo" if self.platform == "cpu" else current_platform.dist_backend
-            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend)
+            _init_world_of_one(backend)
+            init_distributed_environment(1, 0, "env://", 0, backend)  # already initialised: vLLM keeps ours
             ensure_model_parallel_initialized(1, 1)
             model = get_model(vllm_config=config)
         self.layers = [_FFNLayer(self, layer.mlp) for layer in model.model.layers]
@@ -116,6 +140,30 @@ class VllmFFNModel:
                                f"{'; '.join(problems)}")
 
 
+@contextmanager
+def _loopback_gloo() -> Iterator[None]:
+    """gloo groups created meanwhile (vLLM's world of one and its TP/EP groups) listen on loopback, not on the
+    address the host name resolves to."""
+    previous = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = previous
+
+
+def _init_world_of_one(backend: str) -> None:
+    """vLLM's own world of one process (its layers ask for their TP/EP groups), met in an in-process store: a
+    ``tcp://`` init method would open a TCPStore listening on every interface."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def ffn_info(architecture: str, num_layers: int, hidden: int, dtype: torch.dtype, max_tokens: int,
              kinds: Sequence[str]) -> dict[str, Any]:
     """What the FFN server publishes for the attention side to check (JSON-able)."""
@@ -127,15 +175,21 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("afd-ffn", help="serve a checkpoint's FFN layers to a vLLM engine running attention (AFD)",
                        description="The FFN side of attention-FFN disaggregation in vLLM (docs/vllm-afd.md).")
     p.add_argument("--model", required=True, help="the checkpoint directory (the one the vLLM engine loads)")
-    p.add_argument("--listen", default="127.0.0.1:29600",
+    p.add_argument("--listen", default="127.0.0.1:29600", type=_address,
                    help="HOST:PORT to listen on (default 127.0.0.1:29600, loopback; port 0: a free one)")
     p.add_argument("--dtype", default="auto", help="vLLM's dtype (auto, float32, bfloat16, ...): the engine's")
-    p.add_argument("--max-tokens", type=int, default=8192,
+    p.add_argument("--max-tokens", type=_bounded(int, 1, MAX_TOKENS_LIMIT), default=8192,
                    help="most tokens one request may carry (>= the engine's max_num_batched_tokens)")
-    p.add_argument("--idle-timeout-s", type=float, default=600.0,
+    p.add_argument("--idle-timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=600.0,
                    help="exit 3 if the attention side sends nothing for this long (engine start included)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of each wait inside a request")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the FFN (default: torch's)")
+    p.add_argument("--timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=60.0,
+                   help="deadline of each wait inside a request")
+    p.add_argument("--threads", type=_bounded(int, 1, 4096), default=None,
+                   help="torch CPU threads for the FFN (default: torch's)")
+    p.add_argument("--token", default=None,
+                   help=f"a shared secret the engine must prove it knows (additional_config tbo.afd.token); default: "
+                        f"the {TOKEN_ENV} environment variable. Without one, anyone who reaches the port can claim "
+                        "the server: never expose it beyond loopback without one")
     p.set_defaults(func=main)
 
 
@@ -162,10 +216,14 @@ def main(args: argparse.Namespace) -> int:
               f"{', '.join(model.kinds)}; {model.dtype}) on {host}:{port}, built in {time.perf_counter() - t0:.1f}s",
               flush=True)
 
+    def refused(message: str) -> None:
+        print(f"tbo afd-ffn: {message}", file=sys.stderr, flush=True)
+
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     try:
         group = AFDGroup.listen(args.listen, model.info(), backend=backend, timeout_s=args.idle_timeout_s,
-                                on_listening=listening)
-    except AFDPeerError as e:
+                                on_listening=listening, token=token, on_refused=refused)
+    except (AFDPeerError, ValueError) as e:
         print(f"tbo afd-ffn: error: {e}", file=sys.stderr, flush=True)
         return EXIT_PEER
     connector = TorchDistributedAFDConnector(AFDTopology(1, 1), args.timeout_s, group=group,
@@ -179,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
         if type(e) is RuntimeError and "AFD header" not in str(e):  # not the peer: a bug here, with its traceback
             raise
         print(f"tbo afd-ffn: error: stopped serving the attention side (rank 0, the vLLM engine that connected "
-              f"to {bound[0]}) after {len(server.received)} requests: {e}", file=sys.stderr, flush=True)
+              f"to {bound[0]}) after {server.served} requests: {e}", file=sys.stderr, flush=True)
         return EXIT_PEER
     finally:
         group.close()
