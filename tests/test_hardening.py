@@ -240,3 +240,41 @@ def test_watchdog_off_costs_nothing_and_passes_through():
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="watchdog_s must be positive"):
         model.forward_tbo(torch.arange(4), meta, KVCache(), "qwen3_moe_decode", plan, watchdog_s=0)
+
+
+# ---- after a timeout: refuse, do not pair stale operations; one deadline for the drain (issue 35) -----------------
+def _time_out_then_step_again(rank, world):
+    import time
+
+    from tbo.comm.transport import TorchDistributedTransport
+    from tbo.core.errors import CommTimeoutError
+
+    transport = TorchDistributedTransport(timeout_s=1.0)
+    if rank == 1:
+        time.sleep(6)  # stopped past the peer's deadline, then resumed: its operations come late
+        return None
+    pending = [transport.start(torch.ones(4, 2), [2, 2], [2, 2], f"dispatch {i}") for i in range(3)]
+    try:
+        transport.finish(pending[0])
+        first = None
+    except CommTimeoutError as e:
+        first = str(e)
+    t0 = time.monotonic()
+    drained = transport.drain()
+    drain_s = time.monotonic() - t0
+    try:
+        transport.exchange(torch.ones(2), "count exchange")
+        again = None
+    except CommTimeoutError as e:
+        again = str(e)
+    return first, drained, drain_s, again, transport.poisoned is not None
+
+
+@pytest.mark.dist
+def test_after_a_timeout_the_transport_refuses_the_next_step_and_drains_within_one_deadline():
+    first, drained, drain_s, again, poisoned = launch(_time_out_then_step_again, 2, timeout_s=120)[0]
+    assert first and "dispatch 0 timed out after 1s" in first
+    assert drained == 2 and poisoned
+    # one shared deadline of 0.2 x timeout_s for both (it used to be timeout_s each): a bound, not a timing
+    assert drain_s < 1.0, drain_s
+    assert again and "count exchange refused: an earlier wait timed out" in again and "rebuild the group" in again

@@ -127,10 +127,11 @@ class TorchDistributedTransport(Transport):
     def _drain_budget_s(self) -> float | None:
         return 0.2 * self.timeout_s if self.poisoned is not None else self.timeout_s
 
-    def _finish_by(self, pending: Pending, deadline: float) -> torch.Tensor:
+    def _finish_by(self, pending: Pending, deadline: float | None) -> torch.Tensor:
         if not pending.done:
             try:
-                self._wait(pending.work, max(deadline - time.monotonic(), 1e-3), pending.what)
+                self._wait(pending.work, self.timeout_s if deadline is None else max(deadline - time.monotonic(),
+                                                                                        1e-3), pending.what)
             finally:
                 self._in_flight.pop(id(pending), None)
             pending.done = True
@@ -160,4 +161,4 @@ class TorchDistributedTransport(Transport):
         return pending
 
     def finish(self, pending: Pending) -> torch.Tensor:
-        return self._finish_by(pending, time.monotonic() + self.timeout_s)
+        return self._finish_by(pending, None)
