@@ -152,3 +152,45 @@ def test_show_validates_delta_as_the_constructor_does(capsys):
     assert main(["show", "deepseek_decode", "--delta", "1"]) == 0
     out = capsys.readouterr().out
     assert "strategy deepseek_decode: 6 stages, delta_stages=1" in out and "delta_stages=1, " in out
+
+
+@pytest.mark.parametrize("argv, costs, message", [
+    (["simulate", "deepseek_decode", "--tokens", "8"], "[" * 200_000 + "]" * 200_000, "nested too deeply"),
+    (["simulate", "deepseek_decode", "--tokens", "8"], '{"bandwidth": 0}', "field 'bandwidth': Input should be greater than 0"),
+    (["simulate", "deepseek_decode", "--tokens", "8"], '{"latency_s": NaN}', "field 'latency_s': Input should be a finite number"),
+    (["simulate", "deepseek_decode", "--tokens", "8"], '{"default": {"kind": "constant", "seconds": -1}}', "greater than or equal to 0"),
+    (["lint", "deepseek_decode", "--layers", "100000"], None, "argument --layers: expected at most 1024"),
+    (["show", "deepseek_decode", "--microbatches", "100000"], None, "argument --microbatches: expected at most 64"),
+    (["predict", "step", "--hardware", "h800", "--model", "deepseek_v3", "--ep", "8", "--tokens-per-device", "8",
+      "--context", "100", "--kv-bytes", "inf"], None, "--kv-bytes inf: Input should be a finite number"),
+    (["predict", "step", "--hardware", "h800", "--model", "deepseek_v3", "--ep", "8", "--tokens-per-device", "8",
+      "--context", "100", "--balancedness", "2"], None, "--balancedness 2.0: Input should be less than or equal to 1"),
+    (["predict", "comm", "--hardware", "h800", "--ep", "8", "--tokens", "8", "--hidden", "64", "--topk", "9",
+      "--experts", "8"], None, "--topk 9 exceeds --experts 8"),
+])
+def test_hostile_inputs_are_one_line_naming_the_flag_or_field(tmp_path, capsys, argv, costs, message):
+    """Issue 35's Low items: deep JSON, a zero bandwidth, NaN or negative costs, unbounded --layers and
+    --microbatches, predict's flags: each is one line naming the culprit, exit 2, no traceback."""
+    if costs is not None:
+        path = tmp_path / "costs.json"
+        path.write_text(costs)
+        argv = argv + ["--costs", str(path)]
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
+
+
+def test_a_hardware_file_with_infinite_flops_is_refused(tmp_path, capsys):
+    from tbo.tools.predict.hardware import HARDWARE
+
+    data = HARDWARE["h800"].model_dump()
+    data["bf16_flops"] = float("inf")
+    path = tmp_path / "hw.json"
+    path.write_text(__import__("json").dumps(data))
+    status = main(["predict", "step", "--hardware", str(path), "--model", "deepseek_v3", "--ep", "8",
+                   "--tokens-per-device", "8", "--context", "100"])
+    assert status == 2 and "bf16_flops" in capsys.readouterr().err

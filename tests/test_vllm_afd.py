@@ -90,10 +90,13 @@ def test_no_ffn_server_is_a_named_error_in_bounded_time():
 
 
 @pytest.mark.parametrize("words, match", [
-    ([1, 0, 0, 0, 1, 4, 8, 0], r"corrupt \(magic 0x1\)"),
-    ([0x7B0AFD, 0, 0, 0, 1, 4, 8, 9], r"malformed: .* dtype code 9"),
-    ([0x7B0AFD, 0, 0, 2, 2, 4, 8, 0], r"malformed: .*microbatch 2 of 2"),
-    ([0x7B0AFD, 0, 0, 0, 1, -4, 8, 0], r"malformed: .*-4 tokens"),
+    ([1, 0, 0, 0, 1, 4, 8, 0, 0, 0], r"corrupt \(magic 0x1\)"),
+    ([0x7B0AFD, 0, 0, 0, 1, 4, 8, 9, 0, 0], r"malformed: .* dtype code 9"),
+    ([0x7B0AFD, 0, 0, 2, 2, 4, 8, 0, 0, 0], r"malformed: .*microbatch 2 of 2"),
+    ([0x7B0AFD, 0, 0, 0, 1, -4, 8, 0, 0, 0], r"malformed: .*-4 tokens"),
+    ([0x7B0AFD, 0, 0, 0, 65, 4, 8, 0, 0, 0], r"malformed: .*microbatch 0 of 65 \(at most 64\)"),
+    ([0x7B0AFD, 0, 0, 0, 1, 4, 8, 0, -1, 0], r"malformed: .*step -1"),
+    ([0x7B0AFD, 0, 0, 0, 1, 4, 8, 0], r"not 10 words long"),
 ])
 def test_every_header_word_is_checked(words, match):
     with pytest.raises(RuntimeError, match=match):
@@ -111,6 +114,15 @@ c.send_attn_output(torch.ones(3, int(sys.argv[2]), dtype=meta.dtype), meta)
 print("SHAPE", tuple(c.recv_ffn_output(meta).shape), flush=True)
 if sys.argv[4] == "vanish":
     os._exit(1)
+if sys.argv[4] == "vanish_mid":  # a request's header, and gone before its payload
+    c._isend(AFDMeta(0, 0, 1, 3, int(sys.argv[2]), meta.dtype, seq=c._send_seq[1]).encode(), 1)
+    c.flush()
+    os._exit(1)
+if sys.argv[4] == "over_max":  # one row over --max-tokens, announced honestly
+    meta = AFDMeta(0, 0, 1, 8193, int(sys.argv[2]), meta.dtype)
+    c.send_attn_output(torch.ones(8193, int(sys.argv[2]), dtype=meta.dtype), meta)
+    c.flush()
+    os._exit(0)
 meta = AFDMeta(7, 0, 1, 3, int(sys.argv[2]), meta.dtype)  # a layer the model does not have
 c.send_attn_output(torch.ones(3, int(sys.argv[2]), dtype=meta.dtype), meta)
 c.flush()
@@ -290,15 +302,52 @@ def test_engine_start_names_a_missing_or_wrong_ffn_server(models, servers):
     gc.collect()
 
 
+def _listening_any(pid: str) -> list[str]:
+    """Every local address process ``pid`` listens on (TCP, IPv4 and IPv6)."""
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.path.islink(f"/proc/{pid}/fd/{fd}") and os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            words = line.split()
+            if words[3] == "0A" and words[9] in inodes:
+                found.append(words[1].rsplit(":", 1)[0])
+    return found
+
+
+def test_afd_ffn_options_are_checked_naming_the_flag():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for flag, value in (("--max-tokens", "0"), ("--max-tokens", "-5"), ("--max-tokens", str(10**12)),
+                        ("--idle-timeout-s", "-1"), ("--idle-timeout-s", "nan"), ("--threads", "0"),
+                        ("--timeout-s", "0"), ("--listen", "localhost")):
+        run = subprocess.run([sys.executable, "-m", "tbo", "afd-ffn", "--model", "/nonexistent", flag, value],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode == 2 and f"argument {flag}: expected" in run.stderr, (flag, value, run.stderr[-2000:])
+        assert "Traceback" not in run.stderr
+
+
+def test_the_secret_is_a_config_key_and_never_shown():
+    config = parse_config({"tbo": {"afd": {"ffn": "127.0.0.1:1", "token": "s3cret"}}})
+    assert config.afd.token == "s3cret" and "s3cret" not in repr(config)
+
+
 @needs_vllm
 def test_the_ffn_server_checks_requests_and_names_a_vanished_attention_side(models, servers):
     """No vLLM engine: a bare attention side that speaks the wire format. A request for a layer the model lacks is
     refused (exit 3, named); an attention side that dies mid-session is named too."""
+    from test_afd import _listening
+
     model = models["qwen3_moe"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for how, match in (("bad_layer", r"refuses: layer 7 \(the model has 3\)"),
-                       ("vanish", r"stopped serving the attention side \(rank 0.*the peer is gone")):
+                       ("vanish", r"stopped serving the attention side \(rank 0.*the peer is gone"),
+                       ("vanish_mid", r"stopped serving the attention side \(rank 0.*the peer is gone"),
+                       ("over_max", r"refuses: 8193 tokens \(accepted 1..8192, --max-tokens\)")):
         server = servers(model, "float32", idle_timeout_s=20)
+        if how == "bad_layer":  # every socket the server listens on (its store, vLLM's world of one) is loopback
+            port = int(server.address.rsplit(":", 1)[1])
+            assert _listening(port, str(server.proc.pid)) == ["0100007F"]
+            assert set(_listening_any(str(server.proc.pid))) == {"0100007F"}, _listening_any(str(server.proc.pid))
         fake = subprocess.run([sys.executable, "-c", _FAKE_ATTENTION, server.address, "128", "float32", how],
                               capture_output=True, text=True, env=env, timeout=120)
         assert "SHAPE (3, 128)" in fake.stdout, fake.stderr[-3000:]

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from pydantic import ValidationError
 
@@ -56,6 +56,24 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+#: the most layers `lint` / `simulate` chain and microbatches `show` / `lint` schedule: far past any model, and
+#: small enough that the schedule (quadratic in microbatches) is built in seconds, not minutes or a MemoryError
+MAX_LAYERS = 1024
+MAX_MICROBATCHES = 64
+
+
+def at_most(high: int) -> Any:
+    """An argparse type: `positive`, and at most ``high``."""
+    def parse(text: str) -> int:
+        value = positive(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected at most {high}, got {value}")
+        return value
+
+    parse.__name__ = "positive"
+    return parse
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -123,13 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("strategy", help="a registered strategy name (e.g. deepseek_decode) or a strategy JSON file")
     show.add_argument("--delta", type=int, default=None,
                       help="delta_stages (default: the strategy's own); 0 to stages - 1, as the constructor checks")
-    show.add_argument("--microbatches", type=positive, default=2, help="number of microbatches (default 2)")
+    show.add_argument("--microbatches", type=at_most(MAX_MICROBATCHES), default=2, help="number of microbatches (default 2)")
     show.set_defaults(func=_cmd_show)
     sim = sub.add_parser("simulate", help="predict single-batch vs TBO step time from a cost model")
     sim.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
     sim.add_argument("--tokens", type=positive, required=True, help="tokens in the step")
     sim.add_argument("--costs", required=True, help="a CostModel JSON file (see tbo.tools.simulate.CostModel)")
-    sim.add_argument("--layers", type=positive, default=1, help="layers of the strategy to chain (default 1)")
+    sim.add_argument("--layers", type=at_most(MAX_LAYERS), default=1, help="layers of the strategy to chain (default 1)")
     sim.add_argument("--mode", choices=("decode", "prefill"), default=None,
                      help="the step's phase, as the verdict reports it (default: prefill for a strategy whose name "
                           "says prefill, else decode)")
@@ -138,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=_cmd_simulate)
     lint = sub.add_parser("lint", help="check a strategy for overlap bugs; exits 1 on errors")
     lint.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
-    lint.add_argument("--microbatches", type=positive, default=2)
-    lint.add_argument("--layers", type=positive, default=2, help="layers of the strategy to chain (default 2)")
+    lint.add_argument("--microbatches", type=at_most(MAX_MICROBATCHES), default=2)
+    lint.add_argument("--layers", type=at_most(MAX_LAYERS), default=2, help="layers of the strategy to chain (default 2)")
     lint.add_argument("--backend", choices=("deepep_low_latency",),
                       help="check the schedule against this backend's limit on transfers in flight (DeepEP V1 "
                            "low-latency: one un-received call at a time, across microbatches and layers)")

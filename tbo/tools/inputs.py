@@ -40,6 +40,8 @@ def read_json(path: str | Path, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} {path}: not valid JSON, line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # json.loads recurses once per level of nesting
+        raise ValueError(f"{what} {path}: nested too deeply to be a {what}") from None
 
 
 def load_json_model(cls: type[M], path: str | Path, what: str, **extra: Any) -> M:

@@ -20,7 +20,7 @@ import itertools
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Annotated, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,11 @@ from tbo.core.inflight import InFlightLimit, in_flight_violations
 from tbo.core.operations import Yield, comm_role
 from tbo.core.strategy import OperationsStrategy
 from tbo.tools.trace import Span, Trace, summary
+
+#: a cost, a size or a latency: finite and not negative (NaN would print a speedup of "nanx")
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: a rate (FLOP/s, bytes/s): finite and positive (0 would divide by zero)
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 __all__ = ["Cost", "TransferCost", "CostModel", "SimResult", "Comparison", "Recommendation", "simulate",
            "compare", "recommend", "find_threshold", "tune", "fit_costs"]
@@ -46,14 +51,14 @@ class Cost(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["constant", "linear", "roofline", "table"] = "linear"
-    seconds: float = 0.0
-    points: list[tuple[float, float]] = Field(default_factory=list)  #: table: (tokens, seconds), sorted by tokens
-    per_token: float = 0.0
-    flops_per_token: float = 0.0
-    weight_bytes: float = 0.0
-    bytes_per_token: float = 0.0
-    peak_flops: float = 1e12
-    mem_bw: float = 1e11
+    seconds: NonNegative = 0.0
+    points: list[tuple[NonNegative, NonNegative]] = Field(default_factory=list)  #: table: (tokens, seconds), sorted by tokens
+    per_token: NonNegative = 0.0
+    flops_per_token: NonNegative = 0.0
+    weight_bytes: NonNegative = 0.0
+    bytes_per_token: NonNegative = 0.0
+    peak_flops: Positive = 1e12
+    mem_bw: Positive = 1e11
 
     def __call__(self, tokens: int) -> float:
         if self.kind == "constant":
@@ -83,8 +88,8 @@ class TransferCost(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    bytes_per_token: float = 0.0
-    bytes_fixed: float = 0.0
+    bytes_per_token: NonNegative = 0.0
+    bytes_fixed: NonNegative = 0.0
 
     def nbytes(self, tokens: int) -> float:
         return self.bytes_fixed + self.bytes_per_token * tokens
@@ -102,8 +107,8 @@ class CostModel(BaseModel):
     ops: dict[str, Cost] = Field(default_factory=dict)
     default: Cost = Field(default_factory=lambda: Cost(kind="constant"))
     transfers: dict[str, TransferCost] = Field(default_factory=dict)
-    latency_s: float = 0.0
-    bandwidth: float = 1e12  #: bytes per second
+    latency_s: NonNegative = 0.0
+    bandwidth: Positive = 1e12  #: bytes per second
     launches: dict[str, str] = Field(default_factory=dict)
     waits: dict[str, str] = Field(default_factory=dict)
     #: an op's costs when microbatches interleave, for the first microbatch and for later ones; where given they

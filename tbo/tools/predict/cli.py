@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from tbo.tools.cli import positive
 from tbo.tools.simulate import simulate, split_tokens, summary
 from tbo.tools.predict.comm import traffic, transfer_seconds
@@ -19,6 +21,11 @@ KERNELS = ("low_latency", "normal", "v2")
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
+    if args.topk > args.experts:
+        raise ValueError(f"--topk {args.topk} exceeds --experts {args.experts}: a token picks distinct experts")
+    if args.topk_groups > args.groups or args.experts % args.groups:
+        raise ValueError(f"--topk-groups {args.topk_groups} / --groups {args.groups} / --experts {args.experts}: "
+                         "the groups must divide the experts, and a token uses at most --groups of them")
     hw = get_hardware(args.hardware)
     for kind in ("dispatch", "combine"):
         t = traffic(kind, args.kernel, args.hidden, args.topk, args.ep, hw.gpus_per_node, args.experts,
@@ -32,9 +39,20 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 
 
 def _deployment(args: argparse.Namespace, ep: int | None = None, tokens: int | None = None) -> Deployment:
-    return Deployment(ep=ep or args.ep, tokens_per_device=tokens or args.tokens_per_device, context=args.context,
-                      mode=args.mode, kernel=args.kernel, comm_sms=args.comm_sms, expert_slots=args.expert_slots,
-                      weight_dtype=args.weight_dtype, kv_bytes=args.kv_bytes, balancedness=args.balancedness)
+    try:
+        return Deployment(ep=ep or args.ep, tokens_per_device=tokens or args.tokens_per_device, context=args.context,
+                          mode=args.mode, kernel=args.kernel, comm_sms=args.comm_sms, expert_slots=args.expert_slots,
+                          weight_dtype=args.weight_dtype, kv_bytes=args.kv_bytes, balancedness=args.balancedness)
+    except ValidationError as exc:  # one line per flag, named as typed: not pydantic's multi-line dump
+        raise ValueError(_flag_errors(exc)) from None
+
+
+def _flag_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
+        parts.append(f"{flag} {err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def breakdown(p: Prediction, tokens: int) -> list[str]:

@@ -36,12 +36,12 @@ class Hardware(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    bf16_flops: float = Field(gt=0, description="dense BF16 tensor-core peak, FLOP/s")
-    fp8_flops: float = Field(gt=0, description="dense FP8 tensor-core peak, FLOP/s")
-    hbm_bandwidth: float = Field(gt=0, description="HBM bandwidth, bytes/s")
+    bf16_flops: float = Field(gt=0, allow_inf_nan=False, description="dense BF16 tensor-core peak, FLOP/s")
+    fp8_flops: float = Field(gt=0, allow_inf_nan=False, description="dense FP8 tensor-core peak, FLOP/s")
+    hbm_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="HBM bandwidth, bytes/s")
     num_sms: int = Field(gt=0, description="streaming multiprocessors")
-    nvlink_bandwidth: float = Field(gt=0, description="NVLink bandwidth per GPU per direction, bytes/s")
-    nic_bandwidth: float = Field(gt=0, description="scale-out NIC bandwidth per GPU per direction, bytes/s")
+    nvlink_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="NVLink bandwidth per GPU per direction, bytes/s")
+    nic_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="scale-out NIC bandwidth per GPU per direction, bytes/s")
     message_latency_s: float = Field(ge=0, description="fixed time of one dispatch or combine beyond its bytes")
     gpus_per_node: int = Field(default=8, gt=0, description="GPUs sharing one NVLink domain")
     memory_bytes: float | None = Field(default=None, gt=0,

@@ -180,9 +180,9 @@ class Deployment(BaseModel):
     comm_sms: int | None = Field(default=None, ge=0)
     expert_slots: int | None = Field(default=None, gt=0)
     weight_dtype: Literal["fp8", "bf16"] = "fp8"
-    kv_bytes: float = Field(default=2.0, gt=0, description="bytes per KV-cache element (2: BF16, 1: FP8)")
+    kv_bytes: float = Field(default=2.0, gt=0, allow_inf_nan=False, description="bytes per KV-cache element (2: BF16, 1: FP8)")
     dispatch_dtype: Literal["fp8", "bf16"] = "fp8"
-    balancedness: float = Field(default=1.0, gt=0, le=1)
+    balancedness: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
 
     @property
     def resolved_kernel(self) -> Literal["low_latency", "normal", "v2"]:
