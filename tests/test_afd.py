@@ -373,11 +373,16 @@ def test_a_stale_answer_is_refused_by_its_step_and_a_failed_step_is_drained():
     assert engine.in_flight == ["afd answer for layer 0, microbatch 1"] and engine.drain() == 1
     engine.send_attn_output(x + 1, AFDMeta(0, 0, 2, 2, 16))
     assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 2, 2, 16)), (x + 1) * 2)
+    # a step that fails without a drain (an op of its own raised): the next step waits its answers out first
+    engine.send_attn_output(x, AFDMeta(0, 1, 2, 2, 16))  # microbatch 1 of step 1, never taken
+    engine.send_attn_output(x + 2, AFDMeta(0, 0, 2, 2, 16))  # step 2: step 1's answer is waited out and dropped
+    assert engine._step == 2 and list(engine._answers) == [(0, 0)]
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 2, 2, 16)), (x + 2) * 2)
     # an answer of another step than the one its receive was posted for (a failed step's, left in flight)
-    engine.send_attn_output(x, AFDMeta(0, 0, 2, 2, 16))  # step 2 starts
-    assert engine._step == 2
-    engine._answers[0, 0][0].step = 3  # as if this receive had been posted in a later step
-    with pytest.raises(RuntimeError, match=r"answered layer 0, microbatch 0/2 \(2 tokens, step 2\) while .*step 3"):
+    engine.send_attn_output(x, AFDMeta(0, 0, 2, 2, 16))  # step 3 starts
+    assert engine._step == 3
+    engine._answers[0, 0][0].step = 4  # as if this receive had been posted in a later step
+    with pytest.raises(RuntimeError, match=r"answered layer 0, microbatch 0/2 \(2 tokens, step 3\) while .*step 4"):
         engine.recv_ffn_output(AFDMeta(0, 0, 2, 2, 16))
     engine.shutdown()
     group.close()

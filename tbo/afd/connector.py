@@ -297,20 +297,37 @@ class TorchDistributedAFDConnector:
         """After a failed step: wait out the answers still posted, all within one deadline (default ``timeout_s``),
         and drop them, so that the next step's receives do not take them; return how many there were. An answer
         that does not come in time arrives later into the next step's receives, which refuse it by its step."""
-        import time
-
         posted = [p for answers in self._answers.values() for p in answers]
         self._answers.clear()
         self._step_keys.clear()
         self._step += 1  # the next step is another one, whatever it sends first
-        deadline = time.monotonic() + (self.timeout_s if budget_s is None else budget_s)
-        for p in posted:
+        self._wait_posted(posted, self.timeout_s if budget_s is None else budget_s)
+        return len(posted)
+
+    def _drop_stale(self) -> None:
+        """Wait out (0.2 x ``timeout_s`` for all) and drop the answers a failed step left posted: gloo matches
+        receives in the order they were posted, so the next step's answers come only after them. If one does not
+        come, the pair is out of step: refused by name, not paired with the next step's."""
+        stale = [p for answers in self._answers.values() for p in answers]
+        self._answers.clear()
+        left = self._wait_posted(stale, 0.2 * self.timeout_s)
+        if left:
+            raise AFDPeerError(f"rank {self.rank}: {left} answer(s) of an earlier, failed step never came from FFN "
+                               f"rank {self.topology.ffn_peer(self.rank)}: the pair is out of step (rebuild it)")
+
+    @staticmethod
+    def _wait_posted(posted: list[_Posted], budget_s: float) -> int:
+        """Wait for ``posted`` receives within one deadline; return how many did not complete."""
+        import time
+
+        deadline = time.monotonic() + budget_s
+        for i, p in enumerate(posted):
             try:
                 for work in (p.header_work, p.payload_work):
                     wait_work(work, max(deadline - time.monotonic(), 1e-3), "afd drain")
             except Exception:  # the step already failed; a second error would hide the first
-                break
-        return len(posted)
+                return len(posted) - i
+        return 0
 
     # ---- attention side -----------------------------------------------------------------------------------------
     def send_attn_output(self, hidden: torch.Tensor, meta: AFDMeta) -> _Sent:
@@ -321,6 +338,8 @@ class TorchDistributedAFDConnector:
         if key in self._step_keys:
             self._step += 1
             self._step_keys.clear()
+            if self._answers:  # a step failed without a drain (an op of its own raised): clear its posted answers
+                self._drop_stale()
         self._step_keys.add(key)
         meta = replace(meta, step=self._step)
         peer = self.topology.ffn_peer(self.rank)
