@@ -52,6 +52,7 @@ _SERVED = "tbo-afd/served"  # set once the server accepted a claim: the ticket i
 _MAX_JSON_BYTES = 1 << 16
 _MAX_JSON_DEPTH = 32
 _POLL_S = 0.02
+_WINDOW = 64  # tickets the server looks at per poll
 
 
 class AFDPeerError(RuntimeError):
@@ -332,9 +333,10 @@ class AFDGroup:
                 check_info(info)
             return store, info, _claim(store, info, token, where, connect_timeout_s)
 
-        store, info, ticket = _with_deadline(connect_timeout_s + 5.0, reach, lambda: AFDPeerError(
-            f"the FFN server at {where} accepted the connection but did not answer within {connect_timeout_s:g}s "
-            "(connect_timeout_s): is it stopped (SIGSTOP) or not a tbo AFD FFN server?"))
+        bound_s = 2 * connect_timeout_s + 5.0  # reaching it, then its verdict on the claim, each connect_timeout_s
+        store, info, ticket = _with_deadline(bound_s, reach, lambda: AFDPeerError(
+            f"the FFN server at {where} accepted the connection but did not answer within {bound_s:g}s "
+            f"(connect_timeout_s={connect_timeout_s:g}): is it stopped (SIGSTOP) or not a tbo AFD FFN server?"))
         try:
             return cls(store, 0, 2, backend, max(timeout_s, connect_timeout_s), host,
                        _pg_prefix(token, str(info.get("nonce", "")), ticket), where)
@@ -399,7 +401,8 @@ def _judge_claims(store: Any, token: str | None, nonce: str, deadline: float, wh
     judged: set[int] = set()
     while time.monotonic() < deadline:
         tickets = store.add(_TICKETS, 0)
-        for ticket in range(1, tickets + 1):
+        # the newest 64 tickets only: a client that takes a billion tickets costs a poll no more than 64 checks
+        for ticket in range(max(1, tickets - _WINDOW + 1), tickets + 1):
             if ticket in judged or not store.check([_claim_key(ticket)]):
                 continue
             judged.add(ticket)
