@@ -84,10 +84,11 @@ def test_bad_tbo_config_is_named(raw, match):
 
 
 def test_strategy_names_auto_one_or_per_mode():
-    assert parse_config({"tbo": {}}).strategy_names("deepseek").decode == "deepseek_decode"
-    assert parse_config({"tbo": {"strategy": "qwen3_moe_prefill"}}).strategy_names("x").decode == "qwen3_moe_prefill"
+    assert parse_config({"tbo": {}}).strategy_names(True).decode == "deepseek_decode"
+    assert parse_config({"tbo": {}}).strategy_names(False).prefill == "qwen3_moe_prefill"
+    assert parse_config({"tbo": {"strategy": "qwen3_moe_prefill"}}).strategy_names(True).decode == "qwen3_moe_prefill"
     names = parse_config({"tbo": {"strategy": {"decode": "qwen3_moe_decode", "prefill": "deepseek_prefill"}}})
-    assert names.strategy_names("x").prefill == "deepseek_prefill"
+    assert names.strategy_names(True).prefill == "deepseek_prefill"
     assert parse_config({"tbo": {"prefill_token_threshold": 40}}).split_policy().prefill_token_threshold == 40
 
 

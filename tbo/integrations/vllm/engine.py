@@ -77,7 +77,7 @@ class TboEngine:
             layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
             self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling)
                            for i, layer in enumerate(model.layers)]
-            names = config.strategy_names(family)
+            names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
             self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
                                for mode in ("decode", "prefill")}
         for layer in self.layers:

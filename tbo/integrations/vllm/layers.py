@@ -50,6 +50,17 @@ def _moe_runner(mlp: Any) -> Any:
     return runner if runner is not None and hasattr(runner, "routed_experts") else None
 
 
+def shared_expert_of(runner: Any) -> Any:
+    """The shared expert vLLM's MoE runner runs beside the routed experts, or None.
+
+    Every vLLM 0.32 MoE block hands its shared expert to the runner (``FusedMoEFactory(shared_experts=...)``), whatever
+    the block calls it: DeepSeek's ``mlp.shared_experts``, Qwen2/3-MoE's gated ``mlp.shared_expert`` (whose module
+    applies its sigmoid ``shared_expert_gate`` itself), Llama-4's ``feed_forward.shared_expert``. The runner is where
+    to look, not an attribute name: reading ``mlp.shared_experts`` drops Qwen3-MoE's gated expert without a word."""
+    wrapper = runner.shared_experts  # vLLM's SharedExperts, around the block's module
+    return None if wrapper is None else wrapper._layer
+
+
 def _is_qwen3_moe_attention(attn: Any) -> bool:
     """Whether ``attn`` runs exactly vLLM's ``Qwen3MoeAttention.forward``, which the two attention ops reproduce
     from its own modules (a subclass with another forward runs whole, in ``attn_core``)."""
@@ -82,11 +93,13 @@ class VllmDecoderLayer(ExpertParallelOps):
         self.shared = None
         if self.runner is not None:
             self._check_runner(self.runner)
-            self.shared = getattr(layer.mlp, "shared_experts", None)
+            self.shared = shared_expert_of(self.runner)
             self.scale = float(self.runner.routed_scaling_factor)
             self._topk_dtype = self.runner.routed_experts.quant_method.topk_indices_dtype
             self._ids_dtype = torch.int32
         self.has_shared_experts = self.shared is not None
+        #: ops a strategy must run on this layer (`tbo.strategies.bind_layers` refuses one without them)
+        self.required_ops = ("shared_experts",) if self.has_shared_experts else ()
         #: which tensor-parallel all-reduces op_output makes: vLLM's MoE runner's rule (`reduce_plan`)
         self.reduce_shared, self.reduce_final = (False, False) if self.runner is None else reduce_plan(
             self.runner, tp_size, self.has_shared_experts)
