@@ -56,9 +56,55 @@ def _save_qwen3_moe_gated_shared(path: Path) -> Path:
     return path
 
 
-#: family -> (save its tiny checkpoint, whether its MoE layers have a shared expert)
+def _save(path: Path, config_cls: str, model_cls: str, **kw) -> Path:
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_cls)(vocab_size=256, hidden_size=64, num_attention_heads=2,
+                                               num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                                               initializer_range=0.1, **kw)
+    torch.manual_seed(0)
+    getattr(transformers, model_cls)(config).save_pretrained(path)
+    return path
+
+
+def _save_mixtral(path: Path) -> Path:
+    """The gate beside the runner, the MoE block named ``block_sparse_moe``, no shared expert."""
+    return _save(path, "MixtralConfig", "MixtralForCausalLM", intermediate_size=48, num_hidden_layers=2,
+                 num_local_experts=4, num_experts_per_tok=2)
+
+
+def _save_qwen2_moe(path: Path) -> Path:
+    """The gate beside the runner, a gated shared expert, qkv biases, a dense layer (``mlp_only_layers``)."""
+    return _save(path, "Qwen2MoeConfig", "Qwen2MoeForCausalLM", intermediate_size=96, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48, num_hidden_layers=3, num_experts=4, num_experts_per_tok=3,
+                 mlp_only_layers=[1])
+
+
+def _save_gpt_oss(path: Path) -> Path:
+    """Attention named ``attn`` with sinks, a sliding-window layer (even layers: a window of 16, shorter than the
+    prompts), the router named ``router`` with a bias, expert biases, swigluoai."""
+    return _save(path, "GptOssConfig", "GptOssForCausalLM", intermediate_size=32, num_hidden_layers=2,
+                 num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                 layer_types=["sliding_attention", "full_attention"])
+
+
+def _save_llama4(path: Path) -> Path:
+    """Llama-4 text: MoE every second layer (dense layers between them), a NoPE layer (layer 1), the router beside
+    the runner, a shared expert, router weights applied on the input."""
+    return _save(path, "Llama4TextConfig", "Llama4ForCausalLM", intermediate_size=32, intermediate_size_mlp=96,
+                 num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                 no_rope_layers=[1, 0, 1, 1], attention_chunk_size=None, use_qk_norm=True)
+
+
+#: family -> (save its tiny checkpoint, whether its MoE layers have a shared expert, the layers' kinds, the
+#: attention's and the feed-forward module's names)
 FAMILIES = {
-    "qwen3_moe_gated_shared": (_save_qwen3_moe_gated_shared, True),
+    "qwen3_moe_gated_shared": (_save_qwen3_moe_gated_shared, True, "mm", ("self_attn", "mlp")),
+    "mixtral": (_save_mixtral, False, "mm", ("self_attn", "block_sparse_moe")),
+    "qwen2_moe": (_save_qwen2_moe, True, "mdm", ("self_attn", "mlp")),
+    "gpt_oss": (_save_gpt_oss, False, "mm", ("attn", "mlp")),
+    "llama4": (_save_llama4, True, "dmdm", ("self_attn", "feed_forward")),
 }
 
 
@@ -69,7 +115,7 @@ def _tbo_layers(llm) -> list:
 @needs_vllm
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_tokens_equal_vllm_and_every_step_shape_splits(family, tmp_path):
-    save, shared = FAMILIES[family]
+    save, shared, kinds, names = FAMILIES[family]
     model = save(tmp_path / family)
     llm = _llm(model, dtype="float32")
     try:
@@ -85,8 +131,10 @@ def test_family_tokens_equal_vllm_and_every_step_shape_splits(family, tmp_path):
     assert _tokens(out) == want
     modes = delta["split_steps_by_mode"]
     assert all(modes[m] > 0 for m in ("decode", "prefill", "mixed")) and delta["cut_requests"] > 0, delta
+    assert "".join(layer.kind[0] for layer in layers) == kinds, layers
+    assert {(layer.structure.attn_name, layer.structure.ffn_name) for layer in layers} == {names}
     moe = [layer for layer in layers if layer.kind == "moe"]
-    assert moe and all(layer.has_shared_experts == shared for layer in moe), layers
+    assert all(layer.has_shared_experts == shared for layer in moe), layers
     if shared:  # the shared expert ran in every MoE layer of every microbatch, through the strategy's own op
         assert delta["op_calls"]["shared_experts"] == len(moe) * (delta["steps"] + delta["microbatches"]
                                                                   - delta["split_steps"]), delta
