@@ -343,3 +343,29 @@ def test_deepseek_v3_afd_matches_vllm_colocated(models, servers, dtype, threshol
     with reference_fp32(model, ENGINE) as judge:  # this file's generate keeps vLLM's EOS: lengths as vLLM's
         judged = assert_as_faithful_as_vllm(judge, prompts, _tokens(got), want, [len(w) for w in want])
     assert judged >= 0.8 * MAX_TOKENS * len(prompts), judged
+
+
+@needs_vllm
+def test_qwen2_moe_afd_tokens_equal_vllm_colocated(servers, tmp_path):
+    """A family beyond Qwen3-MoE and DeepSeek under AFD, through the same layer adapter: Qwen2-MoE (its gate beside
+    the runner, a gated shared expert, a dense layer); the FFN server runs vLLM's own MoE block of each layer."""
+    from test_vllm_models import _save_qwen2_moe
+
+    model = _save_qwen2_moe(tmp_path / "qwen2_moe")
+    prompts = SCENARIOS["mixed"] + SCENARIOS["cut"]
+    server = servers(model, "float32")
+    llm = _llm(model, dtype="float32")
+    try:
+        want = _tokens(_generate(llm, prompts))
+    finally:
+        _free(llm)
+    llm = _llm(model, {**SPLIT, "afd": {"ffn": server.address}}, dtype="float32")
+    try:
+        got, delta = _run(llm, prompts)
+    finally:
+        _free(llm)
+    rc, _, err = server.finish()
+    assert rc == 0, err[-3000:]
+    assert _tokens(got) == want
+    _assert_remote(delta, 3)
+    assert delta["split_steps_by_mode"]["mixed"] > 0 and delta["cut_requests"] > 0, delta

@@ -154,3 +154,26 @@ def test_a_strategy_without_an_op_a_layer_needs_is_refused():
                                             r"VllmDecoderLayer\(3, object, moe\) needs"):
         strategies.bind_layers([layer], "qwen3_moe_decode", num_microbatches=None)
     strategies.bind_layers([layer], "deepseek_decode", num_microbatches=None)
+
+
+#: the architecture each family's checkpoint declares
+ARCHITECTURES = {"qwen3_moe_gated_shared": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM"}
+
+
+@needs_vllm
+def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
+    """vLLM's MoE model classes, each tested, admitted or refused with its reason; every family this file (and
+    test_vllm.py: Qwen3-MoE, DeepSeek-V3) runs is "tested", and docs/vllm.md prints exactly this walk."""
+    from tbo.integrations.vllm.catalog import BEGIN, END, TESTED, table, walk
+
+    entries = walk()
+    verdicts = {e.architecture: e.verdict for e in entries}
+    assert set(ARCHITECTURES.values()) | {"DeepseekV3ForCausalLM"} <= set(TESTED)
+    assert all(verdicts[arch] == "tested" for arch in TESTED), verdicts
+    assert verdicts["GraniteMoeForCausalLM"] == verdicts["MiniCPMForCausalLM"] == "refused"
+    assert verdicts["Glm4MoeForCausalLM"] == verdicts["OlmoeForCausalLM"] == "admitted"
+    assert all(e.detail for e in entries if e.verdict == "refused")
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    shown = docs[docs.index(BEGIN):docs.index(END) + len(END)]
+    assert shown == table(entries), "docs/vllm.md's table is stale: python -m tbo.integrations.vllm.catalog docs/vllm.md"
