@@ -176,4 +176,23 @@ def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
     assert all(e.detail for e in entries if e.verdict == "refused")
     docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
     shown = docs[docs.index(BEGIN):docs.index(END) + len(END)]
-    assert shown == table(entries), "docs/vllm.md's table is stale: python -m tbo.integrations.vllm.catalog docs/vllm.md"
+    assert shown == table(entries), "docs/vllm.md's table is stale: run python -m tbo.integrations.vllm.catalog " \
+                                    "docs/vllm.md"
+
+
+def _save_granite_moe(path: Path) -> Path:
+    return _save(path, "GraniteMoeConfig", "GraniteMoeForCausalLM", intermediate_size=32, num_hidden_layers=2,
+                 num_local_experts=4, num_experts_per_tok=2, residual_multiplier=0.5)
+
+
+@needs_vllm
+def test_a_layer_tbo_cannot_reproduce_is_refused_at_load_naming_layer_and_feature(tmp_path):
+    """Granite-MoE's layers add their residual themselves, scaled by ``residual_multiplier``, and return none: the
+    engine's start fails naming the layer and that feature, not an unnamed AttributeError or a silent run."""
+    model = _save_granite_moe(tmp_path / "granite")
+    with pytest.raises(Exception, match=r"layer 0 \(GraniteMoeDecoderLayer\): tbo cannot run it: its forward "
+                                        r"takes no residual"):
+        _llm(model, TBO, dtype="float32")
+    import gc
+
+    gc.collect()

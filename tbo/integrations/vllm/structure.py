@@ -19,7 +19,8 @@ from typing import Any
 
 from tbo.integrations.vllm.config import TboConfigError
 
-__all__ = ["LayerStructure", "QUIRKS", "attention_and_ffn", "layer_structure", "moe_runner_of", "check_model_ends", "moe_dims"]
+__all__ = ["LayerStructure", "QUIRKS", "attention_and_ffn", "check_model_ends", "layer_structure", "moe_dims",
+           "moe_runner_of", "shared_expert_of"]
 
 #: the fused-residual pre-norms every admitted layer has (the norm adds the residual it is given)
 NORMS = ("input_layernorm", "post_attention_layernorm")

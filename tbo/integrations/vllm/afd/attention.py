@@ -3,9 +3,10 @@
 `AFDAttentionSide` is what `TboEngine` installs when ``additional_config["tbo"]["afd"]`` is set. At engine start
 it reaches the FFN server (a named `AFDPeerError` if nothing answers, or if it serves another model), joins the
 pair's own process group (vLLM keeps the default one), and takes the FFN modules out of the loaded model: each
-decoder layer's feed-forward module (``mlp``, ``block_sparse_moe``, ...) becomes a `RemoteFFN` that holds no weights and refuses to run. The layers then run as
-`VllmAFDLayer` ops in the ``afd_attention_dbo`` strategy: attention as the plugin runs it, then ``afd_send`` (the
-post-attention normed hidden states, with layer, stage index and stage count in the header), Yield, ``afd_recv``.
+decoder layer's feed-forward module (``mlp``, ``block_sparse_moe``, ...) becomes a `RemoteFFN` that holds no
+weights and refuses to run. The layers then run as `VllmAFDLayer` ops in the ``afd_attention_dbo`` strategy:
+attention as the plugin runs it, then ``afd_send`` (the post-attention normed hidden states, with layer, stage
+index and stage count in the header), Yield, ``afd_recv``.
 
 The router stays with the experts, on the FFN side: it is part of vLLM's MoE module (one ``mlp(x)`` call is
 vLLM colocated's math, grouped and bias-corrected routing included), and the wire then carries one tensor per
