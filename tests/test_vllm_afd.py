@@ -356,6 +356,19 @@ def test_the_ffn_server_checks_requests_and_names_a_vanished_attention_side(mode
         assert rc == 3 and __import__("re").search(match, err), err[-3000:]
 
 
+def _afd_run(model: Path, tbo: dict, server: "Server", prompts: list, dtype: str) -> tuple:
+    """``prompts`` through an AFD engine on ``server``, then the engine shut down and the server exited 0; returns
+    the outputs and what the tbo counters did."""
+    llm = _llm(model, {**tbo, "afd": {"ffn": server.address}}, dtype=dtype)
+    try:
+        got, delta = _run(llm, prompts)
+    finally:
+        _free(llm)
+    rc, _, err = server.finish()
+    assert rc == 0, err[-3000:]
+    return got, delta
+
+
 @needs_vllm
 @pytest.mark.parametrize("dtype, thresholds", [
     pytest.param("bfloat16", {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30},
@@ -376,13 +389,7 @@ def test_deepseek_v3_afd_matches_vllm_colocated(models, servers, dtype, threshol
     server = servers(model, dtype)
     with _reference_llm(model, **ENGINE, dtype=dtype) as llm:  # vLLM colocated, its CPU rotary kernel fixed
         want = _tokens(_generate(llm, prompts))
-    llm = _llm(model, {**thresholds, "afd": {"ffn": server.address}}, dtype=dtype)
-    try:
-        got, delta = _run(llm, prompts)
-    finally:
-        _free(llm)
-    rc, _, err = server.finish()
-    assert rc == 0, err[-3000:]
+    got, delta = _afd_run(model, thresholds, server, prompts, dtype)
     _assert_remote(delta, 3)
     assert delta["steps_by_mode"]["prefill"] > 0 and delta["steps_by_mode"]["decode"] > 0, delta
     if thresholds is SPLIT:
@@ -393,3 +400,23 @@ def test_deepseek_v3_afd_matches_vllm_colocated(models, servers, dtype, threshol
     with reference_fp32(model, ENGINE) as judge:  # this file's generate keeps vLLM's EOS: lengths as vLLM's
         judged = assert_as_faithful_as_vllm(judge, prompts, _tokens(got), want, [len(w) for w in want])
     assert judged >= 0.8 * MAX_TOKENS * len(prompts), judged
+
+
+@needs_vllm
+def test_qwen2_moe_afd_tokens_equal_vllm_colocated(servers, tmp_path):
+    """A family beyond Qwen3-MoE and DeepSeek under AFD, through the same layer adapter: Qwen2-MoE (its gate beside
+    the runner, a gated shared expert, a dense layer); the FFN server runs vLLM's own MoE block of each layer."""
+    from test_vllm_models import _save_qwen2_moe
+
+    model = _save_qwen2_moe(tmp_path / "qwen2_moe")
+    prompts = SCENARIOS["mixed"] + SCENARIOS["cut"]
+    server = servers(model, "float32")
+    llm = _llm(model, dtype="float32")
+    try:
+        want = _tokens(_generate(llm, prompts))
+    finally:
+        _free(llm)
+    got, delta = _afd_run(model, SPLIT, server, prompts, "float32")
+    assert _tokens(got) == want
+    _assert_remote(delta, 3)
+    assert delta["split_steps_by_mode"]["mixed"] > 0 and delta["cut_requests"] > 0, delta

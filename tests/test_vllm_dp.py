@@ -591,3 +591,21 @@ def test_a_stalled_rank_makes_its_peer_fail_with_a_named_error_in_bounded_time(m
     assert survivor.returncode != 0 and survivor.result is None, out[-4000:]
     named = [line for line in out.splitlines() if "CommTimeoutError: rank 0:" in line]
     assert named and any(f"timed out after {timeout_s}s" in line for line in named), out[-6000:]
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_mixtral_dp2_ep_tokens_equal_and_both_ranks_split(tmp_path):
+    """A family beyond Qwen3-MoE and DeepSeek under DP = 2 + EP, through the same layer adapter: Mixtral (its gate
+    beside the runner, the MoE block named ``block_sparse_moe``), two of its four experts on each rank."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    from test_vllm_models import _save_mixtral
+
+    model = _save_mixtral(tmp_path / "mixtral")
+    rounds = [[[_prompt(9, 7), _prompt(30, 8)]], [[_prompt(4, 10), _prompt(17, 11), _prompt(3, 12)]]]
+    runs, per_rank = _dp(tmp_path, model, rounds, TBO, dtype="float32")
+    for rank, r in enumerate(rounds):
+        want = [[list(o.token_ids) for o in x] for x in _reference(model, r, dtype="float32")]
+        assert runs[rank].result["tokens"] == want, rank
+    _assert_both_split_and_sent(per_rank, 2)

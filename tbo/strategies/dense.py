@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 from tbo.core.errors import StrategyError
 from tbo.core.inflight import limit_of
+from tbo.core.operations import Yield, op_name
 from tbo.core.strategy import OperationsStrategy
 from tbo.strategies import registry
 
@@ -56,6 +57,16 @@ def _for_layer(strategies: LayerStrategies, layer: Any) -> OperationsStrategy:
     return found
 
 
+def _check_required_ops(strategy: OperationsStrategy, layer: Any) -> None:
+    """A layer may name ops (``required_ops``) without which its math is incomplete, such as the shared expert of a
+    layer that has one: a strategy without them would run, and run wrong, so it is refused here."""
+    have = {op_name(item) for item in strategy.operations if item is not Yield}
+    missing = [name for name in getattr(layer, "required_ops", ()) if name not in have]
+    if missing:
+        raise StrategyError(f"strategy {strategy.name or '(unnamed)'} has no op {', '.join(missing)}, which "
+                            f"{layer!r} needs (it would be skipped, and the layer's output wrong)")
+
+
 def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | None = None, *,
                 backend: Any = None, num_microbatches: int | None = 2) -> OperationsStrategy:
     """Bind each layer's strategy to it and join them into the one list the executor runs, by
@@ -72,6 +83,8 @@ def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | 
         raise StrategyError("bind_layers needs at least one layer")
     strategies = _named(strategies)  # once, not per layer
     per_layer = [_for_layer(strategies, layer) for layer in layers]
+    for strategy, layer in zip(per_layer, layers):
+        _check_required_ops(strategy, layer)
     bound = OperationsStrategy.concat([s.bind(layer) for s, layer in zip(per_layer, layers)],
                                       name=name or per_layer[-1].name)
     owners = [backend] if backend is not None else list({id(b): b for b in (getattr(layer, "backend", None)

@@ -1,4 +1,8 @@
-"""Qwen3-MoE strategies: the DeepSeek shapes without the shared expert, which Qwen3-MoE does not have.
+"""Strategies for MoE layers without a shared expert (Qwen3-MoE, Mixtral, GPT-OSS, OLMoE, ...): the DeepSeek shapes
+less that op. The vLLM plugin's ``strategy: "auto"`` picks them for a model whose MoE layers have no shared expert,
+and the DeepSeek ones for a model whose layers have one (Qwen2-MoE, a Qwen3-MoE with
+``shared_expert_intermediate_size``, Llama-4, GLM-4.x); a layer with a shared expert refuses these (its
+``required_ops``).
 
 Without a shared expert, decode has nothing of its own to run between ``dispatch_a`` and the Yield: the other
 microbatch's stages are what hide the dispatch.

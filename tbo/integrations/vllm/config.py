@@ -50,7 +50,7 @@ class TboVllmConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     strategy: Any = Field(
-        default="auto", description="'auto' (the model family's decode and prefill strategies), one registered "
+        default="auto", description="'auto' (decode and prefill strategies from the layers' structure), one registered "
                                     "name for both, or {'decode': name, 'prefill': name}")
     num_microbatches: int = Field(default=2, description="microbatches per split step")
     # vLLM DBO's defaults (ParallelConfig.dbo_*_token_threshold): below them a split step on a GPU mostly reads the
@@ -114,11 +114,14 @@ class TboVllmConfig(BaseModel):
                            token_distribution_threshold=self.token_distribution_threshold,
                            pad_to_multiple=self.pad_to_multiple, allow_cut_sequences=self.allow_cut_sequences)
 
-    def strategy_names(self, family: str) -> StrategyNames:
-        """The registry names to run for a model of ``family`` (``"qwen3_moe"``, ``"deepseek"``)."""
+    def strategy_names(self, shared_experts: bool) -> StrategyNames:
+        """The registry names to run. ``"auto"`` follows the layers' structure: with a shared expert (in any MoE
+        layer) the strategies that overlap it with the dispatch (``deepseek_decode``, ``deepseek_prefill``),
+        without one the same shapes less that op (``qwen3_moe_decode``, ``qwen3_moe_prefill``)."""
         if isinstance(self.strategy, StrategyNames):
             return self.strategy
         if self.strategy == "auto":
+            family = "deepseek" if shared_experts else "qwen3_moe"
             return StrategyNames(decode=f"{family}_decode", prefill=f"{family}_prefill")
         return StrategyNames(decode=self.strategy, prefill=self.strategy)
 

@@ -21,6 +21,7 @@ from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmC
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
+from tbo.integrations.vllm.structure import check_model_ends, moe_dims
 from tbo.integrations.vllm.patches import RunnerPatches
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
 
@@ -47,6 +48,7 @@ class TboEngine:
         if (model.start_layer, model.end_layer) != (0, len(model.layers)):
             raise TboConfigError(f"the model holds layers {model.start_layer}..{model.end_layer} of "
                                  f"{len(model.layers)}: tbo needs the whole stack on this rank")
+        check_model_ends(model)
         hf = vllm_config.model_config.hf_text_config
         step_stats = StepStats()
         scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
@@ -66,19 +68,18 @@ class TboEngine:
 
             from tbo.integrations.vllm.ep import EpDecoderLayer, expert_parallel_size
 
-            num_experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
+            num_experts, top_k = moe_dims(model.layers)  # the runners' own, whatever the config calls them
             if vllm_config.parallel_config.enable_expert_parallel:
                 self.ep_size = expert_parallel_size()
-            self.backend = make_backend(config, int(num_experts), hidden=hf.hidden_size,
-                                        top_k=hf.num_experts_per_tok,
+            self.backend = make_backend(config, num_experts, hidden=hf.hidden_size, top_k=top_k,
                                         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                         ep_size=self.ep_size, platform=current_platform.device_type)
             tp = get_tensor_model_parallel_world_size()
             layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
             self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling)
                            for i, layer in enumerate(model.layers)]
-            names = config.strategy_names(family)
-            self.strategies = {mode: self._bind(getattr(names, mode), hf.num_experts_per_tok)
+            names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
+            self.strategies = {mode: self._bind(getattr(names, mode), top_k)
                                for mode in ("decode", "prefill")}
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)

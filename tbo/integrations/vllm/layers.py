@@ -1,12 +1,16 @@
-"""`VllmDecoderLayer`: one of vLLM's own Qwen3-MoE or DeepSeek-V2/V3 decoder layers, as the ops tbo's strategies name.
+"""`VllmDecoderLayer`: any vLLM decoder layer whose MoE is a ``MoERunner`` (and its dense layers), as the ops tbo's
+strategies name: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.x, GPT-OSS, Llama-4, DeepSeek-V2/V3, ...
 
-Every op calls the layer's own modules, so the math is vLLM's: the fused residual-add RMSNorms, the attention module
-(for Qwen3-MoE its projections, q/k norms and rotary in ``attn_prepare``, vLLM's attention backend with its KV cache
-and the output projection in ``attn_core``; DeepSeek's MLA module whole, in ``attn_core``), the router (``gate`` for the logits, the router's ``select_experts`` for top-k, DeepSeek's
-grouped and bias-corrected routing included) and the fused-MoE experts kernel. What tbo changes is where the tokens
-go between routing and the experts: through an `EPBackend` (dispatch, combine), in the NORMAL layout that kernel
-takes (each token once, with its top-k ids and weights). The routed output is then scaled, added to the shared
-experts' and all-reduced over tensor parallelism as vLLM's MoE runner does, in that order.
+Where the pieces are is found from the layer's modules (`tbo.integrations.vllm.structure`), not from the model's
+name. Every op calls the layer's own modules, so the math is vLLM's: the fused residual-add RMSNorms, the attention
+module (Qwen3-MoE's as two ops: its projections, q/k norms and rotary in ``attn_prepare``, vLLM's attention backend
+with its KV cache and the output projection in ``attn_core``; any other, GPT-OSS's with sinks and sliding windows,
+Llama-4's NoPE and chunked layers, DeepSeek's MLA, whole in ``attn_core``), the router gate (the runner's, or the
+block's own beside it) and the runner's ``select_experts`` for top-k, the runner's shared expert (gated or not), and
+the fused-MoE experts kernel. What tbo changes is where the tokens go between routing and the experts: through an
+`EPBackend` (dispatch, combine), in the NORMAL layout that kernel takes (each token once, with its top-k ids and
+weights). The routed output is then scaled, added to the shared expert's and all-reduced over tensor parallelism as
+vLLM's MoE runner does, in that order.
 
 vLLM layers hand the residual on unadded (the next layer's input norm adds it), so a layer's output is
 ``{"hidden_states", "residual"}``: `model_forward_maybe_tbo` merges both, and the model's final norm adds them.
@@ -14,13 +18,13 @@ vLLM layers hand the residual on unadded (the next layer's input norm adds it), 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
 from tbo.core.state import State
 from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.structure import layer_structure
 from tbo.models.layer_ops import ExpertParallelOps
 
 __all__ = ["VllmDecoderLayer", "reduce_plan"]
@@ -43,21 +47,6 @@ def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool
     return reduce_shared, reduce_final
 
 
-def _moe_runner(mlp: Any) -> Any:
-    """The layer's fused-MoE runner (``mlp.experts``), or None for a dense layer (``mlp_only_layers``,
-    ``first_k_dense_replace``)."""
-    runner = getattr(mlp, "experts", None)
-    return runner if runner is not None and hasattr(runner, "routed_experts") else None
-
-
-def _is_qwen3_moe_attention(attn: Any) -> bool:
-    """Whether ``attn`` runs exactly vLLM's ``Qwen3MoeAttention.forward``, which the two attention ops reproduce
-    from its own modules (a subclass with another forward runs whole, in ``attn_core``)."""
-    from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention
-
-    return type(attn).forward is Qwen3MoeAttention.forward
-
-
 class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
@@ -68,25 +57,30 @@ class VllmDecoderLayer(ExpertParallelOps):
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
                  llama_4_scaling: dict[str, Any] | None = None) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
-        attn = layer.self_attn
+        #: where this layer's pieces are (`tbo.integrations.vllm.structure`); refuses what tbo cannot reproduce
+        self.structure = s = layer_structure(layer, layer_idx, self.expert_parallel)
+        self.attn, self.ffn = getattr(layer, s.attn_name), getattr(layer, s.ffn_name)
         #: whether the attention module takes DeepSeek's ``llama_4_scaling`` (vLLM's MLA does; its plain MHA does
         #: not, and vLLM then does not apply it either)
-        self._attn_takes_scaling = "llama_4_scaling" in inspect.signature(attn.forward).parameters
+        self._attn_takes_scaling = s.attn_takes_scaling
         #: the config's ``llama_4_scaling`` (original_max_position_embeddings, beta): a per-token factor on q that
         #: vLLM's model computes from the step's positions; each microbatch computes it from its own
         self.llama_4_scaling = llama_4_scaling if self._attn_takes_scaling else None
-        #: attention as two ops (Qwen3-MoE), or one call in attn_core (DeepSeek MLA)
-        self.split_attention = _is_qwen3_moe_attention(attn)
-        self.runner = _moe_runner(layer.mlp)
+        #: attention as two ops (Qwen3-MoE), or one call in attn_core (every other attention module)
+        self.split_attention = s.split_attention
+        self.runner, self.gate, self.shared = s.runner, s.gate, s.shared
         self.kind = "dense" if self.runner is None else "moe"
-        self.shared = None
         if self.runner is not None:
-            self._check_runner(self.runner)
-            self.shared = getattr(layer.mlp, "shared_experts", None)
+            if backend is not None and self.runner.routed_experts.global_num_experts != backend.num_experts:
+                raise TboConfigError(f"layer {layer_idx} ({type(layer).__name__}) has "
+                                     f"{self.runner.routed_experts.global_num_experts} experts but the backend "
+                                     f"routes {backend.num_experts}")
             self.scale = float(self.runner.routed_scaling_factor)
             self._topk_dtype = self.runner.routed_experts.quant_method.topk_indices_dtype
             self._ids_dtype = torch.int32
         self.has_shared_experts = self.shared is not None
+        #: ops a strategy must run on this layer (`tbo.strategies.bind_layers` refuses one without them)
+        self.required_ops = ("shared_experts",) if self.has_shared_experts else ()
         #: which tensor-parallel all-reduces op_output makes: vLLM's MoE runner's rule (`reduce_plan`)
         self.reduce_shared, self.reduce_final = (False, False) if self.runner is None else reduce_plan(
             self.runner, tp_size, self.has_shared_experts)
@@ -95,28 +89,6 @@ class VllmDecoderLayer(ExpertParallelOps):
             from vllm.distributed import tensor_model_parallel_all_reduce
 
             self._all_reduce = tensor_model_parallel_all_reduce
-
-    def _check_runner(self, runner: Any) -> None:
-        """Refuse MoE features whose math the ops below would not reproduce, naming them."""
-        name = f"layer {self.layer_idx} ({type(self.layer).__name__})"
-        problems = []
-        if runner.gate is None:
-            problems.append("no router gate in the MoE runner")
-        if getattr(runner, "_fse_fuse_gate", False) or runner.shared_expert_gate is not None:
-            problems.append("a shared-expert gate fused with the router")
-        if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
-            problems.append("latent routed-input/output transforms")
-        if runner.routed_experts.quant_method.is_monolithic:
-            problems.append("a monolithic MoE kernel (it routes inside; tbo needs the top-k before dispatch)")
-        if runner.moe_config.is_sequence_parallel or (runner.moe_config.dp_size > 1 and not self.expert_parallel):
-            problems.append("sequence-parallel or data-parallel MoE")
-        if type(runner.router).__name__ == "ZeroExpertRouter":
-            problems.append("zero experts")
-        if problems:
-            raise TboConfigError(f"{name}: tbo cannot run its MoE: {'; '.join(problems)}")
-        if runner.routed_experts.global_num_experts != self.backend.num_experts:
-            raise TboConfigError(f"{name} has {runner.routed_experts.global_num_experts} experts but the backend "
-                                 f"routes {self.backend.num_experts}")
 
     def __repr__(self) -> str:
         return f"VllmDecoderLayer({self.layer_idx}, {type(self.layer).__name__}, {self.kind})"
@@ -136,7 +108,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         the other microbatch's dispatch has that compute to hide behind). Other attention modules (DeepSeek's MLA)
         are one call: ``attn_core`` makes it."""
         if self.split_attention:
-            attn = self.layer.self_attn
+            attn = self.attn
             qkv, _ = attn.qkv_proj(state.pop("attn_in"))
             q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q = attn.q_norm(q.view(*q.shape[:-1], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
@@ -145,12 +117,12 @@ class VllmDecoderLayer(ExpertParallelOps):
             state.qkv = (q, k, v)
 
     def op_attn_core(self, state: State) -> None:
-        attn = self.layer.self_attn
+        attn = self.attn
         if self.split_attention:
             state.attn_out, _ = attn.o_proj(attn.attn(*state.pop("qkv")))
-        else:
-            extra = (self._scaling(state.positions),) if self._attn_takes_scaling else ()
-            state.attn_out = attn(state.positions, state.pop("attn_in"), *extra)
+        else:  # by keyword: GPT-OSS's attention takes (hidden_states, positions), the others the other way round
+            extra = {"llama_4_scaling": self._scaling(state.positions)} if self._attn_takes_scaling else {}
+            state.attn_out = attn(positions=state.positions, hidden_states=state.pop("attn_in"), **extra)
 
     def _scaling(self, positions: torch.Tensor) -> torch.Tensor | None:
         """vLLM's ``_get_llama_4_scaling`` for these positions (elementwise per token: a microbatch's slice of the
@@ -170,7 +142,7 @@ class VllmDecoderLayer(ExpertParallelOps):
     # ---- dense layers ------------------------------------------------------------------------------------------
     def op_mlp(self, state: State) -> None:
         self._count_ffn()
-        state.mlp_out = self.layer.mlp(state.pop("mlp_in"))  # its down projection all-reduces over TP
+        state.mlp_out = self.ffn(state.pop("mlp_in"))  # its down projection all-reduces over TP
 
     def _count_ffn(self) -> None:
         for s in self.counters:
@@ -178,7 +150,8 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     # ---- MoE: router, dispatch, experts, combine ---------------------------------------------------------------
     def op_gate(self, state: State) -> None:
-        state.router_logits, _ = self.runner.gate(state.mlp_in)
+        logits = self.gate(state.mlp_in)  # the runner's gate or the block's (GPT-OSS's returns no bias)
+        state.router_logits = logits[0] if isinstance(logits, tuple) else logits
 
     def op_select_experts(self, state: State) -> None:
         weights, ids = self.runner.router.select_experts(hidden_states=state.mlp_in,

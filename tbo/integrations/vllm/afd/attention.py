@@ -3,9 +3,10 @@
 `AFDAttentionSide` is what `TboEngine` installs when ``additional_config["tbo"]["afd"]`` is set. At engine start
 it reaches the FFN server (a named `AFDPeerError` if nothing answers, or if it serves another model), joins the
 pair's own process group (vLLM keeps the default one), and takes the FFN modules out of the loaded model: each
-decoder layer's ``mlp`` becomes a `RemoteFFN` that holds no weights and refuses to run. The layers then run as
-`VllmAFDLayer` ops in the ``afd_attention_dbo`` strategy: attention as the plugin runs it, then ``afd_send`` (the
-post-attention normed hidden states, with layer, stage index and stage count in the header), Yield, ``afd_recv``.
+decoder layer's feed-forward module (``mlp``, ``block_sparse_moe``, ...) becomes a `RemoteFFN` that holds no
+weights and refuses to run. The layers then run as `VllmAFDLayer` ops in the ``afd_attention_dbo`` strategy:
+attention as the plugin runs it, then ``afd_send`` (the post-attention normed hidden states, with layer, stage
+index and stage count in the header), Yield, ``afd_recv``.
 
 The router stays with the experts, on the FFN side: it is part of vLLM's MoE module (one ``mlp(x)`` call is
 vLLM colocated's math, grouped and bias-corrected routing included), and the wire then carries one tensor per
@@ -25,7 +26,6 @@ from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
 from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError
 from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
-from tbo.integrations.vllm.config import TboConfigError
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.stats import StepStats
 
@@ -153,15 +153,16 @@ class AFDAttentionSide:
 def _take_out_ffns(outer: Any, model: Any, vllm_config: Any, address: str) -> int:
     """Replace every decoder layer's ``mlp`` by a `RemoteFFN` and drop every reference vLLM kept to it (its
     forward-context registry, the model's MoE layer lists), so that its weights are freed; returns their bytes."""
-    if not all(hasattr(layer, "mlp") for layer in model.layers):
-        raise TboConfigError("tbo AFD: a decoder layer without an `mlp` module; cannot take its FFN out")
+    from tbo.integrations.vllm.structure import attention_and_ffn
+
+    names = [attention_and_ffn(layer, i)[1] for i, layer in enumerate(model.layers)]  # mlp, block_sparse_moe, ...
     gone: set[int] = set()
     freed = 0
-    for i, layer in enumerate(model.layers):
-        mlp = layer.mlp
+    for i, (layer, name) in enumerate(zip(model.layers, names)):
+        mlp = getattr(layer, name)
         gone.update(id(m) for m in mlp.modules())
         freed += sum(p.numel() * p.element_size() for p in mlp.parameters())
-        layer.mlp = RemoteFFN(i, address)
+        setattr(layer, name, RemoteFFN(i, address))
     registry = vllm_config.compilation_config.static_forward_context
     for name in [name for name, module in registry.items() if id(module) in gone]:
         del registry[name]

@@ -106,9 +106,11 @@ class VllmFFNModel:
             init_distributed_environment(1, 0, "env://", 0, backend)  # already initialised: vLLM keeps ours
             ensure_model_parallel_initialized(1, 1)
             model = get_model(vllm_config=config)
-        self.layers = [_FFNLayer(self, layer.mlp) for layer in model.model.layers]
-        self.kinds = ["dense" if getattr(layer.mlp, "experts", None) is None else "moe"
-                      for layer in model.model.layers]
+        from tbo.integrations.vllm.structure import attention_and_ffn, moe_runner_of
+
+        ffns = [getattr(layer, attention_and_ffn(layer, i)[1]) for i, layer in enumerate(model.model.layers)]
+        self.layers = [_FFNLayer(self, ffn) for ffn in ffns]  # mlp, block_sparse_moe, feed_forward, ...
+        self.kinds = ["dense" if moe_runner_of(ffn) is None else "moe" for ffn in ffns]
         self.hf = config.model_config.hf_text_config
         self.dtype = config.model_config.dtype
         self.max_tokens = max_tokens
