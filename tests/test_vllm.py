@@ -872,6 +872,7 @@ _ROTARY_PLUGIN = textwrap.dedent("""
 
 def _rotary_plugin(root: Path) -> Path:
     """A folder holding `_ROTARY_PLUGIN` as an installed distribution with a ``vllm.general_plugins`` entry point."""
+    root.mkdir()
     (root / "tbo_test_rotary.py").write_text(_ROTARY_PLUGIN)
     info = root / "tbo_test_rotary-0.0.dist-info"
     info.mkdir()
