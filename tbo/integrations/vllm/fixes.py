@@ -14,18 +14,28 @@ is unaffected.
 `fix_rotary_embeddings` probes each rotary module of a model once (3-D strided inputs against the same values as 2-D
 contiguous ones) and, only where the two differ, routes that instance's calls through contiguous 2-D copies, written
 back in place as the kernel's callers expect. The change is on the instances (``_forward_method``, which vLLM's
-``CustomOp.forward`` calls) and `RotaryFix.restore` puts the originals back. A vLLM whose kernel is right is left
-alone, since the probe finds nothing.
+``CustomOp.forward`` calls). A vLLM whose kernel is right is left alone, since the probe finds nothing.
+
+vLLM shares rotary modules between models (``get_rope`` caches them by their parameters), so two engines of one
+process, or an engine and a test's reference, can hold the same module. The fix is therefore reference counted per
+module, process-wide: the first `fix_rotary_embeddings` that reaches a module reroutes it, every later one (whatever
+engine it serves) takes a reference on it, and `RotaryFix.restore` drops this fix's references; the module gets
+its original ``_forward_method`` back when the last reference goes. Keeping the fix for the process's lifetime
+would be simpler, but would leave tbo's reroute on modules long after every tbo engine is gone; counting puts
+vLLM's own method back as soon as no fix holds the module. While a tbo engine holds a module, any engine sharing it,
+one without tbo included, runs through the fix too: it computes the same rotation as vLLM's 2-D path (the model's,
+independent of the batch), not vLLM's defective 3-D one.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["RotaryFix", "fix_rotary_embeddings", "rotary_is_shape_dependent"]
+__all__ = ["RotaryFix", "fix_rotary_embeddings", "holders", "rotary_is_shape_dependent"]
 
 
 def _is_rotary(module: Any) -> bool:
@@ -69,38 +79,69 @@ def _flat_call(original: Callable[..., Any]) -> Callable[..., Any]:
             key.copy_(k_out.view(key.shape))
         return query, key
 
-    forward.__tbo_fixed__ = True  # type: ignore[attr-defined]
     return forward
 
 
 @dataclass
-class RotaryFix:
-    """The rotary modules `fix_rotary_embeddings` rerouted, with what to put back."""
+class _Held:
+    """A rerouted module: vLLM's own ``_forward_method`` and how many fixes hold the reroute."""
 
-    patched: list[tuple[Any, Callable[..., Any]]] = field(default_factory=list)
+    module: Any
+    original: Callable[..., Any]
+    references: int = 0
+
+
+#: id(module) -> its reroute, for every rotary module some fix of this process holds (the entry keeps the module
+#: alive, so its id is not reused while it is here); guarded by `_LOCK`
+_HELD: dict[int, _Held] = {}
+_LOCK = threading.Lock()
+
+
+@dataclass
+class RotaryFix:
+    """The rotary modules one `fix_rotary_embeddings` call holds rerouted (each one reference)."""
+
+    patched: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.patched)
 
     def restore(self) -> None:
-        for module, original in self.patched:
-            module._forward_method = original
-        self.patched.clear()
+        """Drop this fix's references; a module no other fix holds gets vLLM's own method back. Idempotent."""
+        with _LOCK:
+            for module in self.patched:
+                held = _HELD[id(module)]  # held while this fix holds it (a held module cannot be collected)
+                held.references -= 1
+                if held.references == 0:
+                    module._forward_method = held.original
+                    del _HELD[id(module)]
+            self.patched.clear()
 
 
 def fix_rotary_embeddings(model: Any) -> RotaryFix:
-    """Reroute every rotary module of ``model`` whose kernel is shape dependent (see the module docstring)."""
+    """Reroute every rotary module of ``model`` whose kernel is shape dependent (see the module docstring), or take a
+    reference on the reroute another fix already made."""
     fix = RotaryFix()
-    verdicts: dict[int, bool] = {}
-    for module in model.modules():
-        if not _is_rotary(module) or getattr(module._forward_method, "__tbo_fixed__", False):
-            continue
-        key = id(module)
-        if key not in verdicts:
-            with torch.no_grad():
-                verdicts[key] = rotary_is_shape_dependent(module)
-        if verdicts[key]:
-            original = module._forward_method
-            module._forward_method = _flat_call(original)
-            fix.patched.append((module, original))
+    seen: set[int] = set()
+    with _LOCK:
+        for module in model.modules():
+            if not _is_rotary(module) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            held = _HELD.get(id(module))
+            if held is None:
+                with torch.no_grad():
+                    if not rotary_is_shape_dependent(module):
+                        continue
+                held = _HELD[id(module)] = _Held(module, module._forward_method)
+                module._forward_method = _flat_call(held.original)
+            held.references += 1
+            fix.patched.append(module)
     return fix
+
+
+def holders(module: Any) -> int:
+    """How many fixes of this process hold ``module`` rerouted (0: it runs vLLM's own method)."""
+    with _LOCK:
+        held = _HELD.get(id(module))
+        return 0 if held is None else held.references

@@ -4,10 +4,15 @@ Embeddings, the final norm and everything outside the layers stay vLLM's; the la
 `model_forward_maybe_tbo` as `VllmDecoderLayer` ops with the step's strategy. On a step the runner built in
 microbatches, the plan decided for it splits the hidden states, each microbatch gets its positions (pinned in its
 State) and its own forward context (`ContextSwitcher`), and the outputs are merged back in token order.
+
+Diagnostics never fail a step: a ``stats_file`` that cannot be written (a directory, a full disk, a missing folder)
+is logged, once per distinct error, and the step's result is returned as if it had been written
+(`LayerLoop.write_stats`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,6 +30,8 @@ __all__ = ["LayerLoop"]
 
 _OUTPUTS = ("hidden_states", "residual")
 
+logger = logging.getLogger("vllm.tbo")
+
 
 class LayerLoop:
     """Callable in place of the inner model's ``forward`` (same arguments, same result)."""
@@ -39,6 +46,8 @@ class LayerLoop:
         self.op_times = False  #: ``op_times``: time every op of the counted steps (the engine sets it)
         #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows (the engine sets it)
         self.agreed_rows = True
+        #: ``stats_file`` writes that failed, and the last failure's message (logged when it first appears)
+        self.stats_file_failures, self._stats_file_error = 0, ""
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -83,9 +92,23 @@ class LayerLoop:
                 s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
                 if timer is not None:
                     s.add_op_times(timer.seconds, timer.calls, layers_s)
-            if self.stats_file is not None:
-                self.stats_file.write(self.stats)
+            self.write_stats()
         return hidden
+
+    def write_stats(self) -> None:
+        """Write ``stats_file`` (if set). A diagnostic: a failure is logged (each distinct error once) and counted in
+        `stats_file_failures`, never raised, so that it cannot fail the step or the shutdown that writes it."""
+        if self.stats_file is None:
+            return
+        try:
+            self.stats_file.write(self.stats)
+        except Exception as e:  # noqa: BLE001 - whatever the write raises, the engine goes on
+            self.stats_file_failures += 1
+            message = f"{type(e).__name__}: {e}"
+            if message != self._stats_file_error:
+                self._stats_file_error = message
+                logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
+                               self.stats_file.path, message)
 
     def _traffic(self) -> tuple[int, int]:
         """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zero where it counts none)."""

@@ -8,25 +8,34 @@ profiling and warm-up runs), `RunnerPatches.step`:
 * shadows the runner's ``_determine_batch_execution_and_padding`` on this runner instance: vLLM's own result,
   with ``should_ubatch`` replaced by tbo's decision (`tbo.integrations.vllm.step.decide`), which also honours
   vLLM's prefix-cache veto (``_allow_microbatching``, asked as if vLLM's microbatching were on);
-* replaces ``maybe_create_ubatch_slices`` in the model runner's module so that the slices are tbo's plan.
+* routes ``maybe_create_ubatch_slices`` in the model runner's module to the runner in scope, so that its slices
+  are tbo's plan.
 
-Both are put back when the call returns or raises. With data parallel, the dummy runs (profiling, warm-up, an idle
+Both are put back when the call returns or raises. The module's function is process-wide, while engines (two in one
+process, each in its own thread if the user likes) are not: it is patched once, by the first scope of any runner,
+with a dispatcher (`_SlicesDispatch`) that finds the runner in scope on the calling thread (a thread with none gets
+vLLM's own function), and vLLM's function is put back when the last scope of the process leaves. Scopes nest (a
+dummy run inside ``execute_model``). With data parallel, the dummy runs (profiling, warm-up, an idle
 rank's steps) are patched the same way (`dummy_scope`), and every step's decision is first agreed with the other DP
 ranks (``agree``, `tbo.integrations.vllm.dp`). `RunnerPatches.microbatching` shows vLLM's own code the
 runner's parallel config as it is with microbatching on, for two calls only: creating the attention metadata
-builders (one per microbatch, as vLLM's DBO has) and vLLM's prefix-cache veto.
+builders (one per microbatch, as vLLM's DBO has) and vLLM's prefix-cache veto; `check_metadata_builders` then
+asserts that every attention group got one builder of its own per microbatch (GPU builders keep persistent buffers:
+a builder shared by two microbatches would overwrite microbatch 0's metadata with microbatch 1's, which CPU SDPA,
+building fresh tensors, would hide).
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from tbo.integrations.vllm.step import Step, decide, ubatch_slices
 from tbo.split import ForwardMode, SplitPolicy
 
-__all__ = ["RunnerPatches"]
+__all__ = ["MetadataBuilderError", "RunnerPatches", "check_metadata_builders"]
 
 _DETERMINE = "_determine_batch_execution_and_padding"
 
@@ -42,6 +51,82 @@ class _Microbatching:
         return getattr(self._real, name)
 
 
+class MetadataBuilderError(RuntimeError):
+    """An attention group without one metadata builder of its own per microbatch."""
+
+
+def check_metadata_builders(attn_groups: list[list[Any]], num_microbatches: int) -> int:
+    """Assert that every attention group of ``attn_groups`` (the runner's, per KV cache group) holds
+    ``num_microbatches`` distinct metadata builders; returns how many groups were checked."""
+    checked = 0
+    for kv_group, groups in enumerate(attn_groups):
+        for k, group in enumerate(groups):
+            builders = list(group.metadata_builders)
+            distinct = len({id(b) for b in builders})
+            if len(builders) != num_microbatches or distinct != num_microbatches:
+                layers = list(group.layer_names)
+                raise MetadataBuilderError(
+                    f"tbo needs one attention metadata builder per microbatch ({num_microbatches}), but attention "
+                    f"group {k} of KV cache group {kv_group} ({group.backend.get_name()}, layers "
+                    f"{layers[:2]}{'...' if len(layers) > 2 else ''}) has {len(builders)}, {distinct} distinct: "
+                    f"microbatches sharing a builder would overwrite each other's attention metadata")
+            checked += 1
+    return checked
+
+
+class _SlicesDispatch:
+    """The process's one patch of the model runner module's ``maybe_create_ubatch_slices``: a call goes to the
+    `RunnerPatches` in scope on the calling thread, or to vLLM's own function where none is."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0  #: scopes open in this process, over every runner and thread
+        self._module: Any = None
+        self._original: Callable[..., Any] | None = None
+        self._local = threading.local()  #: ``stack``: this thread's RunnerPatches in scope, innermost last
+
+    def enter(self, module: Any, patches: RunnerPatches) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._module, self._original = module, module.maybe_create_ubatch_slices
+                module.maybe_create_ubatch_slices = self
+            elif module is not self._module:
+                raise RuntimeError(f"tbo patches {self._module.__name__}, not {module.__name__}")
+            self._users += 1
+        self._stack().append(patches)
+
+    def leave(self, patches: RunnerPatches) -> None:
+        stack = self._stack()
+        if not stack or stack[-1] is not patches:
+            raise RuntimeError("tbo's runner scopes left out of order on this thread")
+        stack.pop()
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._module.maybe_create_ubatch_slices = self._original
+
+    def in_scope(self) -> RunnerPatches | None:
+        """The innermost `RunnerPatches` in scope on this thread."""
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    def _stack(self) -> list[RunnerPatches]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def __call__(self, should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
+        patches, original = self.in_scope(), self._original
+        assert original is not None  # set by the first enter, and kept
+        if patches is None:
+            return original(should_ubatch, *args, **kwargs)
+        return patches.slices(original, should_ubatch, *args, **kwargs)
+
+
+_SLICES = _SlicesDispatch()
+
+
 class RunnerPatches:
     """Per-runner state of the split decision, and the patches that hand it to vLLM for one step."""
 
@@ -53,7 +138,7 @@ class RunnerPatches:
         self._determine_original = getattr(cls, _DETERMINE).__get__(runner)
         self._signature = inspect.signature(self._determine_original)
         self.step: Step | None = None  #: the current execute_model call's decision; None outside one
-        self._slices_original: Callable[..., Any] | None = None
+        self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
         #: data parallel: ``agree(step, vetoed) -> Step`` settles the step with the other DP ranks
         #: (`tbo.integrations.vllm.dp.StepAgreementHook`); None: this engine decides alone
         self.agree: Callable[[Step, bool], Step] | None = None
@@ -75,27 +160,27 @@ class RunnerPatches:
         """Patch for one ``_dummy_run`` call (data parallel: its step takes part in the agreement) as ``mode``."""
         self._dummy = mode
         try:
-            if self._slices_original is not None:  # inside execute_model's scope already: its patches hold
+            with self.scope():  # inside execute_model's scope already: it nests
                 yield
-            else:
-                with self.scope():
-                    yield
         finally:
             self._dummy = None
 
     @contextmanager
     def scope(self) -> Iterator[None]:
-        """Patch for one ``execute_model`` call, and restore."""
-        module, runner = self._module, self.runner
-        self._slices_original = module.maybe_create_ubatch_slices
-        setattr(runner, _DETERMINE, self._determine)
-        module.maybe_create_ubatch_slices = self._slices
+        """Patch for one ``execute_model`` call, and restore (the outermost scope of this runner restores)."""
+        runner = self.runner
+        _SLICES.enter(self._module, self)
+        self._depth += 1
+        if self._depth == 1:
+            setattr(runner, _DETERMINE, self._determine)
         try:
             yield
         finally:
-            module.maybe_create_ubatch_slices = self._slices_original
-            runner.__dict__.pop(_DETERMINE, None)
-            self.step, self._slices_original = None, None
+            self._depth -= 1
+            if self._depth == 0:
+                runner.__dict__.pop(_DETERMINE, None)
+                self.step = None
+            _SLICES.leave(self)
 
     def _determine(self, *args: Any, **kwargs: Any) -> Any:
         if self.agree is not None:
@@ -138,9 +223,11 @@ class RunnerPatches:
                                f"{batch_desc.num_tokens}: its microbatches would not be the plan's")
         return cudagraph_mode, batch_desc, step.runner_split, across_dp, cg_stats
 
-    def _slices(self, should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
+    def slices(self, original: Callable[..., Any], should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
+        """``maybe_create_ubatch_slices`` for this runner's step: the plan's slices on a split step, vLLM's
+        ``original`` otherwise."""
         step = self.step
         if not should_ubatch or step is None or not step.runner_split:
-            return self._slices_original(should_ubatch, *args, **kwargs)
+            return original(should_ubatch, *args, **kwargs)
         slices = ubatch_slices(step.plan)
         return slices, slices

@@ -70,9 +70,14 @@ class StepStats:
     def write(self, path: str) -> None:
         """Write `as_dict` as JSON, atomically: a reader sees the previous file or this one, never a part."""
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.as_dict(), f, indent=1)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.as_dict(), f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.lexists(tmp):  # a failed write leaves nothing beside the file
+                os.unlink(tmp)
+            raise
 
 
 class StatsFile:
