@@ -110,30 +110,23 @@ def test_ties_do_not_flap():
 
 
 def test_ranks_with_different_measurements_make_the_same_choice():
-    """Two ranks: rank 1 measures 10% slower steps and its own noise (it waits for rank 0 in some steps, not in
-    others). Each decides on both rows, every step: the choices are the same throughout, and the right one."""
+    """Two data-parallel ranks: rank 1 measures 10% slower steps with noise of its own (it waits for rank 0 in some
+    steps, not in others). Each keeps a replica; every step both measurements travel in the next agreement and both
+    replicas observe their mean, for the step's agreed size: the choices are the same throughout, and right."""
     ranks = [AdaptiveSplit(CHOICES), AdaptiveSplit(CHOICES)]
     sizes = [8, 40, 200]
     for step in range(2000):
         tokens = sizes[step % 3]
-        rows = [r.table_row("decode", tokens) for r in ranks]
-        picks = [r.choose_merged("decode", tokens, rows) for r in ranks]
+        picks = [r.choose("decode", tokens) for r in ranks]
         assert picks[0] == picks[1], (step, picks)
-        for rank, r in enumerate(ranks):
-            slow = 1 + 0.1 * rank + jitter(step * (rank + 1), 0.03)
-            r.observe("decode", tokens, picks[0], overlap_cost(picks[0], tokens) * slow)
+        measured = [overlap_cost(picks[0], tokens) * (1 + 0.1 * rank + jitter(step * (rank + 1), 0.03))
+                    for rank in range(2)]
+        for r in ranks:
+            r.observe("decode", tokens, picks[0], sum(measured) / len(measured))
+    assert ranks[0].stats() == ranks[1].stats()
     for tokens, best in ((8, "unsplit"), (40, str(PREFILL)), (200, str(PREFILL))):
         row = next(s for s in ranks[0].stats() if s["tokens"] == bucket_label(bucket_of(tokens)))
         assert row["choice"] == best
-    assert [s["steps"] for s in ranks[0].stats()] == [s["steps"] for s in ranks[1].stats()]
-
-
-def test_merged_rows_of_another_step_are_refused_by_name():
-    a, b = AdaptiveSplit(CHOICES), AdaptiveSplit(CHOICES)
-    with pytest.raises(ValueError, match=r"adaptive split rows disagree: this rank is on decode 32-63 tokens"):
-        a.choose_merged("decode", 40, [a.table_row("decode", 40), b.table_row("decode", 200)])
-    with pytest.raises(ValueError, match=r"rows disagree"):
-        a.choose_merged("decode", 40, [a.table_row("decode", 40)[:-1]])
 
 
 def test_a_prior_sets_where_each_bucket_starts():

@@ -12,9 +12,11 @@ over only when it is cheaper by a margin (hysteresis), so that near-ties do not 
 mid-run is followed within a bounded number of steps. It starts from a prior when given one (the predictor's
 `tbo.tools.predict.split_policy` for a named GPU and EP size, or any `SplitPolicy`), and from unsplit otherwise.
 
-It is deterministic: exploration is scheduled by counters, never drawn at random. With data parallelism every rank
-must run the same choice; ranks exchange their tables' rows (`AdaptiveSplit.table_row`) in the step's agreement, and
-each decides on the merged rows (`AdaptiveSplit.choose_merged`), which are the same on every rank.
+It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
+the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
+each keeps a replica of one table, every rank's measurement of a step travels in the next step's agreement, and every
+rank observes their mean for the step's agreed kind and size (`tbo.integrations.vllm.dp`), so the replicas stay
+equal and so do their choices.
 """
 
 from __future__ import annotations
@@ -132,10 +134,6 @@ class _Table:
         self.cost, self.samples, self.tried, self.last = [None] * k, [0] * k, [0] * k, [-1] * k
 
 
-#: cost in a table row: integer picoseconds per token (-1: never measured), so rows travel as int64 all-reduces
-_PS = 1e12
-
-
 class AdaptiveSplit:
     """The per-step split decision, learned from step times. `choose` before a step, `observe` after it.
 
@@ -159,11 +157,6 @@ class AdaptiveSplit:
         self.prior = prior
         self.tables: dict[tuple[str, int], _Table] = {}
 
-    @property
-    def width(self) -> int:
-        """How many choices the largest kind has: a table row holds ``5 + 3 * width`` ints."""
-        return max(len(c) for c in self.choices.values())
-
     def _table(self, kind: str, num_tokens: int) -> _Table:
         if kind not in STEP_KINDS:
             raise ValueError(f"step kind {kind!r} is not one of {', '.join(STEP_KINDS)}")
@@ -180,37 +173,35 @@ class AdaptiveSplit:
     def choose(self, kind: str, num_tokens: int) -> Choice:
         """What a step of ``kind`` with ``num_tokens`` tokens runs. Counted as one of its bucket's steps."""
         table = self._table(kind, num_tokens)
-        return table.choices[self._pick(table, table, num_tokens)]
+        return table.choices[self._pick(table, num_tokens)]
 
-    def _pick(self, view: _Table, table: _Table, num_tokens: int) -> int:
-        """Settle ``view``'s incumbent, pick this step's choice from ``view`` and record it in ``table`` (the same
-        object on one rank; this rank's own table beside the merged view under data parallelism)."""
+    def _pick(self, table: _Table, num_tokens: int) -> int:
+        """Settle the incumbent, pick this step's choice and count it."""
         cfg = self.config
-        inc = self._settled(view)
-        fits = [i for i, c in enumerate(view.choices) if c.num_microbatches <= max(num_tokens, 1)]
-        steps = view.steps + 1
-        pick, rationed = inc if inc in fits else 0, view.rationed
+        inc = self._settled(table)
+        fits = [i for i, c in enumerate(table.choices) if c.num_microbatches <= max(num_tokens, 1)]
+        steps = table.steps + 1
+        pick, rationed = inc if inc in fits else 0, table.rationed
         challengers = [i for i in fits if i != pick]
         # warm-up: the incumbent's own samples first, so that the warm-up explores each other choice at most
         # warmup_samples times in the bucket's life (a later incumbent has had its samples by then)
-        warming = [i for i in challengers if view.tried[i] < cfg.warmup_samples]
-        if view.tried[pick] < cfg.warmup_samples:
+        warming = [i for i in challengers if table.tried[i] < cfg.warmup_samples]
+        if table.tried[pick] < cfg.warmup_samples:
             pass
         elif warming:
-            pick = min(warming, key=lambda i: (view.tried[i], i))
+            pick = min(warming, key=lambda i: (table.tried[i], i))
         elif challengers and rationed + 1 <= cfg.explore_share * steps:
-            pick, rationed = min(challengers, key=lambda i: (view.last[i], i)), rationed + 1
+            pick, rationed = min(challengers, key=lambda i: (table.last[i], i)), rationed + 1
         table.incumbent, table.steps, table.rationed = inc, steps, rationed
-        table.explored = view.explored + (pick != inc)
-        table.tried[:], table.last[:] = view.tried, view.last
+        table.explored += pick != inc
         table.tried[pick] += 1
         table.last[pick] = steps
         return pick
 
-    def _settled(self, view: _Table) -> int:
+    def _settled(self, table: _Table) -> int:
         """The incumbent after this table's measurements: the cheapest measured choice when it beats the incumbent
         by the hysteresis margin (an unmeasured incumbent, the prior's, stays until it has run)."""
-        inc, cost = view.incumbent, view.cost
+        inc, cost = table.incumbent, table.cost
         measured = [i for i, c in enumerate(cost) if c is not None]
         if not measured or cost[inc] is None:
             return inc
@@ -230,40 +221,6 @@ class AdaptiveSplit:
         old = table.cost[i]
         table.cost[i] = per_token if old is None else old + self.config.smoothing * (per_token - old)
         table.samples[i] += 1
-
-    # ---- data parallelism: one decision from every rank's table -----------------------------------------------
-
-    def table_row(self, kind: str, num_tokens: int) -> tuple[int, ...]:
-        """This rank's table for the bucket as ``5 + 3 * width`` ints (the agreement carries them): the kind and
-        bucket, the incumbent, the steps, explored and rationed steps, and per choice its cost (picoseconds per
-        token, -1 unmeasured), chosen steps and last step."""
-        table = self._table(kind, num_tokens)
-        pad = self.width - len(table.choices)
-        cost = [-1 if c is None else max(int(round(c * _PS)), 0) for c in table.cost] + [-1] * pad
-        return (STEP_KINDS.index(kind) * 64 + bucket_of(num_tokens), table.incumbent, table.steps, table.explored,
-                table.rationed, *cost, *table.tried, *[0] * pad, *table.last, *[-1] * pad)
-
-    def choose_merged(self, kind: str, num_tokens: int, rows: Sequence[Sequence[int]]) -> Choice:
-        """`choose` on every rank's `table_row` for the same ``kind`` and ``num_tokens`` (the step's agreed ones):
-        the cost a choice has is the mean of the ranks that measured it, the counters are the largest any rank
-        holds, the incumbent is rank 0's; so the decision is a function of ``rows`` alone, the same on every rank.
-        This rank's own measurements stay its own."""
-        table = self._table(kind, num_tokens)
-        k, w = len(table.choices), self.width
-        key = STEP_KINDS.index(kind) * 64 + bucket_of(num_tokens)
-        if not rows or any(len(r) != 5 + 3 * w or r[0] != key for r in rows):
-            theirs = sorted({(len(r), r[0] if r else None) for r in rows})
-            raise ValueError(f"the ranks' adaptive split rows disagree: this rank is on {kind} "
-                             f"{bucket_label(bucket_of(num_tokens))} with {5 + 3 * w} ints, rows have (length, "
-                             f"bucket key) {theirs}: every rank must decide the same step with the same choices")
-        view = _Table(table.choices, rows[0][1])
-        view.steps, view.explored, view.rationed = (max(r[j] for r in rows) for j in (2, 3, 4))
-        for i in range(k):
-            measured = [r[5 + i] for r in rows if r[5 + i] >= 0]
-            view.cost[i] = sum(measured) / len(measured) / _PS if measured else None
-            view.tried[i] = max(r[5 + w + i] for r in rows)
-            view.last[i] = max(r[5 + 2 * w + i] for r in rows)
-        return table.choices[self._pick(view, table, num_tokens)]
 
     # ---- what it decided, for stats() and a log line ----------------------------------------------------------
 
