@@ -281,3 +281,19 @@ def test_a_configuration_mismatch_is_named_on_every_rank_by_key():
         assert "rank 0: agree_step, rank 1: agree_to_split" in calls, calls
         assert fine[0] is True and fine[2] == ((3, 3), (2, 2)), fine
     assert r0[6][1] is False and r1[6][1] is False  # a rank without a plan: nobody splits, nothing to compare
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+@pytest.mark.parametrize("pad", [1, 4])
+def test_uniform_decode_plan_equals_the_general_one(parts, pad):
+    """A decode-like step with no ``extend_lens`` takes the loop-free path (`SplitPolicy._uniform_plan`, so that a
+    10,000-request decode step plans as fast as a 10-request one); it must make exactly the general path's plan."""
+    policy = SplitPolicy(num_microbatches=parts, pad_to_multiple=pad)
+    for mode, per_seq in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 1), (ForwardMode.TARGET_VERIFY, 3)):
+        for n in range(0, 41):
+            fast = policy.plan(mode, n * per_seq, None, per_seq)
+            general = policy.plan(mode, n * per_seq, [per_seq] * n, per_seq)
+            assert fast == general, (mode, per_seq, n)
+            assert (fast is not None) == (n >= parts and n * per_seq >= policy.decode_token_threshold)
+    with pytest.raises(ValueError, match=r"num_tokens=7 is not a multiple of token_num_per_seq=2 in TARGET_VERIFY"):
+        policy.plan(ForwardMode.TARGET_VERIFY, 7, None, 2)

@@ -82,7 +82,14 @@ class TboEngine:
                                for mode in ("decode", "prefill")}
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)
-        self.patches = RunnerPatches(runner, config.split_policy())
+        self.adaptive = None
+        if config.split == "adaptive":  # the thresholds give way to measured step costs
+            from tbo.integrations.vllm.adaptive import LIVE, AdaptiveSteps
+
+            self.adaptive = AdaptiveSteps(config, names)
+            LIVE.append(self.adaptive)
+        self.patches = RunnerPatches(runner, config.split_policy() if self.adaptive is None else self.adaptive.policy)
+        self.patches.adaptive = self.adaptive
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
         self.loop.stats = step_stats
         self.loop.op_times, self.loop.agreed_rows = config.op_times, config.agreed_rows
@@ -114,7 +121,7 @@ class TboEngine:
 
     def _install(self) -> None:
         runner = self.runner
-        execute, shutdown = runner.execute_model, runner.shutdown
+        execute, shutdown, sample = runner.execute_model, runner.shutdown, runner.sample_tokens
         init_builders = runner.initialize_metadata_builders
 
         @functools.wraps(init_builders)
@@ -127,6 +134,13 @@ class TboEngine:
             with self.patches.scope():
                 return execute(*args, **kwargs)
 
+        @functools.wraps(sample)
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            out = sample(*args, **kwargs)
+            if self.adaptive is not None:  # the step's tokens are on the host: its wall time is measured
+                self.adaptive.step_done()
+            return out
+
         @functools.wraps(shutdown)
         def shutdown_(*args: Any, **kwargs: Any) -> Any:
             self.close()
@@ -134,12 +148,15 @@ class TboEngine:
 
         self._model.forward = self.loop
         runner.execute_model, runner.shutdown = execute_model, shutdown_
+        if self.adaptive is not None:
+            runner.sample_tokens = sample_tokens
         runner.initialize_metadata_builders = initialize_metadata_builders
         runner.tbo = self
 
     def close(self) -> None:
         """Take tbo off the runner and its model, log the summary line, write ``stats_file`` if configured."""
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
+                          (self.runner, "sample_tokens"),
                           (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
                           (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
@@ -147,5 +164,12 @@ class TboEngine:
             self.afd.close()
         self.rotary_fix.restore()
         logger.info(summary_line(self.loop.stats))
+        if self.adaptive is not None:
+            from tbo.integrations.vllm.adaptive import LIVE
+
+            for line in self.adaptive.split.summary():
+                logger.info("tbo adaptive: %s", line)
+            if self.adaptive in LIVE:
+                LIVE.remove(self.adaptive)
         if self.loop.stats_file is not None:
             self.loop.stats_file.write(self.loop.stats)

@@ -103,8 +103,14 @@ def stats() -> dict[str, Any]:
     ``remote_rows`` (token rows sent to other ranks), ``count_exchanges`` (dispatches that waited on a row-count
     exchange: none once the step agreed every rank's rows) and ``peer_strategy_steps``; with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
-    ``layers_seconds``. A copy: later steps do not change it."""
-    return PROCESS_STATS.as_dict()
+    ``layers_seconds``; with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
+    choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
+    out = PROCESS_STATS.as_dict()
+    from tbo.integrations.vllm.adaptive import LIVE
+
+    if LIVE:
+        out["adaptive"] = [engine.report() for engine in LIVE]
+    return out
 
 
 def reset_stats() -> None:
