@@ -19,7 +19,7 @@ import gc
 
 import pytest
 
-from test_vllm import _engine_config, _generate, _llm, _save_qwen3_moe, _tokens, needs_vllm
+from test_vllm import _generate, _llm, _save_qwen3_moe, _tokens, needs_vllm
 
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
@@ -60,16 +60,21 @@ def test_adaptive_choices_and_prior_come_from_the_config():
     assert steps.split.choose("decode", 32) == UNSPLIT
 
 
-def test_adaptive_under_data_parallel_is_refused_by_name():
-    from tbo.integrations.vllm.checks import check_engine
+def test_data_parallel_replicas_choose_alike_from_the_ranks_mean_times():
+    """`AdaptiveSteps.agreed` on two ranks' replicas, fed the same agreements (the votes carry each rank's time of
+    the previous step): the same choice every step, though each rank measured its own times."""
+    from tbo.integrations.vllm.adaptive import AdaptiveSteps
+    from tbo.split.agree import StepVote, decide_step
 
     config = parse_config({"tbo": {"split": "adaptive"}})
-    assert check_engine(_engine_config(), config, "0.32.0", "cpu") == "deepseek"
-    with pytest.raises(TboConfigError, match=r"split='adaptive': not supported \(every DP rank must run the same "
-                                             r"choice"):
-        dp = _engine_config(expert_placement_strategy="linear")
-        dp.parallel_config.data_parallel_size, dp.parallel_config.enable_expert_parallel = 2, True
-        check_engine(dp, config, "0.32.0", "cpu")
+    replicas = [AdaptiveSteps(config, config.strategy_names("qwen3_moe")) for _ in range(2)]
+    for step in range(200):
+        times = [-1 if step == 0 else 1_000_000 + 7919 * ((step * (rank + 3)) % 13) for rank in range(2)]
+        votes = tuple(StepVote(2, True, True, "decode", (8, 8 + rank), times[rank]) for rank in range(2))
+        picks = [r.agreed(decide_step(votes)) for r in replicas]
+        assert picks[0] == picks[1], (step, picks)
+    assert replicas[0].report() == replicas[1].report()
+    assert decide_step(votes).tokens == 17 and decide_step(votes).measured_s == sum(times) / 2 / 1e9
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +131,24 @@ def test_over_a_slow_link_it_splits_large_decode_steps_and_not_tiny_ones(model, 
     assert buckets[("decode", "64-127 tokens")]["choice"].startswith("split"), summary
     assert buckets[("decode", "2-3 tokens")]["choice"] == "unsplit", summary
     assert stats["split_steps_by_mode"]["decode"] > 0
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_data_parallel_ranks_run_the_same_adaptive_choices(tmp_path):
+    """DP = 2 + EP with ``split: "adaptive"``: tokens equal vLLM's DP = 1 tokens, both ranks split and sent tokens
+    across, and their policies (replicas fed the same mean times through the step agreement) hold the same tables:
+    the same choice, steps, explorations and estimates in every bucket."""
+    from test_vllm import _save_qwen3_moe
+    from test_vllm_dp import TBO, _assert_both_split_and_sent, _dp, _prompt, _reference
+
+    model = _save_qwen3_moe(tmp_path / "qwen3_moe")
+    rounds = [[[_prompt(3, 20 + i) for i in range(6)]], [[_prompt(4, 40 + i) for i in range(5)]]]
+    tbo = {**TBO, "split": "adaptive", "adaptive": {"warmup_samples": 1, "explore_share": 0.2}}
+    runs, per_rank = _dp(tmp_path, model, rounds, tbo, dtype="float32")
+    for rank, r in enumerate(rounds):
+        want = [[list(o.token_ids) for o in x] for x in _reference(model, r, dtype="float32")]
+        assert runs[rank].result["tokens"] == want, rank
+    _assert_both_split_and_sent(per_rank, 2)
+    tables = [s["adaptive"][0]["buckets"] for s in per_rank]
+    assert tables[0] == tables[1] and any(b["explored"] for b in tables[0]), tables

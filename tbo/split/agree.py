@@ -55,7 +55,8 @@ class StepVote:
     ``"prefill"``), or ``"idle"`` for a rank with nothing of its own to run (a dummy step). ``rows``: the token
     rows of each of its ``num_microbatches`` microbatches should the step split (its own plan's, or all its tokens
     in the first and none in the others); unsplit, it runs their sum. Empty: not told, and the agreement carries
-    no rows (`StepAgreement.rows` is None).
+    no rows (`StepAgreement.rows` is None). ``measured_ns``: this rank's wall time of the previous agreed step, in
+    nanoseconds, for a policy that learns from step times on every rank alike (`tbo.split.adaptive`); -1: none.
     """
 
     num_microbatches: int
@@ -63,6 +64,7 @@ class StepVote:
     can_split: bool
     mode: str
     rows: tuple[int, ...] = ()
+    measured_ns: int = -1
 
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
@@ -87,6 +89,18 @@ class StepAgreement:
     @property
     def idle_ranks(self) -> int:
         return sum(v.mode == "idle" for v in self.votes)
+
+    @property
+    def measured_s(self) -> float | None:
+        """The previous agreed step's wall time, the mean over the ranks that measured it (None: none did). The
+        same number on every rank: the votes are."""
+        times = [v.measured_ns for v in self.votes if v.measured_ns >= 0]
+        return sum(times) / len(times) / 1e9 if times else None
+
+    @property
+    def tokens(self) -> int:
+        """The most tokens any rank runs in this step (0 when no vote told its rows)."""
+        return max((sum(v.rows) for v in self.votes), default=0)
 
     @property
     def rows(self) -> tuple[tuple[int, ...], ...] | None:
@@ -142,8 +156,8 @@ class AgreedConfig:
 
 
 #: the columns of an agreement's table, one row per rank (then the vote's rows per microbatch)
-_KIND, _N, _WANTS, _CAN, _MODE, _NROWS, _DIGEST = range(7)
-_HEADER = 7
+_KIND, _N, _WANTS, _CAN, _MODE, _MEASURED, _NROWS, _DIGEST = range(8)
+_HEADER = 8
 #: what a rank's row says it called: 0 never appears in a row a rank wrote (a row of zeros: the rank is not there)
 _KINDS = {1: "agree_step", 2: "agree_to_split"}
 
@@ -240,7 +254,7 @@ def agree_to_split(plan_or_none: SplitPlan | None, group: Any = None, timeout_s:
         config = {**AgreedConfig.of(config).table, "strategy": describe(strategy)}
     agreed = AgreedConfig.of(config)
     n = 0 if plan_or_none is None else plan_or_none.num_microbatches
-    rows = _agree(2, [n, int(n > 0), int(n > 0), 0], (), agreed, group, timeout_s,
+    rows = _agree(2, [n, int(n > 0), int(n > 0), 0, -1], (), agreed, group, timeout_s,
                   "agree_to_split all_reduce (the step's split, microbatches and configuration)")
     counts = [row[_N] for row in rows]
     planned = {c for c in counts if c}
@@ -276,8 +290,9 @@ def agree_step(vote: StepVote, group: Any = None, timeout_s: float = DEFAULT_TIM
     if not dist.is_initialized():
         return decide_step((vote,))
     agreed = AgreedConfig.of(config)
-    fields = [vote.num_microbatches, int(vote.wants_split), int(vote.can_split), STEP_MODES.index(vote.mode)]
+    fields = [vote.num_microbatches, int(vote.wants_split), int(vote.can_split), STEP_MODES.index(vote.mode),
+              vote.measured_ns]
     rows = _agree(1, fields, vote.rows, agreed, group, timeout_s,
                   "agree_step all_reduce (the step's split, microbatches, strategy, rows and configuration)")
     return decide_step(tuple(StepVote(r[_N], bool(r[_WANTS]), bool(r[_CAN]), STEP_MODES[r[_MODE]],
-                                      tuple(r[_HEADER:_HEADER + r[_NROWS]])) for r in rows))
+                                      tuple(r[_HEADER:_HEADER + r[_NROWS]]), r[_MEASURED]) for r in rows))

@@ -10,6 +10,13 @@ per-op timing.
 The plan of a step the policy splits is `SplitPolicy`'s with the lowest thresholds (every microbatch gets a token):
 the adaptive choice replaces the thresholds, nothing else. A choice that finds no acceptable cut (vLLM's prefix-cache
 veto, a lopsided batch with cuts between requests only) runs unsplit and is measured as unsplit.
+
+With data parallelism (`agreed`) every rank must run the same choice, with no collective of its own: each rank keeps
+a replica of the policy, the step's agreement carries every rank's wall time of the previous step
+(`tbo.split.agree.StepVote.measured_ns`), and every rank observes their mean for the previous step's agreed kind and
+size, then chooses for this step's (the agreed strategy's kind, the largest rank's tokens). The replicas see the
+same observations in the same order, so they stay equal, and so do their choices. A rank's time includes its wait
+for its peers; an idle rank's dummy step measures nothing (its peers' times count).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 from tbo.integrations.vllm.config import StrategyNames, TboVllmConfig
 from tbo.integrations.vllm.step import Step
+from tbo.split.agree import StepAgreement
 from tbo.split import SplitPolicy
 from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, prior_from_policy
 
@@ -46,6 +54,10 @@ class AdaptiveSteps:
         self.split = AdaptiveSplit(choices, config.adaptive, prior)
         self._mode_of = {names.decode: "decode", names.prefill: "prefill"}
         self._pending: tuple[str, int, Choice, float] | None = None
+        #: data parallel: the last agreed step (its kind, tokens, what ran) and this rank's time of it (ns, -1: none)
+        self._agreed: tuple[str, int, Choice] | None = None
+        self._t0: float | None = None
+        self.measured_ns = -1
 
     def decide(self, step: Step) -> Step:
         """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept or dropped, and the
@@ -60,8 +72,22 @@ class AdaptiveSteps:
         self._pending = (step.mode, step.num_tokens, ran, time.perf_counter())
         return step
 
+    def agreed(self, agreement: StepAgreement) -> tuple[Choice, str]:
+        """Data parallel: observe the previous agreed step's mean time, then choose for this one. Returns what runs
+        (unsplit where the agreement does not split) and the strategy mode it runs with. Called by every rank in
+        every agreement but those where every rank runs a dummy step (profiling, warm-up: nothing is chosen)."""
+        if self._agreed is not None and agreement.measured_s is not None:
+            self.split.observe(*self._agreed, agreement.measured_s)
+        kind, tokens = agreement.strategy_mode, agreement.tokens
+        choice = self.split.choose(kind, tokens)
+        ran = choice if choice.split and agreement.split else UNSPLIT
+        self._agreed, self._t0, self.measured_ns = (kind, tokens, ran), time.perf_counter(), -1
+        return ran, self._mode_of[ran.strategy] if ran.split else agreement.strategy_mode
+
     def step_done(self) -> None:
         """The step's sampled tokens are on the host: its wall time is measured."""
+        if self._t0 is not None:  # data parallel: this rank's time, for the next agreement
+            self.measured_ns, self._t0 = int((time.perf_counter() - self._t0) * 1e9), None
         if self._pending is not None:
             mode, tokens, ran, t0 = self._pending
             self._pending = None

@@ -93,9 +93,6 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
                 "local expert ids read as global ones")
     if config.backend == "deepep" and platform != "cuda":
         _refuse("backend", "deepep", "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
-    if config.split == "adaptive" and par.data_parallel_size > 1:
-        _refuse("split", "adaptive", "'static' with data_parallel_size > 1", "every DP rank must run the same "
-                "choice, and the adaptive tables do not ride the step's agreement yet")
     if config.afd is not None:
         from tbo.integrations.vllm.afd.config import check_afd_engine
 

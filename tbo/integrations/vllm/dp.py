@@ -83,10 +83,15 @@ class StepAgreementHook:
         #: what shapes this rank's collectives (`agreement_config`), digested once, checked in every agreement
         self.config = AgreedConfig.of(config)
         self.last: Any = None  #: the last `StepAgreement` (for tests and logs)
+        #: ``split: "adaptive"``: chooses each agreed step's split from the ranks' shared step times
+        #: (`tbo.integrations.vllm.adaptive.AdaptiveSteps.agreed`); None: the thresholds decide
+        self.adaptive: Any = None
 
     def __call__(self, step: Step, vetoed: bool) -> Step:
+        adaptive = self.adaptive
         vote = StepVote(self.num_microbatches, wants_split=step.plan is not None, can_split=not vetoed,
-                        mode=_mode_of(step), rows=microbatch_rows(step.plan, step.num_tokens, self.num_microbatches))
+                        mode=_mode_of(step), rows=microbatch_rows(step.plan, step.num_tokens, self.num_microbatches),
+                        measured_ns=-1 if adaptive is None else adaptive.measured_ns)
         # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
         timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
         try:
@@ -96,14 +101,20 @@ class StepAgreementHook:
                                    "(offline, without vLLM's DP coordinator) it has no requests in this wave (none in "
                                    "this generate call, or the wave ended before this rank's requests reached its "
                                    "engine), and an engine without requests does not step for its peers") from e
-        if not agreed.split:
+        split, strategy_mode = agreed.split, agreed.strategy_mode
+        if adaptive is not None and agreed.idle_ranks < len(agreed.votes):  # every rank alike: see AdaptiveSteps
+            choice, strategy_mode = adaptive.agreed(agreed)
+            split = choice.split
+        if not split:
             plan, empty_tail = None, False
         elif step.plan is not None:
             plan, empty_tail = step.plan, False
         else:
             plan, empty_tail = empty_tail_plan(step.num_tokens, agreed.num_microbatches), True
-        return Step(step.mode, step.forward_mode, step.num_tokens, plan, agreed.strategy_mode, empty_tail,
-                    agreed.rows)
+        rows = agreed.rows
+        if rows is not None and agreed.split and not split:  # the policy keeps it whole: each rank's total rows
+            rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
+        return Step(step.mode, step.forward_mode, step.num_tokens, plan, strategy_mode, empty_tail, rows)
 
 
 def agreement_config(engine: Any) -> dict[str, Any]:
@@ -116,6 +127,7 @@ def agreement_config(engine: Any) -> dict[str, Any]:
     backend = getattr(engine.backend, "inner", engine.backend)  # under an emulated link: the backend it wraps
     return {
         "strategy": config.strategy, "num_microbatches": config.num_microbatches, "agreed_rows": config.agreed_rows,
+        "split": config.split, "adaptive": config.adaptive,
         "backend": config.backend, "deepep_kind": config.deepep_kind, "link": config.link,
         **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
         "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "
@@ -171,6 +183,7 @@ def install_data_parallel(engine: Any) -> None:
     runner, patches, loop = engine.runner, engine.patches, engine.loop
     patches.agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group,
                                       engine.config.comm_timeout_s, agreement_config(engine))
+    patches.agree.adaptive = engine.adaptive
     for s in (loop.stats, PROCESS_STATS):
         s.ep_size = engine.ep_size
     loop.traffic = engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",

@@ -94,7 +94,8 @@ class TboEngine:
         self.loop.stats = step_stats
         self.loop.op_times, self.loop.agreed_rows = config.op_times, config.agreed_rows
         if config.stats_file:
-            self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())))
+            extra = None if self.adaptive is None else (lambda: {"adaptive": [self.adaptive.report()]})
+            self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), extra)
         self._model = model
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)

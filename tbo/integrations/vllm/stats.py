@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["StepStats", "StatsFile", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
 
@@ -69,10 +69,14 @@ class StepStats:
 
     def write(self, path: str) -> None:
         """Write `as_dict` as JSON, atomically: a reader sees the previous file or this one, never a part."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.as_dict(), f, indent=1)
-        os.replace(tmp, path)
+        _write_json(path, self.as_dict())
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 class StatsFile:
@@ -84,11 +88,11 @@ class StatsFile:
     counters kept on the host (no device sync), paid only when ``stats_file`` is set, a diagnostic option.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, extra: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.path, self.extra = path, extra  #: ``extra()``: more of the engine's state beside the counters
 
     def write(self, stats: StepStats) -> None:
-        stats.write(self.path)
+        _write_json(self.path, stats.as_dict() if self.extra is None else {**stats.as_dict(), **self.extra()})
 
 
 #: every engine in this process adds to these
