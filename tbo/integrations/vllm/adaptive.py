@@ -26,9 +26,9 @@ from typing import Any
 
 from tbo.integrations.vllm.config import StrategyNames, TboVllmConfig
 from tbo.integrations.vllm.step import Step
-from tbo.split.agree import StepAgreement
 from tbo.split import SplitPolicy
 from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, prior_from_policy
+from tbo.split.agree import StepAgreement
 
 __all__ = ["AdaptiveSteps", "LIVE"]
 
