@@ -162,7 +162,7 @@ def step(layers: list[MyMoELayer], bound: OperationsStrategy, x: torch.Tensor, m
         ref = layer.forward(ref, meta, kv_ref)
 
     plan = policy.plan(mode, x.shape[0], meta["extend_lens"])
-    if not tbo.agree_to_split(plan):  # with expert parallelism every rank must make the same decision
+    if not tbo.agree_to_split(plan, strategy=bound):  # every rank must make the same decision
         plan = None
     parts = split_inputs(meta, plan, request_keys=META_RULES)  # per-microbatch metadata (plan None: one part)
 

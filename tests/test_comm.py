@@ -303,3 +303,104 @@ def test_agreed_rows_that_cannot_be_this_dispatchs_are_refused_by_name():
         assert "must give 2 row counts" in errors[0] and "must give 2 row counts" in errors[1]
         assert "dispatches 4 rows, but it was given 3" in errors[2]
         assert "needs the NORMAL layout" in errors[3]
+
+
+# ---- agreed rows: one byte record per row, any width, alignment and row count --------------------------------------
+
+#: (hidden dtype, weights dtype, hidden size, top-k): every mix of hidden and weight dtypes, with widths that make the
+#: record's byte width no multiple of 8 (292 = hidden 64 fp32 + top-3 int64 ids + top-3 fp32 weights: the engine
+#: crash) and odd top-k
+PACKED_CASES = [(h, w, size, k) for i, (h, w) in enumerate(
+    (h, w) for h in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+    for w in (torch.float32, torch.bfloat16, torch.float16))
+    for size, k in [((64, 3), (7, 1), (13, 3))[i % 3]]]
+#: token rows per rank: a one-row receive (rank 1 gets rank 0's one row and none of its own), zero-row receives
+#: (rank 0 from rank 1, and every rank in the last), one row each way, and a one-row sender beside a larger one
+PACKED_ROWS = [(1, 0), (1, 1), (3, 1), (0, 0)]
+
+
+def _packed_inputs(source, rows, hidden_dtype, weights_dtype, hidden, top_k, seed):
+    """Rank ``source``'s tokens: every token names an expert on the other rank (4 experts, 2 per rank)."""
+    g = torch.Generator().manual_seed(seed * 10 + source)
+    x = (torch.randn(rows, hidden, generator=g) * 4).to(hidden_dtype)
+    if top_k == 1:
+        idx = torch.full((rows, 1), 2 * (1 - source), dtype=torch.long)
+    else:
+        idx = torch.stack([torch.randperm(4, generator=g)[:top_k] for _ in range(rows)]) if rows else torch.zeros(
+            0, top_k, dtype=torch.long)
+    w = torch.rand(rows, top_k, generator=g).to(weights_dtype)
+    return x, idx, w
+
+
+def _expected_arrivals(rank, cases):
+    """What a dispatch must deliver to ``rank``, computed from every source's inputs alone, as bytes."""
+    out = []
+    for c, (hd, wd, hidden, k) in enumerate(PACKED_CASES):
+        for r, rows in enumerate(PACKED_ROWS):
+            parts = []
+            for source in range(2):
+                x, idx, w = _packed_inputs(source, rows[source], hd, wd, hidden, k, 100 * c + r)
+                mine = (idx // 2 == rank).any(dim=1)
+                local = torch.where(idx // 2 == rank, idx - 2 * rank, torch.full_like(idx, -1))
+                parts.append((x[mine], local[mine], w[mine]))
+            out.append(tuple(torch.cat([p[f] for p in parts]).view(torch.uint8) for f in range(3)))
+    return out
+
+
+def _packed_dispatch(rank, world):
+    backend = TorchDistributedBackend(4, DispatchFormat.NORMAL, timeout_s=30)
+    got, errors = [], []
+    for c, (hd, wd, hidden, k) in enumerate(PACKED_CASES):
+        for r, rows in enumerate(PACKED_ROWS):
+            x, idx, w = _packed_inputs(rank, rows[rank], hd, wd, hidden, k, 100 * c + r)
+            try:
+                d = backend.dispatch_b(backend.dispatch_a(x, idx, w, rows_per_rank=rows))
+            except Exception as e:  # noqa: BLE001 - reported with its case, the other cases still run
+                errors.append(f"{hd} rows, {wd} weights, hidden {hidden}, top-{k}, rows {rows}: {e}")
+                backend.drain()
+                got.append(None)
+                continue
+            assert d.hidden.dtype == hd and d.topk_weights.dtype == wd, (d.hidden.dtype, d.topk_weights.dtype)
+            got.append((d.hidden.view(torch.uint8), d.topk_idx.view(torch.uint8), d.topk_weights.view(torch.uint8)))
+    return got, errors, backend.count_exchanges
+
+
+@pytest.mark.dist
+def test_agreed_rows_records_unpack_for_any_width_alignment_and_row_count():
+    """Every mix of hidden and weight dtypes (float8 rows included), odd top-k, record widths no multiple of 8,
+    one-row and zero-row receives: what arrives is, bit for bit, the rows, local ids and weights the peers sent this
+    rank (computed from their inputs alone). A one-row receive of 292-byte records used to fail in ``unpack``
+    (``.view(torch.int64)`` of a slice that kept the record's stride), killing both vLLM engines."""
+    results = launch(_packed_dispatch, 2, timeout_s=120)
+    assert any(rows == (1, 0) for rows in PACKED_ROWS)
+    for rank, (got, errors, exchanges) in enumerate(results):
+        assert not errors, f"rank {rank}: " + "; ".join(errors)
+        assert exchanges == 0
+        want = _expected_arrivals(rank, PACKED_CASES)
+        for n, (g, e) in enumerate(zip(got, want)):
+            case = (PACKED_CASES[n // len(PACKED_ROWS)], PACKED_ROWS[n % len(PACKED_ROWS)])
+            assert all(torch.equal(a, b) for a, b in zip(g, e)), f"rank {rank}, case {case}: arrivals differ"
+    # the crash's own case ran: rank 1 received exactly one 292-byte record
+    one_row = PACKED_CASES.index((torch.float32, torch.float32, 64, 3)) * len(PACKED_ROWS)
+    assert results[1][0][one_row][0].shape == (1, 64 * 4)
+
+
+def test_packing_round_trips_any_row_count():
+    """`_Packing` alone, in one process: pack then unpack gives back the same bits for 0, 1 and 5 rows, however
+    the records were sliced out of a bigger buffer (a byte offset that is no multiple of any element size)."""
+    from tbo.comm.alltoall import _Packing
+
+    for hd, wd, hidden, k in PACKED_CASES:
+        p = _Packing(hd, hidden, torch.int64, wd, k)
+        for rows in (0, 1, 5):
+            x, idx, w = _packed_inputs(0, rows, hd, wd, hidden, k, rows)
+            records = p.pack(x, idx, w)
+            assert records.shape == (rows, sum(p.widths)) and records.dtype == torch.uint8
+            wide = torch.zeros(rows, records.shape[1] + 3, dtype=torch.uint8)  # a wider row stride
+            wide[:, 3:] = records
+            flat = torch.zeros(3 + records.numel(), dtype=torch.uint8)  # dense rows from byte 3
+            flat[3:] = records.flatten()
+            for rec in (records, wide[:, 3:], flat[3:].view(records.shape)):
+                a, b, c = p.unpack(rec)
+                assert torch.equal(a.view(torch.uint8), x.view(torch.uint8)) and torch.equal(b, idx) and \
+                    torch.equal(c.view(torch.uint8), w.view(torch.uint8)), (hd, wd, hidden, k, rows)

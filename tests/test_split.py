@@ -226,3 +226,74 @@ def test_agree_to_split_over_gloo():
 def test_agree_without_process_group():
     assert agree_to_split(None) is False
     assert agree_to_split(SplitPolicy().plan(D, 4)) is True
+
+
+# ---- the configuration rides the agreement ----------------------------------------------------------------------
+def _mismatches(rank, world):
+    """Each case one agreement on both ranks, in this order; each a named error on both (or a result); the group
+    stays usable after every refusal (the last case agrees)."""
+    from tbo import Yield
+    from tbo.core.strategy import OperationsStrategy
+    from tbo.split.agree import AgreementMismatchError, StepVote, agree_step
+
+    long_ops = ["attn", "gate", Yield, "dispatch_a", Yield, "dispatch_b", "experts"] * 40
+    strategies = [OperationsStrategy(operations=long_ops, name="mine"),
+                  OperationsStrategy(operations=long_ops[:-1] + ["shared_experts"], name="mine")]
+    vote = StepVote(2, True, True, "decode", (3, 2))
+    base = {"backend": "local", "agreed_rows": True, "link": None}
+    cases = [
+        lambda: agree_step(vote, timeout_s=20, config={**base, "agreed_rows": rank == 0}),
+        lambda: agree_step(vote, timeout_s=20, config={**base, **({"link": "5,10"} if rank else {}), "x": 1}
+                           if rank else base),
+        lambda: agree_step(vote, timeout_s=20, config={**base, "strategy": {"decode": strategies[rank]}}),
+        lambda: agree_to_split(SplitPolicy(num_microbatches=2 + rank).plan(D, 8), timeout_s=20),
+        lambda: agree_to_split(SplitPolicy().plan(D, 8), timeout_s=20,
+                               strategy=("deepseek_decode", "deepseek_prefill")[rank]),
+        lambda: (agree_step(vote, timeout_s=20) if rank == 0 else agree_to_split(SplitPolicy().plan(D, 8),
+                                                                                 timeout_s=20)),
+        lambda: (agree_to_split(SplitPolicy().plan(D, 8), timeout_s=20, config=base, strategy="deepseek_decode"),
+                 agree_to_split(None if rank else SplitPolicy().plan(D, 8), timeout_s=20),
+                 agree_step(vote, timeout_s=20, config=base).rows),
+    ]
+    out = []
+    for case in cases:
+        try:
+            out.append(case())
+        except AgreementMismatchError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.dist
+def test_a_configuration_mismatch_is_named_on_every_rank_by_key():
+    """Ranks configured apart (agreed_rows, a link and a key set on one rank only, an op list, a microbatch count, a
+    strategy) or calling different agreements: every rank raises `AgreementMismatchError` naming the key and each
+    rank's value, in the agreement itself; no collective of another shape is ever issued (that aborts in gloo)."""
+    r0, r1 = launch(_mismatches, 2, timeout_s=120)
+    for errors in (r0, r1):
+        agreed_rows, one_sided, ops, counts, strategy, calls, fine = errors
+        assert "'agreed_rows' differs: rank 0: 'True', rank 1: 'False'" in agreed_rows, agreed_rows
+        assert "'link' differs: rank 0: 'None', rank 1: '5,10'" in one_sided, one_sided
+        assert "'x' differs: rank 0: (not set), rank 1: '1'" in one_sided and "backend" not in one_sided, one_sided
+        assert "'strategy' differs" in ops and "first difference at character" in ops and "shared_experts" in ops, ops
+        assert "different microbatch counts (rank 0: 2, rank 1: 3)" in counts, counts
+        assert "'strategy' differs: rank 0: 'deepseek_decode', rank 1: 'deepseek_prefill'" in strategy, strategy
+        assert "rank 0: agree_step, rank 1: agree_to_split" in calls, calls
+        assert fine[0] is True and fine[2] == ((3, 3), (2, 2)), fine
+    assert r0[6][1] is False and r1[6][1] is False  # a rank without a plan: nobody splits, nothing to compare
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+@pytest.mark.parametrize("pad", [1, 4])
+def test_uniform_decode_plan_equals_the_general_one(parts, pad):
+    """A decode-like step with no ``extend_lens`` takes the loop-free path (`SplitPolicy._uniform_plan`, so that a
+    10,000-request decode step plans as fast as a 10-request one); it must make exactly the general path's plan."""
+    policy = SplitPolicy(num_microbatches=parts, pad_to_multiple=pad)
+    for mode, per_seq in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 1), (ForwardMode.TARGET_VERIFY, 3)):
+        for n in range(0, 41):
+            fast = policy.plan(mode, n * per_seq, None, per_seq)
+            general = policy.plan(mode, n * per_seq, [per_seq] * n, per_seq)
+            assert fast == general, (mode, per_seq, n)
+            assert (fast is not None) == (n >= parts and n * per_seq >= policy.decode_token_threshold)
+    with pytest.raises(ValueError, match=r"num_tokens=7 is not a multiple of token_num_per_seq=2 in TARGET_VERIFY"):
+        policy.plan(ForwardMode.TARGET_VERIFY, 7, None, 2)

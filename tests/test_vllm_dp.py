@@ -609,3 +609,23 @@ def test_mixtral_dp2_ep_tokens_equal_and_both_ranks_split(tmp_path):
         want = [[list(o.token_ids) for o in x] for x in _reference(model, r, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
     _assert_both_split_and_sent(per_rank, 2)
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_ranks_started_with_different_configurations_refuse_each_other_by_name_at_warm_up(models, tmp_path):
+    """Rank 1 starts with ``agreed_rows: false`` (its dispatches would exchange row counts, rank 0's not: the
+    collectives would mis-pair). Both engines fail at start, in the first step agreement (the profiling run), with
+    `AgreementMismatchError` naming the key and each rank's value; neither runs a dispatch."""
+    from tbo.harness.vllm_dp import run_dp
+
+    engine = {**ENGINE, "dtype": "float32", "enable_expert_parallel": True}
+    specs = [dict(model=str(models["qwen3_moe"]), engine=engine, tbo={**TBO, "agreed_rows": rank == 0},
+                  rounds=[[_prompt(4, 1)]], max_tokens=2) for rank in range(2)]
+    runs = run_dp(specs, timeout_s=400)
+    for run in runs:
+        out = run.stdout + run.stderr
+        assert run.returncode != 0 and run.result is None and not run.extra.get("timed_out"), run.tail()
+        named = [line for line in out.splitlines() if "AgreementMismatchError" in line]
+        assert named and any("'agreed_rows' differs: rank 0: 'True', rank 1: 'False'" in line for line in named), \
+            run.tail(8000)

@@ -117,13 +117,34 @@ class _Packing:
         return records
 
     def pack(self, rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
+        return torch.cat([_dense(t).view(torch.uint8).reshape(t.shape[0], width)
                           for t, width in zip((rows, idx, weights), self.widths)], dim=1)
 
     def unpack(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h, i, w = self.widths
-        return (records[:, :h].contiguous().view(self.hidden_dtype), records[:, h:h + i].contiguous().view(
-            self.idx_dtype), records[:, h + i:].contiguous().view(self.weights_dtype))
+        """The three columns of ``records`` (any row count, zero and one included), each in a buffer of its own.
+
+        Each column slice is copied into a fresh, densely strided buffer before it is reinterpreted: a slice keeps
+        the record's row stride (and its byte offset), which ``.view`` to a wider dtype refuses unless both are
+        multiples of the dtype's size, and ``.contiguous()`` is no copy for one row (a one-row slice already counts
+        as contiguous). A record of 292 bytes (hidden 64 fp32, top-3 ids and fp32 weights) failed that way."""
+        h, i, _ = self.widths
+        return (_dense(records[:, :h]).view(self.hidden_dtype), _dense(records[:, h:h + i]).view(self.idx_dtype),
+                _dense(records[:, h + i:]).view(self.weights_dtype))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is strided densely from the start of its storage, else its values in a new buffer that
+    is: what ``.view`` to another element size needs. (``.contiguous()`` is not enough: it returns ``t`` itself
+    whenever ``t`` merely counts as contiguous, as a one-row slice does with any row stride.)"""
+    dense, step = [], 1
+    for n in reversed(t.shape):
+        dense.append(step)
+        step *= n
+    if t.storage_offset() == 0 and t.stride() == tuple(reversed(dense)):
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
 
 
 def _drop_padding(rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,

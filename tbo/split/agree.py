@@ -1,46 +1,41 @@
-"""Agreement across ranks: if any rank cannot split this step, no rank splits.
+"""Agreement across ranks: if any rank cannot split this step, no rank splits, and no rank runs another configuration.
 
 With expert parallelism every rank takes part in every dispatch and combine. If one rank ran two microbatches and
-another ran one, their collectives would pair up wrongly and deadlock. One all-reduce (MIN) of a flag settles it
-(`agree_to_split`). Data-parallel attention needs more, settled by one all-reduce of every rank's `StepVote`
-(`agree_step`): whether to split (a rank with too few tokens of its own, or none, still takes part, with empty
-microbatches), the microbatch count, and which strategy runs (decode and prefill strategies issue their
-collectives in different orders).
+another ran one, their collectives would pair up wrongly and deadlock. One all-reduce settles it (`agree_to_split`).
+Data-parallel attention needs more, settled by one all-reduce of every rank's `StepVote` (`agree_step`): whether to
+split (a rank with too few tokens of its own, or none, still takes part, with empty microbatches), the microbatch
+count, and which strategy runs (decode and prefill strategies issue their collectives in different orders).
 
 The same all-reduce also carries each rank's token rows per microbatch (`StepVote.rows`). With them every rank
 knows, before the step, the most rows any peer can send it in each dispatch (a token goes to a rank at most once),
 so a dispatch needs no row-count exchange of its own: it sends each peer a chunk padded to its own row count, and
 nothing waits for the peer until the rows are due (`tbo.comm.alltoall.AllToAllBackend.dispatch_a`'s
 ``rows_per_rank``).
+
+**The configuration rides along.** Ranks started with another strategy, op list, backend, link or ``agreed_rows``
+issue other collectives, in other orders: a gloo abort, a hang, or a silent mis-pairing when the sizes happen to
+match. So each agreement also carries a digest of everything that shapes the collectives (`AgreedConfig`: a table
+of named values, digested once). When the digests differ, every rank sees it in the same all-reduce, and all of
+them then exchange their tables once (a second collective, run only then) and raise `AgreementMismatchError` naming
+each key that differs and its value on every rank. `agree_step` and `agree_to_split` all-reduce the same table (one
+shape, one op), with the caller's kind in it: a rank calling one while its peer calls the other is refused by name
+on both, where collectives of two shapes would abort the processes in gloo.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 from tbo.split.plan import SplitPlan
 
-__all__ = ["agree_to_split", "agree_step", "decide_step", "StepVote", "StepAgreement", "STEP_MODES",
-           "MAX_AGREED_MICROBATCHES"]
-
-
-def agree_to_split(plan_or_none: SplitPlan | None, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """True only if every rank in ``group`` has a plan. Raises `CommTimeoutError` instead of hanging."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return plan_or_none is not None
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([0 if plan_or_none is None else 1], dtype=torch.int32, device=device)
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
-    wait_work(work, timeout_s, "agree_to_split all_reduce")
-    return bool(flag.item())
+__all__ = ["agree_to_split", "agree_step", "decide_step", "describe", "AgreedConfig", "AgreementMismatchError",
+           "StepVote", "StepAgreement", "STEP_MODES", "MAX_AGREED_MICROBATCHES"]
 
 
 #: the strategy modes a rank can vote for; "idle": it has no tokens of its own and runs whatever its peers agree
@@ -60,7 +55,8 @@ class StepVote:
     ``"prefill"``), or ``"idle"`` for a rank with nothing of its own to run (a dummy step). ``rows``: the token
     rows of each of its ``num_microbatches`` microbatches should the step split (its own plan's, or all its tokens
     in the first and none in the others); unsplit, it runs their sum. Empty: not told, and the agreement carries
-    no rows (`StepAgreement.rows` is None).
+    no rows (`StepAgreement.rows` is None). ``measured_ns``: this rank's wall time of the previous agreed step, in
+    nanoseconds, for a policy that learns from step times on every rank alike (`tbo.split.adaptive`); -1: none.
     """
 
     num_microbatches: int
@@ -68,6 +64,7 @@ class StepVote:
     can_split: bool
     mode: str
     rows: tuple[int, ...] = ()
+    measured_ns: int = -1
 
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
@@ -94,6 +91,18 @@ class StepAgreement:
         return sum(v.mode == "idle" for v in self.votes)
 
     @property
+    def measured_s(self) -> float | None:
+        """The previous agreed step's wall time, the mean over the ranks that measured it (None: none did). The
+        same number on every rank: the votes are."""
+        times = [v.measured_ns for v in self.votes if v.measured_ns >= 0]
+        return sum(times) / len(times) / 1e9 if times else None
+
+    @property
+    def tokens(self) -> int:
+        """The most tokens any rank runs in this step (0 when no vote told its rows)."""
+        return max((sum(v.rows) for v in self.votes), default=0)
+
+    @property
     def rows(self) -> tuple[tuple[int, ...], ...] | None:
         """Per microbatch of the agreed step, every rank's token rows (indexed by rank): one entry (each rank's
         total) when it runs unsplit. None when a vote did not tell its rows."""
@@ -104,37 +113,186 @@ class StepAgreement:
         return tuple(zip(*(v.rows for v in self.votes)))
 
 
+class AgreementMismatchError(ValueError):
+    """The ranks of one agreement are not running the same thing: another agreement call, microbatch count or
+    configuration. The message names what differs and its value on each rank; every rank raises it, in the same
+    agreement (at warm-up for a configuration), before any collective of the step could mis-pair."""
+
+
+def describe(value: Any) -> str:
+    """A configuration value as canonical text, the same on every rank for the same value: a strategy as its name,
+    lead, SM budget and op names in order (``|`` for a Yield; bound methods by their op name, so a rank's own layers
+    describe as its peers' do); mappings by sorted key; sequences in order; anything else by ``str``."""
+    from tbo.core.operations import is_yield, op_name
+    from tbo.core.strategy import OperationsStrategy
+
+    if isinstance(value, OperationsStrategy):
+        ops = " ".join("|" if is_yield(op) else op_name(op) for op in value.operations)
+        return f"{value.name} delta_stages={value.delta_stages} sms={value.deep_gemm_num_sms} ops=[{ops}]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {describe(value[k])}" for k in sorted(value, key=str)) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(describe(v) for v in value) + "]"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class AgreedConfig:
+    """What shapes a rank's collectives, as named text (`describe`), and its 63-bit digest: build it once (an
+    engine's strategies describe as thousands of op names), pass it to every agreement."""
+
+    table: Mapping[str, str] = field(default_factory=dict)
+    digest: int = 0
+
+    @classmethod
+    def of(cls, config: "Mapping[str, Any] | AgreedConfig | None") -> "AgreedConfig":
+        if isinstance(config, AgreedConfig):
+            return config
+        table = {str(k): describe(v) for k, v in sorted((config or {}).items(), key=lambda kv: str(kv[0]))}
+        if not table:
+            return cls()
+        raw = hashlib.blake2b(json.dumps(table, sort_keys=True).encode(), digest_size=8).digest()
+        return cls(table, int.from_bytes(raw, "little", signed=True) or 1)
+
+
+#: the columns of an agreement's table, one row per rank (then the vote's rows per microbatch)
+_KIND, _N, _WANTS, _CAN, _MODE, _MEASURED, _NROWS, _DIGEST = range(8)
+_HEADER = 8
+#: what a rank's row says it called: 0 never appears in a row a rank wrote (a row of zeros: the rank is not there)
+_KINDS = {1: "agree_step", 2: "agree_to_split"}
+
+
+def _group_device(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(t: torch.Tensor, group: Any, timeout_s: float, what: str) -> torch.Tensor:
+    """``t`` (each rank's share in its own row, zeros elsewhere) summed over ``group``: every rank's rows."""
+    import torch.distributed as dist
+
+    t = t.to(_group_device(group))
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    wait_work(work, timeout_s, what)
+    return t.cpu()
+
+
+def _agree(kind: int, fields: list[int], rows: tuple[int, ...], config: AgreedConfig, group: Any,
+           timeout_s: float, what: str) -> list[list[int]]:
+    """The one all-reduce both agreements make: every rank's row of ``[kind, *fields, digest, *rows]`` in a table
+    of one shape (``_HEADER + MAX_AGREED_MICROBATCHES`` int64 columns), checked for one kind and one configuration
+    before anything else is read from it."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    table = torch.zeros((size, _HEADER + MAX_AGREED_MICROBATCHES), dtype=torch.int64)
+    table[rank, :_HEADER] = torch.tensor([kind, *fields, len(rows), config.digest])
+    table[rank, _HEADER:_HEADER + len(rows)] = torch.tensor(rows, dtype=torch.int64)
+    table_rows = _all_reduce(table, group, timeout_s, what).tolist()
+    kinds = [row[_KIND] for row in table_rows]
+    if len(set(kinds)) > 1:
+        calls = ", ".join(f"rank {r}: {_KINDS.get(k, f'unknown ({k})')}" for r, k in enumerate(kinds))
+        raise AgreementMismatchError(f"the ranks made different agreement calls ({calls}): every rank must make the "
+                                     "same one, agree_step or agree_to_split, in every step")
+    if len({row[_DIGEST] for row in table_rows}) > 1:  # every rank sees it: all of them exchange their tables now
+        _refuse_configs(config, group, timeout_s, what)
+    return table_rows
+
+
+def _refuse_configs(config: AgreedConfig, group: Any, timeout_s: float, what: str) -> None:
+    """Every rank's configuration table (JSON text, gathered by two all-reduces: lengths, then the bytes), and the
+    `AgreementMismatchError` naming each key that differs and its value on each rank."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.tensor(list(json.dumps(dict(config.table), sort_keys=True).encode()), dtype=torch.int64)
+    lengths = torch.zeros(size, dtype=torch.int64)
+    lengths[rank] = mine.numel()
+    lengths = _all_reduce(lengths, group, timeout_s, f"{what}: the configurations' lengths")
+    texts = torch.zeros((size, int(lengths.max())), dtype=torch.int64)
+    texts[rank, :mine.numel()] = mine
+    texts = _all_reduce(texts, group, timeout_s, f"{what}: the configurations")
+    tables = [json.loads(bytes(texts[r, :int(lengths[r])].tolist()).decode()) for r in range(size)]
+    lines = []
+    for key in sorted(set().union(*tables)):
+        values = [t.get(key) for t in tables]
+        if len(set(values)) > 1:
+            lines.append(f"{key!r} differs: " + ", ".join(
+                f"rank {r}: " + ("(not set)" if v is None else _short(v, values)) for r, v in enumerate(values)))
+    raise AgreementMismatchError("the ranks run different tbo configurations, which issue different collectives: "
+                                 + "; ".join(lines or ["their digests differ"])
+                                 + ". Start every rank with the same configuration")
+
+
+def _short(value: str, others: list[str | None], width: int = 120) -> str:
+    """``value``, or where it is long (an op list) the part around its first difference from the other values."""
+    if len(value) <= width:
+        return repr(value)
+    at = min((next((i for i, (a, b) in enumerate(zip(value, o)) if a != b), min(len(value), len(o)))
+              for o in others if o is not None and o != value), default=0)
+    lo = max(0, at - width // 3)
+    return f"...{value[lo:lo + width]!r}... (first difference at character {at})"
+
+
+def agree_to_split(plan_or_none: SplitPlan | None, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                   strategy: Any = None, config: "Mapping[str, Any] | AgreedConfig | None" = None) -> bool:
+    """True only if every rank in ``group`` has a plan. Raises `CommTimeoutError` instead of hanging.
+
+    The all-reduce also carries the plan's microbatch count and a digest of ``strategy`` (the strategy, or its
+    name, that this rank runs the step with: `describe`) and of ``config`` (anything else that shapes the
+    collectives): ranks whose plans have different microbatch counts, or that run another strategy or
+    configuration, raise `AgreementMismatchError` naming it (the collectives of the step would otherwise abort or
+    mis-pair). So does a peer calling `agree_step` in the same step."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return plan_or_none is not None
+    if strategy is not None:
+        config = {**AgreedConfig.of(config).table, "strategy": describe(strategy)}
+    agreed = AgreedConfig.of(config)
+    n = 0 if plan_or_none is None else plan_or_none.num_microbatches
+    rows = _agree(2, [n, int(n > 0), int(n > 0), 0, -1], (), agreed, group, timeout_s,
+                  "agree_to_split all_reduce (the step's split, microbatches and configuration)")
+    counts = [row[_N] for row in rows]
+    planned = {c for c in counts if c}
+    if len(planned) > 1:
+        per_rank = ", ".join(f"rank {r}: " + (str(c) if c else "no plan") for r, c in enumerate(counts))
+        raise AgreementMismatchError(f"the ranks' plans have different microbatch counts ({per_rank}): every rank "
+                                     "must plan with the same SplitPolicy(num_microbatches=...)")
+    return all(counts)
+
+
 def decide_step(votes: tuple[StepVote, ...]) -> StepAgreement:
     """The rule, the same on every rank: split when at least one rank planned a split and no rank vetoes it; the
     prefill strategy when any rank prefills (its collectives' order then rules), decode otherwise. Every rank must
-    have the same microbatch count: a mismatch is a configuration error, named."""
+    have the same microbatch count: a mismatch is a configuration error, named (`AgreementMismatchError`)."""
     counts = {v.num_microbatches for v in votes}
     if len(counts) != 1:
         per_rank = ", ".join(f"rank {r}: {v.num_microbatches}" for r, v in enumerate(votes))
-        raise ValueError(f"the ranks disagree on num_microbatches ({per_rank}): every rank must run the same "
-                         "tbo configuration")
+        raise AgreementMismatchError(f"the ranks disagree on num_microbatches ({per_rank}): every rank must run the "
+                                     "same tbo configuration")
     split = all(v.can_split for v in votes) and any(v.wants_split for v in votes)
     mode = "prefill" if any(v.mode == "prefill" for v in votes) or all(v.mode == "idle" for v in votes) else "decode"
     return StepAgreement(split, counts.pop(), mode, tuple(votes))
 
 
-def agree_step(vote: StepVote, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> StepAgreement:
+def agree_step(vote: StepVote, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+               config: "Mapping[str, Any] | AgreedConfig | None" = None) -> StepAgreement:
     """One collective over ``group`` (an all-reduce of every rank's vote): the same `StepAgreement` on every rank.
-    Raises `CommTimeoutError` naming this rank and the op when a peer does not take part within ``timeout_s``."""
+    Raises `CommTimeoutError` naming this rank and the op when a peer does not take part within ``timeout_s``, and
+    `AgreementMismatchError` when the ranks' ``config`` (build it once: `AgreedConfig.of`) or microbatch counts
+    differ, or a peer called `agree_to_split`."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return decide_step((vote,))
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    table = torch.zeros((size, 5 + MAX_AGREED_MICROBATCHES), dtype=torch.int64)  # one width on every rank
-    table[rank, :5] = torch.tensor([vote.num_microbatches, int(vote.wants_split), int(vote.can_split),
-                                    STEP_MODES.index(vote.mode), len(vote.rows)])
-    table[rank, 5:5 + len(vote.rows)] = torch.tensor(vote.rows, dtype=torch.int64)
-    table = table.to(device)
-    work = dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    wait_work(work, timeout_s, "agree_step all_reduce (the step's split, microbatches, strategy and rows)")
-    return decide_step(tuple(StepVote(n, bool(w), bool(c), STEP_MODES[m], tuple(r[:k]))
-                             for n, w, c, m, k, *r in table.cpu().tolist()))
+    agreed = AgreedConfig.of(config)
+    fields = [vote.num_microbatches, int(vote.wants_split), int(vote.can_split), STEP_MODES.index(vote.mode),
+              vote.measured_ns]
+    rows = _agree(1, fields, vote.rows, agreed, group, timeout_s,
+                  "agree_step all_reduce (the step's split, microbatches, strategy, rows and configuration)")
+    return decide_step(tuple(StepVote(r[_N], bool(r[_WANTS]), bool(r[_CAN]), STEP_MODES[r[_MODE]],
+                                      tuple(r[_HEADER:_HEADER + r[_NROWS]]), r[_MEASURED]) for r in rows))

@@ -239,6 +239,8 @@ class SplitPolicy(BaseModel):
         mode = ForwardMode.of(mode)
         if mode is ForwardMode.IDLE:
             return None
+        if mode.is_decode_like and extend_lens is None:
+            return self._uniform_plan(mode, num_tokens, token_num_per_seq)
         lens = sequence_lens(mode, num_tokens, extend_lens, token_num_per_seq)
         if num_tokens < self.threshold_for(mode, lens):
             return None
@@ -246,6 +248,28 @@ class SplitPolicy(BaseModel):
         if cuts is None:
             return None
         return plan_from_cuts(mode, lens, cuts, self.pad_to_multiple)
+
+    def _uniform_plan(self, mode: ForwardMode, num_tokens: int, per_seq: int) -> SplitPlan | None:
+        """`plan` for a decode-like step whose requests all bring ``per_seq`` tokens, without a Python loop over its
+        requests: an engine decides every step, and a 10,000-request decode step must cost what a 10-request one
+        does. The same plan as the general path (`tests/test_split.py` compares them)."""
+        if num_tokens < 0 or per_seq < 1 or num_tokens % per_seq:
+            sequence_lens(mode, num_tokens, None, per_seq)  # raises, naming what is wrong
+        if num_tokens < self.decode_token_threshold:
+            return None
+        n, parts = num_tokens // per_seq, self.num_microbatches
+        if n < parts:
+            return None
+        seqs = [n // 2] if parts == 2 else [k * n // parts for k in range(1, parts)]
+        bounds = [0, *seqs, n]
+        slices = tuple(
+            MicrobatchSlice(microbatch_idx=k, num_microbatches=parts, tokens_start=start * per_seq,
+                            tokens_len=_round_up((end - start) * per_seq, self.pad_to_multiple),
+                            tokens_unpadded_len=(end - start) * per_seq, requests_start=start,
+                            requests_len=end - start, extend_lens=(per_seq,) * (end - start), prefix_offset=0)
+            for k, (start, end) in enumerate(zip(bounds, bounds[1:])))
+        return SplitPlan(mode=mode, num_tokens=num_tokens, num_requests=n, microbatches=slices,
+                         cuts=tuple(Cut(seq * per_seq, seq, False) for seq in seqs))
 
     def _cuts(self, mode: ForwardMode, lens: list[int], token_num_per_seq: int) -> list[Cut] | None:
         n, total, parts = len(lens), sum(lens), self.num_microbatches

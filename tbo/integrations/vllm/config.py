@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tbo import strategies
 from tbo.comm.emulated import parse_link_spec
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
 from tbo.split import SplitPolicy
+from tbo.split.adaptive import AdaptiveConfig
 
 __all__ = ["TboConfigError", "TboVllmConfig", "StrategyNames", "parse_config", "CONFIG_KEY"]
 
@@ -57,6 +58,13 @@ class TboVllmConfig(BaseModel):
     # weights twice, and the all-to-all it would hide is latency-bound anyway. CPU tests and demos set their own.
     decode_token_threshold: int = Field(default=32, description="a decode-only step splits from this many tokens")
     prefill_token_threshold: int = Field(default=512, description="a step with prefill splits from this many tokens")
+    split: Literal["static", "adaptive"] = Field(
+        default="static", description="'static': a step splits from the token thresholds; 'adaptive': where its "
+                                      "kind and size were measured to pay (tbo.split.adaptive; thresholds you set "
+                                      "seed it), choosing among unsplit and the decode and prefill strategies")
+    adaptive: AdaptiveConfig | None = Field(
+        default=None, description="split 'adaptive' only: how it explores and decides (warmup_samples, "
+                                  "explore_share, hysteresis, smoothing)")
     token_distribution_threshold: float = Field(
         default=SplitPolicy.model_fields["token_distribution_threshold"].default,
         description="below this share on one side of a request boundary, cut inside a request")
@@ -100,6 +108,13 @@ class TboVllmConfig(BaseModel):
             _check_strategy_name(value)
         return value
 
+    @model_validator(mode="after")
+    def _adaptive_only_when_adaptive(self) -> "TboVllmConfig":
+        if self.adaptive is not None and self.split != "adaptive":
+            raise ValueError("'adaptive' settings are read only with split='adaptive'; this config splits "
+                             f"{self.split!r}")
+        return self
+
     @field_validator("link")
     @classmethod
     def _link(cls, value: str | None) -> str | None:
@@ -131,7 +146,9 @@ def _describe(error: ValidationError) -> str:
     for e in error.errors():
         where = ".".join(str(p) for p in e["loc"]) or "tbo"
         if e["type"] == "extra_forbidden":
-            accepted = ", ".join(TboVllmConfig.model_fields)
+            nested = {"adaptive": AdaptiveConfig, "afd": AFDVllmConfig}.get(str(e["loc"][0])) if len(e["loc"]) > 1 \
+                else None
+            accepted = ", ".join((nested or TboVllmConfig).model_fields)
             lines.append(f"unknown key {where!r}; accepted keys: {accepted}")
         else:
             msg = e["msg"].removeprefix("Value error, ")

@@ -29,7 +29,7 @@ from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.checks import _refuse
 from tbo.integrations.vllm.step import Step, microbatch_rows
 from tbo.split import ForwardMode
-from tbo.split.agree import MAX_AGREED_MICROBATCHES, StepVote, agree_step
+from tbo.split.agree import MAX_AGREED_MICROBATCHES, AgreedConfig, StepVote, agree_step
 from tbo.split.index import Cut
 from tbo.split.plan import SplitPlan, plan_from_cuts
 
@@ -37,8 +37,8 @@ from tbo.split.plan import SplitPlan, plan_from_cuts
 #: them as each finishes loading the model, which under load may be minutes apart
 WARMUP_TIMEOUT_S = 600.0
 
-__all__ = ["bounded_engine_sync", "call_bounded", "check_dp_ep", "empty_tail_plan", "install_data_parallel",
-           "StepAgreementHook"]
+__all__ = ["agreement_config", "bounded_engine_sync", "call_bounded", "check_dp_ep", "empty_tail_plan",
+           "install_data_parallel", "StepAgreementHook"]
 
 
 def check_dp_ep(par: Any) -> None:
@@ -75,33 +75,66 @@ def _mode_of(step: Step) -> str:
 class StepAgreementHook:
     """Called by `RunnerPatches` with this rank's own `Step`; returns the step every rank agreed to run."""
 
-    def __init__(self, num_microbatches: int, group: Any, timeout_s: float) -> None:
+    def __init__(self, num_microbatches: int, group: Any, timeout_s: float, config: Any = None) -> None:
         if num_microbatches > MAX_AGREED_MICROBATCHES:
             _refuse("num_microbatches", num_microbatches, f"at most {MAX_AGREED_MICROBATCHES} with data parallel",
                     "the step agreement carries every rank's rows per microbatch in a table of fixed width")
         self.num_microbatches, self.group, self.timeout_s = num_microbatches, group, timeout_s
+        #: what shapes this rank's collectives (`agreement_config`), digested once, checked in every agreement
+        self.config = AgreedConfig.of(config)
         self.last: Any = None  #: the last `StepAgreement` (for tests and logs)
+        #: ``split: "adaptive"``: chooses each agreed step's split from the ranks' shared step times
+        #: (`tbo.integrations.vllm.adaptive.AdaptiveSteps.agreed`); None: the thresholds decide
+        self.adaptive: Any = None
 
     def __call__(self, step: Step, vetoed: bool) -> Step:
+        adaptive = self.adaptive
         vote = StepVote(self.num_microbatches, wants_split=step.plan is not None, can_split=not vetoed,
-                        mode=_mode_of(step), rows=microbatch_rows(step.plan, step.num_tokens, self.num_microbatches))
+                        mode=_mode_of(step), rows=microbatch_rows(step.plan, step.num_tokens, self.num_microbatches),
+                        measured_ns=-1 if adaptive is None else adaptive.measured_ns)
         # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
         timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
         try:
-            agreed = self.last = agree_step(vote, self.group, timeout)
+            agreed = self.last = agree_step(vote, self.group, timeout, self.config)
         except CommTimeoutError as e:
             raise CommTimeoutError(f"{e}: a data-parallel peer did not reach this step: it stalled or died, or "
                                    "(offline, without vLLM's DP coordinator) it has no requests in this wave (none in "
                                    "this generate call, or the wave ended before this rank's requests reached its "
                                    "engine), and an engine without requests does not step for its peers") from e
-        if not agreed.split:
+        split, strategy_mode = agreed.split, agreed.strategy_mode
+        if adaptive is not None and agreed.idle_ranks < len(agreed.votes):  # every rank alike: see AdaptiveSteps
+            choice, strategy_mode = adaptive.agreed(agreed)
+            split = choice.split
+        if not split:
             plan, empty_tail = None, False
         elif step.plan is not None:
             plan, empty_tail = step.plan, False
         else:
             plan, empty_tail = empty_tail_plan(step.num_tokens, agreed.num_microbatches), True
-        return Step(step.mode, step.forward_mode, step.num_tokens, plan, agreed.strategy_mode, empty_tail,
-                    agreed.rows)
+        rows = agreed.rows
+        if rows is not None and agreed.split and not split:  # the policy keeps it whole: each rank's total rows
+            rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
+        return Step(step.mode, step.forward_mode, step.num_tokens, plan, strategy_mode, empty_tail, rows)
+
+
+def agreement_config(engine: Any) -> dict[str, Any]:
+    """Everything of ``engine`` (a `TboEngine`) that shapes its collectives, for the step agreement to compare over
+    the ranks: the strategy each step kind runs (its name and bound op list), the microbatch count, the backend and
+    its layout, ``agreed_rows``, the link, and the model's expert shapes and dtype (the dispatches' sizes). A rank
+    started otherwise gets `tbo.split.agree.AgreementMismatchError` naming the key, at warm-up."""
+    config, vllm_config = engine.config, engine.runner.vllm_config
+    hf = vllm_config.model_config.hf_text_config
+    backend = getattr(engine.backend, "inner", engine.backend)  # under an emulated link: the backend it wraps
+    return {
+        "strategy": config.strategy, "num_microbatches": config.num_microbatches, "agreed_rows": config.agreed_rows,
+        "split": config.split, "adaptive": config.adaptive,
+        "backend": config.backend, "deepep_kind": config.deepep_kind, "link": config.link,
+        **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
+        "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "
+                          f"{getattr(backend, 'num_experts', None)} experts over {getattr(backend, 'num_ranks', None)}",
+        "model": f"{engine.family} hidden {hf.hidden_size}, top-{hf.num_experts_per_tok}, "
+                 f"{len(engine.layers)} layers, {vllm_config.model_config.dtype}",
+    }
 
 
 def call_bounded(group: Any, timeout_s: float, what: str, call: Any, /, *args: Any, label: str | None = None,
@@ -149,7 +182,8 @@ def install_data_parallel(engine: Any) -> None:
 
     runner, patches, loop = engine.runner, engine.patches, engine.loop
     patches.agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group,
-                                      engine.config.comm_timeout_s)
+                                      engine.config.comm_timeout_s, agreement_config(engine))
+    patches.agree.adaptive = engine.adaptive
     for s in (loop.stats, PROCESS_STATS):
         s.ep_size = engine.ep_size
     loop.traffic = engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",

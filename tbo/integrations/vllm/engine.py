@@ -84,12 +84,20 @@ class TboEngine:
                                for mode in ("decode", "prefill")}
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)
-        self.patches = RunnerPatches(runner, config.split_policy())
+        self.adaptive = None
+        if config.split == "adaptive":  # the thresholds give way to measured step costs
+            from tbo.integrations.vllm.adaptive import LIVE, AdaptiveSteps
+
+            self.adaptive = AdaptiveSteps(config, names)
+            LIVE.append(self.adaptive)
+        self.patches = RunnerPatches(runner, config.split_policy() if self.adaptive is None else self.adaptive.policy)
+        self.patches.adaptive = self.adaptive
         self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
         self.loop.stats = step_stats
         self.loop.op_times, self.loop.agreed_rows = config.op_times, config.agreed_rows
         if config.stats_file:
-            self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())))
+            extra = None if self.adaptive is None else (lambda: {"adaptive": [self.adaptive.report()]})
+            self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), extra)
         self._model = model
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)
@@ -116,7 +124,7 @@ class TboEngine:
 
     def _install(self) -> None:
         runner = self.runner
-        execute, shutdown = runner.execute_model, runner.shutdown
+        execute, shutdown, sample = runner.execute_model, runner.shutdown, runner.sample_tokens
         init_builders = runner.initialize_metadata_builders
 
         @functools.wraps(init_builders)
@@ -131,6 +139,13 @@ class TboEngine:
             with self.patches.scope():
                 return execute(*args, **kwargs)
 
+        @functools.wraps(sample)
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            out = sample(*args, **kwargs)
+            if self.adaptive is not None:  # the step's tokens are on the host: its wall time is measured
+                self.adaptive.step_done()
+            return out
+
         @functools.wraps(shutdown)
         def shutdown_(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -141,6 +156,8 @@ class TboEngine:
 
         self._model.forward = self.loop
         runner.execute_model, runner.shutdown = execute_model, shutdown_
+        if self.adaptive is not None:
+            runner.sample_tokens = sample_tokens
         runner.initialize_metadata_builders = initialize_metadata_builders
         runner.tbo = self
 
@@ -150,6 +167,7 @@ class TboEngine:
         Each part runs whatever an earlier one raised (the first error is raised at the end), and the diagnostics
         (the summary line, ``stats_file``) never raise: a shutdown is no place to lose vLLM's own teardown."""
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
+                          (self.runner, "sample_tokens"),
                           (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
                           (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
@@ -160,6 +178,14 @@ class TboEngine:
             self.rotary_fix.restore()
             try:
                 logger.info(summary_line(self.loop.stats))
+                if self.adaptive is not None:
+                    for line in self.adaptive.split.summary():
+                        logger.info("tbo adaptive: %s", line)
             except Exception:  # noqa: BLE001 - a diagnostic
                 logger.exception("tbo: the summary line failed")
+            if self.adaptive is not None:
+                from tbo.integrations.vllm.adaptive import LIVE
+
+                if self.adaptive in LIVE:
+                    LIVE.remove(self.adaptive)
             self.loop.write_stats()

@@ -143,6 +143,8 @@ class RunnerPatches:
         #: (`tbo.integrations.vllm.dp.StepAgreementHook`); None: this engine decides alone
         self.agree: Callable[[Step, bool], Step] | None = None
         self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
+        #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.adaptive`)
+        self.adaptive: Any = None
 
     @contextmanager
     def microbatching(self) -> Iterator[None]:
@@ -189,6 +191,8 @@ class RunnerPatches:
         bound = self._signature.bind(*args, **kwargs).arguments
         allowed = self._allowed(bound) and batch_desc.num_reqs in (None, int(bound["num_reqs"]))
         self.step = self._decide(bound, allowed, batch_desc.num_tokens)
+        if self.adaptive is not None:
+            self.step = self.adaptive.decide(self.step)
         return cudagraph_mode, batch_desc, self.step.runner_split, across_dp, cg_stats
 
     def _allowed(self, bound: dict[str, Any]) -> bool:

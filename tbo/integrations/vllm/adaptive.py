@@ -1,0 +1,97 @@
+"""``"split": "adaptive"``: the engine's steps split where `tbo.split.adaptive.AdaptiveSplit` measured that it pays.
+
+The static thresholds decide a step by its token count alone; here each step's kind (decode, prefill, mixed) and
+token bucket pick, from measured step times, among unsplit and the strategies the model admits: for decode both the
+family's decode strategy and its prefill-shaped one (which wins decode on some deployments), for steps with prefill
+the prefill strategy. The measurement is the step's wall time from ``execute_model``'s entry to the end of
+``sample_tokens``, where vLLM's runner waits for the step's sampled tokens anyway: no extra device sync and no
+per-op timing.
+
+The plan of a step the policy splits is `SplitPolicy`'s with the lowest thresholds (every microbatch gets a token):
+the adaptive choice replaces the thresholds, nothing else. A choice that finds no acceptable cut (vLLM's prefix-cache
+veto, a lopsided batch with cuts between requests only) runs unsplit and is measured as unsplit.
+
+With data parallelism (`agreed`) every rank must run the same choice, with no collective of its own: each rank keeps
+a replica of the policy, the step's agreement carries every rank's wall time of the previous step
+(`tbo.split.agree.StepVote.measured_ns`), and every rank observes their mean for the previous step's agreed kind and
+size, then chooses for this step's (the agreed strategy's kind, the largest rank's tokens). The replicas see the
+same observations in the same order, so they stay equal, and so do their choices. A rank's time includes its wait
+for its peers; an idle rank's dummy step measures nothing (its peers' times count).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tbo.integrations.vllm.config import StrategyNames, TboVllmConfig
+from tbo.integrations.vllm.step import Step
+from tbo.split import SplitPolicy
+from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, prior_from_policy
+from tbo.split.agree import StepAgreement
+
+__all__ = ["AdaptiveSteps", "LIVE"]
+
+#: the adaptive policies of this process's engines (`tbo.integrations.vllm.stats.stats` reports them)
+LIVE: list["AdaptiveSteps"] = []
+
+
+class AdaptiveSteps:
+    """Per engine: chooses each step's split from measured costs, and measures the step it chose."""
+
+    def __init__(self, config: TboVllmConfig, names: StrategyNames) -> None:
+        n = config.num_microbatches
+        decode, prefill = Choice(names.decode, n), Choice(names.prefill, n)
+        choices = {"decode": [decode, prefill], "prefill": [prefill], "mixed": [prefill]}
+        #: the split's shape once a choice splits: every threshold at its lowest
+        self.policy = SplitPolicy(num_microbatches=n, decode_token_threshold=n, prefill_token_threshold=n,
+                                  token_distribution_threshold=config.token_distribution_threshold,
+                                  allow_cut_sequences=config.allow_cut_sequences,
+                                  pad_to_multiple=config.pad_to_multiple)
+        # thresholds the user set (tbo predict's, say) seed the policy; unset, every bucket starts unsplit
+        seeded = {"decode_token_threshold", "prefill_token_threshold"} & config.model_fields_set
+        prior = prior_from_policy(config.split_policy(), choices) if seeded else None
+        self.split = AdaptiveSplit(choices, config.adaptive, prior)
+        self._mode_of = {names.decode: "decode", names.prefill: "prefill"}
+        self._pending: tuple[str, int, Choice, float] | None = None
+        #: data parallel: the last agreed step (its kind, tokens, what ran) and this rank's time of it (ns, -1: none)
+        self._agreed: tuple[str, int, Choice] | None = None
+        self._t0: float | None = None
+        self.measured_ns = -1
+
+    def decide(self, step: Step) -> Step:
+        """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept or dropped, and the
+        strategy it runs. Starts the step's clock."""
+        self._pending = None
+        choice = self.split.choose(step.mode, step.num_tokens)
+        if choice.split and step.plan is not None:
+            ran, step = choice, Step(step.mode, step.forward_mode, step.num_tokens, step.plan,
+                                     agreed_strategy=self._mode_of[choice.strategy])
+        else:
+            ran, step = UNSPLIT, Step(step.mode, step.forward_mode, step.num_tokens, None)
+        self._pending = (step.mode, step.num_tokens, ran, time.perf_counter())
+        return step
+
+    def agreed(self, agreement: StepAgreement) -> tuple[Choice, str]:
+        """Data parallel: observe the previous agreed step's mean time, then choose for this one. Returns what runs
+        (unsplit where the agreement does not split) and the strategy mode it runs with. Called by every rank in
+        every agreement but those where every rank runs a dummy step (profiling, warm-up: nothing is chosen)."""
+        if self._agreed is not None and agreement.measured_s is not None:
+            self.split.observe(*self._agreed, agreement.measured_s)
+        kind, tokens = agreement.strategy_mode, agreement.tokens
+        choice = self.split.choose(kind, tokens)
+        ran = choice if choice.split and agreement.split else UNSPLIT
+        self._agreed, self._t0, self.measured_ns = (kind, tokens, ran), time.perf_counter(), -1
+        return ran, self._mode_of[ran.strategy] if ran.split else agreement.strategy_mode
+
+    def step_done(self) -> None:
+        """The step's sampled tokens are on the host: its wall time is measured."""
+        if self._t0 is not None:  # data parallel: this rank's time, for the next agreement
+            self.measured_ns, self._t0 = int((time.perf_counter() - self._t0) * 1e9), None
+        if self._pending is not None:
+            mode, tokens, ran, t0 = self._pending
+            self._pending = None
+            self.split.observe(mode, tokens, ran, time.perf_counter() - t0)
+
+    def report(self) -> dict[str, Any]:
+        return {"buckets": self.split.stats(), "summary": self.split.summary()}

