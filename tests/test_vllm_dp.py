@@ -611,3 +611,90 @@ def test_ranks_started_with_different_configurations_refuse_each_other_by_name_a
         named = [line for line in out.splitlines() if "AgreementMismatchError" in line]
         assert named and any("'agreed_rows' differs: rank 0: 'True', rank 1: 'False'" in line for line in named), \
             run.tail(8000)
+
+
+class _CountingCpuKernel:
+    """vLLM's own CPU fused-MoE op (``cpu_fused_moe``, prepacked weights) behind the ``apply`` of the modular kernel
+    the EP layer calls, recording the expert ids of every slot it is handed."""
+
+    def __init__(self) -> None:
+        self.ids: list = []
+
+    def apply(self, *, hidden_states, w1, w2, topk_ids, topk_weights, activation, global_num_experts, expert_map,
+              apply_router_weight_on_input):
+        import torch
+        from vllm._custom_ops import cpu_fused_moe
+
+        assert expert_map is None and not apply_router_weight_on_input
+        self.ids.append(topk_ids.clone())
+        out = torch.empty_like(hidden_states)
+        cpu_fused_moe(out, hidden_states, w1, w2, None, None, topk_weights.float(), topk_ids, activation.value, "vec")
+        return out
+
+
+def _ep_layer_on_real_kernel(dtype, w13, w2):
+    from types import SimpleNamespace
+
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from tbo.integrations.vllm.ep import EpDecoderLayer
+    from tbo.integrations.vllm.stats import StepStats
+
+    layer = object.__new__(EpDecoderLayer)  # the experts op alone: its kernel, its expert weights, its counters
+    layer._kernel, layer._ids_dtype, layer.counters = _CountingCpuKernel(), torch.int32, (StepStats(),)
+    layer.runner = SimpleNamespace(routed_experts=SimpleNamespace(
+        w13_weight=cpu_prepack_moe_weight(w13.to(dtype), "vec"), w2_weight=cpu_prepack_moe_weight(w2.to(dtype), "vec"),
+        activation=MoEActivation.SILU, local_num_experts=w13.shape[0], apply_router_weight_on_input=False))
+    return layer
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
+    """The EP experts op on vLLM's real CPU fused-MoE kernel, top-3 rows naming 1 to 3 of this rank's 4 experts
+    (-1: another rank's): the kernel is handed exactly the routed (token, local expert) pairs, expert by expert
+    (no remote slot becomes expert 0), each row's output is its local slots' weighted sum, and the FFN call is
+    counted. Expert 0 is built to overflow bf16 on the rows that do not route to it: turned into expert 0 with
+    weight 0, their remote slots gave inf * 0 = NaN."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm._custom_ops import cpu_fused_moe
+
+    from tbo.core.state import State
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter, rows = 4, 64, 64, 9
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    x = torch.randn(rows, hidden, generator=g)
+    ids = torch.tensor([[0, -1, 2], [-1, 1, -1], [3, 2, 1], [-1, -1, 3], [1, -1, 0], [2, 3, -1], [-1, 2, -1],
+                        [3, -1, -1], [0, 1, 2]])
+    weights = torch.rand(rows, 3, generator=g)
+    if dt is torch.bfloat16:  # expert 0 overflows on the rows that never name it
+        blow = ~(ids == 0).any(dim=1)
+        x[blow] *= 64
+        w13[0] *= 1e4
+        w2[0] *= 1e4
+    layer = _ep_layer_on_real_kernel(dt, w13, w2)
+    state = State(dispatched=SimpleNamespace(hidden=x.to(dt), topk_idx=ids, topk_weights=weights, handle="h"))
+    layer.op_experts(state)
+    out, handle = state.pop("expert_out")
+    assert handle == "h" and layer.counters[0].local_ffn_calls == 1
+    seen = torch.cat([i.flatten() for i in layer._kernel.ids]).long()
+    assert (seen >= 0).all(), "a remote slot reached the experts kernel"
+    assert torch.equal(torch.bincount(seen, minlength=experts), torch.bincount(ids[ids >= 0], minlength=experts))
+    # each row: vLLM's kernel on that row's local slots alone
+    ref = layer.runner.routed_experts
+    for r in range(rows):
+        keep = ids[r] >= 0
+        want = torch.empty(1, hidden, dtype=dt)
+        cpu_fused_moe(want, x[r:r + 1].to(dt), ref.w13_weight, ref.w2_weight, None, None,
+                      weights[r:r + 1, keep].contiguous(), ids[r:r + 1, keep].to(torch.int32).contiguous(), "silu",
+                      "vec")
+        assert torch.isfinite(out[r]).all(), (r, out[r])
+        torch.testing.assert_close(out[r:r + 1], want, rtol=0, atol=0) if dt is torch.float32 else \
+            torch.testing.assert_close(out[r:r + 1].float(), want.float(), rtol=1e-2, atol=1e-2)
