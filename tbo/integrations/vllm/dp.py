@@ -12,7 +12,9 @@ DP group (its gloo CPU group) settles, the same on every rank:
 * the microbatch count (the same config on every rank, checked);
 * the strategy: prefill when any rank prefills, decode otherwise (their collectives come in different orders);
 * every rank's token rows in each microbatch (`Step.rows`): the dispatches send by them, padded, and none waits on a
-  row-count exchange with its peers (`tbo.comm.alltoall`).
+  row-count exchange with its peers (`tbo.comm.alltoall`);
+* that every rank runs the same configuration (`agreement_config`, digested once): a rank started otherwise is
+  `tbo.split.agree.AgreementMismatchError` naming the key, on every rank, at warm-up.
 
 The profiling and warm-up runs vote too (every rank runs the same ones), so their collectives match; they are not
 counted in `stats`; their agreements wait up to `WARMUP_TIMEOUT_S` (the ranks finish loading at different times). A
