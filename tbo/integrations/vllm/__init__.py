@@ -1,4 +1,5 @@
-"""tbo inside vLLM: a general plugin that runs vLLM's own Qwen3-MoE and DeepSeek-V2/V3 models through tbo strategies.
+"""tbo inside vLLM: a general plugin that runs vLLM's own MoE models (every decoder layer whose MoE is a `MoERunner`)
+through tbo strategies.
 
 Installing tbo installs the plugin (entry point ``vllm.general_plugins``); it does nothing until an engine is given
 ``additional_config={"tbo": {...}}`` (`TboVllmConfig` lists the keys). Then the engine's steps are split by tbo's
