@@ -411,9 +411,9 @@ def _judge_claims(store: Any, token: str | None, nonce: str, deadline: float, wh
                 store.set(_SERVED, str(ticket))
                 store.set(_verdict_key(ticket), "ok")
                 return ticket
-            store.set(_verdict_key(ticket), problem)
-            if on_refused is not None:
+            if on_refused is not None:  # logged before the engine is told, so the log never lags the refusal
                 on_refused(f"refused claim #{ticket} on {where}: {problem}")
+            store.set(_verdict_key(ticket), problem)
         time.sleep(_POLL_S)
     raise AFDPeerError(f"no attention side joined the FFN server at {where} within {timeout_s:g}s")
 
