@@ -387,7 +387,7 @@ def _claim(store: Any, info: dict[str, Any], token: str | None, where: str, time
             if verdict == "ok":
                 return ticket
             raise AFDPeerError(f"the FFN server at {where} refused this engine: {verdict[:300]}")
-        if store.check([_SERVED]):
+        if store.check([_SERVED]) and store.get(_SERVED).decode("utf-8", "replace") != str(ticket):
             raise AFDPeerError(f"the FFN server at {where} is already serving an engine (another claimed it "
                                "first): one engine per server")
         time.sleep(_POLL_S)
@@ -407,9 +407,9 @@ def _judge_claims(store: Any, token: str | None, nonce: str, deadline: float, wh
                 continue
             judged.add(ticket)
             problem = _judge(store.get(_claim_key(ticket)), token, nonce, ticket)
-            if problem is None:
-                store.set(_SERVED, str(ticket))
+            if problem is None:  # the verdict first: an engine that sees _SERVED has its verdict to read
                 store.set(_verdict_key(ticket), "ok")
+                store.set(_SERVED, str(ticket))
                 return ticket
             if on_refused is not None:  # logged before the engine is told, so the log never lags the refusal
                 on_refused(f"refused claim #{ticket} on {where}: {problem}")
