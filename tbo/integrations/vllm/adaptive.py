@@ -53,23 +53,24 @@ class AdaptiveSteps:
         prior = prior_from_policy(config.split_policy(), choices) if seeded else None
         self.split = AdaptiveSplit(choices, config.adaptive, prior)
         self._mode_of = {names.decode: "decode", names.prefill: "prefill"}
-        self._pending: tuple[str, int, Choice, float] | None = None
-        #: data parallel: the last agreed step (its kind, tokens, what ran) and this rank's time of it (ns, -1: none)
+        #: the step in flight: its kind, tokens, what ran, and when it started (None: no step to measure)
+        self._running: tuple[str, int, Choice, float] | None = None
+        #: data parallel: the last agreed step (kind, tokens, what ran), observed at the next agreement with every
+        #: rank's time of it; ``measured_ns`` is this rank's (-1: none)
         self._agreed: tuple[str, int, Choice] | None = None
-        self._t0: float | None = None
         self.measured_ns = -1
 
     def decide(self, step: Step) -> Step:
         """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept or dropped, and the
         strategy it runs. Starts the step's clock."""
-        self._pending = None
+        self._running = None
         choice = self.split.choose(step.mode, step.num_tokens)
         if choice.split and step.plan is not None:
             ran, step = choice, Step(step.mode, step.forward_mode, step.num_tokens, step.plan,
                                      agreed_strategy=self._mode_of[choice.strategy])
         else:
             ran, step = UNSPLIT, Step(step.mode, step.forward_mode, step.num_tokens, None)
-        self._pending = (step.mode, step.num_tokens, ran, time.perf_counter())
+        self._running = (step.mode, step.num_tokens, ran, time.perf_counter())
         return step
 
     def agreed(self, agreement: StepAgreement) -> tuple[Choice, str]:
@@ -81,17 +82,21 @@ class AdaptiveSteps:
         kind, tokens = agreement.strategy_mode, agreement.tokens
         choice = self.split.choose(kind, tokens)
         ran = choice if choice.split and agreement.split else UNSPLIT
-        self._agreed, self._t0, self.measured_ns = (kind, tokens, ran), time.perf_counter(), -1
+        self._agreed, self.measured_ns = (kind, tokens, ran), -1
+        self._running = (kind, tokens, ran, time.perf_counter())
         return ran, self._mode_of[ran.strategy] if ran.split else agreement.strategy_mode
 
     def step_done(self) -> None:
         """The step's sampled tokens are on the host: its wall time is measured."""
-        if self._t0 is not None:  # data parallel: this rank's time, for the next agreement
-            self.measured_ns, self._t0 = int((time.perf_counter() - self._t0) * 1e9), None
-        if self._pending is not None:
-            mode, tokens, ran, t0 = self._pending
-            self._pending = None
-            self.split.observe(mode, tokens, ran, time.perf_counter() - t0)
+        if self._running is None:
+            return
+        kind, tokens, ran, t0 = self._running
+        self._running = None
+        seconds = time.perf_counter() - t0
+        if self._agreed is not None:  # data parallel: every rank observes the ranks' mean at the next agreement
+            self.measured_ns = int(seconds * 1e9)
+        else:
+            self.split.observe(kind, tokens, ran, seconds)
 
     def report(self) -> dict[str, Any]:
         return {"buckets": self.split.stats(), "summary": self.split.summary()}
