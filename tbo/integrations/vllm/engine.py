@@ -24,7 +24,7 @@ from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches, check_metadata_builders
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
-from tbo.integrations.vllm.structure import check_model_ends, moe_dims
+from tbo.integrations.vllm.structure import moe_dims
 
 __all__ = ["TboEngine"]
 
@@ -49,7 +49,6 @@ class TboEngine:
         if (model.start_layer, model.end_layer) != (0, len(model.layers)):
             raise TboConfigError(f"the model holds layers {model.start_layer}..{model.end_layer} of "
                                  f"{len(model.layers)}: tbo needs the whole stack on this rank")
-        check_model_ends(model)
         hf = vllm_config.model_config.hf_text_config
         step_stats = StepStats()
         scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch

@@ -22,13 +22,12 @@ from tbo.core.observer import as_observer
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
+from tbo.integrations.vllm.structure import model_ends
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.runtime.op_times import OpTimes
 from tbo.split.plan import MicrobatchSlice
 
 __all__ = ["LayerLoop"]
-
-_OUTPUTS = ("hidden_states", "residual")
 
 logger = logging.getLogger("vllm.tbo")
 
@@ -40,6 +39,8 @@ class LayerLoop:
                  patches: RunnerPatches, vllm_config: Any) -> None:
         self.model, self.layers, self.strategies, self.backend = model, layers, strategies, backend
         self.patches, self.vllm_config = patches, vllm_config
+        #: the model's own start and end around the layers (its embedding, its final norm; Granite's multipliers)
+        self.ends = model_ends(model, layers)
         self.stats = StepStats()
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`tbo.integrations.vllm.ep`)
         self.stats_file: StatsFile | None = None  #: ``stats_file``, written during the run (the engine sets it)
@@ -54,8 +55,7 @@ class LayerLoop:
                  **kwargs: Any) -> torch.Tensor:
         from vllm.forward_context import get_forward_context
 
-        model = self.model
-        hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
+        hidden = self.ends.start(input_ids, inputs_embeds)
         step = self.patches.step  # None in profiling and warm-up runs: they run unsplit, uncounted
         plan = step.plan if step is not None else None
         observer = None
@@ -77,10 +77,10 @@ class LayerLoop:
         strategy = self.strategies[step.strategy_mode if step is not None else "prefill"]
         t0 = time.perf_counter() if timer is not None else 0.0
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
-                                      output_key=_OUTPUTS, backend=self.backend,
+                                      output_key=self.ends.outputs, backend=self.backend,
                                       observer=as_observer([observer, timer]))
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
-        hidden, _ = model.norm(out["hidden_states"], out["residual"])
+        hidden = self.ends.end(out)
         if counted:
             parts = 1 if plan is None else plan.num_microbatches
             cut = plan is not None and plan.two_chunk
