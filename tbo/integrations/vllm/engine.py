@@ -89,14 +89,15 @@ class TboEngine:
 
             self.adaptive = AdaptiveSteps(config, names)
             LIVE.append(self.adaptive)
-        self.patches = RunnerPatches(runner, config.split_policy() if self.adaptive is None else self.adaptive.policy)
-        self.patches.adaptive = self.adaptive
-        self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
-        self.loop.stats = step_stats
-        self.loop.op_times, self.loop.agreed_rows = config.op_times, config.agreed_rows
+        self.patches = RunnerPatches(runner, config.split_policy() if self.adaptive is None else self.adaptive.policy,
+                                     adaptive=self.adaptive)
+        stats_file = None
         if config.stats_file:
             extra = None if self.adaptive is None else (lambda: {"adaptive": [self.adaptive.report()]})
-            self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), extra)
+            stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), extra)
+        self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config,
+                              stats=step_stats, stats_file=stats_file, op_times=config.op_times,
+                              agreed_rows=config.agreed_rows)
         self._model = model
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)
