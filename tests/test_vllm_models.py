@@ -97,6 +97,15 @@ def _save_llama4(path: Path) -> Path:
                  no_rope_layers=[1, 0, 1, 1], attention_chunk_size=None, use_qk_norm=True)
 
 
+def _save_granite_moe(path: Path) -> Path:
+    """Granite-MoE: layers that add their residual themselves, scaled (``residual_multiplier``), and hand on no
+    residual; embeddings scaled in the model's forward (``embedding_multiplier``); the attention's own scale
+    (``attention_multiplier``); the gate beside the runner, the MoE block named ``block_sparse_moe``."""
+    return _save(path, "GraniteMoeConfig", "GraniteMoeForCausalLM", intermediate_size=32, num_hidden_layers=2,
+                 num_local_experts=4, num_experts_per_tok=2, residual_multiplier=0.5, embedding_multiplier=4.0,
+                 attention_multiplier=0.125)
+
+
 #: family -> (save its tiny checkpoint, whether its MoE layers have a shared expert, the layers' kinds, the
 #: attention's and the feed-forward module's names)
 FAMILIES = {
@@ -105,11 +114,16 @@ FAMILIES = {
     "qwen2_moe": (_save_qwen2_moe, True, "mdm", ("self_attn", "mlp")),
     "gpt_oss": (_save_gpt_oss, False, "mm", ("attn", "mlp")),
     "llama4": (_save_llama4, True, "dmdm", ("self_attn", "feed_forward")),
+    "granite_moe": (_save_granite_moe, False, "mm", ("self_attn", "block_sparse_moe")),
 }
 
 
+def _tbo(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.tbo
+
+
 def _tbo_layers(llm) -> list:
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.tbo.layers
+    return _tbo(llm).layers
 
 
 @needs_vllm
@@ -125,6 +139,8 @@ def test_family_tokens_equal_vllm_and_every_step_shape_splits(family, tmp_path):
     llm = _llm(model, {**TBO, "op_times": True}, dtype="float32")
     try:
         layers = _tbo_layers(llm)
+        ends = _tbo(llm).loop.ends
+        llm_ends = (ends.embedding_multiplier, ends.outputs)
         out, delta = _run(llm, PROMPTS, max_tokens=MAX_TOKENS)
     finally:
         _free(llm)
@@ -135,6 +151,9 @@ def test_family_tokens_equal_vllm_and_every_step_shape_splits(family, tmp_path):
     assert {(layer.structure.attn_name, layer.structure.ffn_name) for layer in layers} == {names}
     moe = [layer for layer in layers if layer.kind == "moe"]
     assert all(layer.has_shared_experts == shared for layer in moe), layers
+    if family == "granite_moe":  # the layers add their residual, and the loop scales the embeddings, as vLLM's do
+        assert [layer.residual_multiplier for layer in layers] == [0.5, 0.5]
+        assert llm_ends == (4.0, ("hidden_states",)), llm_ends
     if shared:  # the shared expert ran in every MoE layer of every microbatch, through the strategy's own op
         assert delta["op_calls"]["shared_experts"] == len(moe) * (delta["steps"] + delta["microbatches"]
                                                                   - delta["split_steps"]), delta
@@ -158,7 +177,8 @@ def test_a_strategy_without_an_op_a_layer_needs_is_refused():
 
 #: the architecture each family's checkpoint declares
 ARCHITECTURES = {"qwen3_moe_gated_shared": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama4": "Llama4ForCausalLM",
+                 "granite_moe": "GraniteMoeForCausalLM"}
 
 
 @needs_vllm
@@ -171,7 +191,7 @@ def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
     verdicts = {e.architecture: e.verdict for e in entries}
     assert set(ARCHITECTURES.values()) | {"DeepseekV3ForCausalLM"} <= set(TESTED)
     assert all(verdicts[arch] == "tested" for arch in TESTED), verdicts
-    assert verdicts["GraniteMoeForCausalLM"] == verdicts["MiniCPMForCausalLM"] == "refused"
+    assert verdicts["JambaForCausalLM"] == verdicts["MiniCPMForCausalLM"] == "refused"
     assert verdicts["Glm4MoeForCausalLM"] == verdicts["OlmoeForCausalLM"] == "admitted"
     assert all(e.detail for e in entries if e.verdict == "refused")
     docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
@@ -180,18 +200,20 @@ def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
                                     "docs/vllm.md"
 
 
-def _save_granite_moe(path: Path) -> Path:
-    return _save(path, "GraniteMoeConfig", "GraniteMoeForCausalLM", intermediate_size=32, num_hidden_layers=2,
-                 num_local_experts=4, num_experts_per_tok=2, residual_multiplier=0.5)
+def _save_granite_moe_shared(path: Path) -> Path:
+    return _save(path, "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", intermediate_size=32,
+                 num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, residual_multiplier=0.5,
+                 shared_intermediate_size=48)
 
 
 @needs_vllm
 def test_a_layer_tbo_cannot_reproduce_is_refused_at_load_naming_layer_and_feature(tmp_path):
-    """Granite-MoE's layers add their residual themselves, scaled by ``residual_multiplier``, and return none: the
-    engine's start fails naming the layer and that feature, not an unnamed AttributeError or a silent run."""
-    model = _save_granite_moe(tmp_path / "granite")
-    with pytest.raises(Exception, match=r"layer 0 \(GraniteMoeDecoderLayer\): tbo cannot run it: its forward "
-                                        r"takes no residual"):
+    """Granite-MoE-Shared's layers hold a shared MLP beside the MoE block (not handed to the MoE runner), which
+    tbo's layer does not know where to call: the engine's start fails naming the layer and those modules, not an
+    unnamed AttributeError or a silent run without that MLP."""
+    model = _save_granite_moe_shared(tmp_path / "granite_shared")
+    with pytest.raises(Exception, match=r"layer 0 \(GraniteMoeSharedDecoderLayer\): tbo cannot run it: modules tbo "
+                                        r"does not know where to call: block_sparse_moe, shared_mlp"):
         _llm(model, TBO, dtype="float32")
     import gc
 

@@ -26,6 +26,8 @@ TESTED = {
     "Qwen2MoeForCausalLM": "test_vllm_models.py (fp32), test_vllm_afd.py (AFD)",
     "GptOssForCausalLM": "test_vllm_models.py (fp32: sinks, a sliding window)",
     "Llama4ForCausalLM": "test_vllm_models.py (fp32: dense layers between MoE layers, a NoPE layer)",
+    "GraniteMoeForCausalLM": "test_vllm_models.py (fp32: embedding, attention and residual multipliers; layers that "
+                             "add their residual themselves)",
 }
 
 #: (pattern in the model file, why tbo refuses it); the first that matches is the reason
@@ -33,8 +35,6 @@ REFUSED = (
     (r"routed_input_transform\s*=", "latent routed-input/output transforms"),
     (r"ZeroExpert|zero_expert", "zero experts"),
     (r"shared_expert_gate\s*=\s*self", "a shared-expert gate fused with the router"),
-    (r"residual_multiplier|embedding_multiplier", "layers that add their residual themselves, with multipliers "
-                                                  "(tbo hands the residual on unadded)"),
     (r"Mamba|GatedDeltaNet|linear_attn|LinearAttention|ShortConv",
      "state-space or linear-attention layers (not an attention + feed-forward layer)"),
 )

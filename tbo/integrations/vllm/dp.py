@@ -8,10 +8,10 @@ DP group (its gloo CPU group) settles, the same on every rank:
 
 * whether to split: when at least one rank's policy planned a split and no rank vetoes it (vLLM's prefix-cache
   rule: a request reading blocks another request of the same step writes). A rank whose own tokens are too few (or none: an idle rank's dummy step) still runs the
-  agreed microbatches, all its tokens in the first and the others empty (`Step.empty_tail`);
+  agreed microbatches, all its tokens in the first and the others empty (`DpStep.empty_tail`);
 * the microbatch count (the same config on every rank, checked);
 * the strategy: prefill when any rank prefills, decode otherwise (their collectives come in different orders);
-* every rank's token rows in each microbatch (`Step.rows`): the dispatches send by them, padded, and none waits on a
+* every rank's token rows in each microbatch (`DpStep.rows`): the dispatches send by them, padded, and none waits on a
   row-count exchange with its peers (`tbo.comm.alltoall`);
 * that every rank runs the same configuration (`agreement_config`, digested once): a rank started otherwise is
   `tbo.split.agree.AgreementMismatchError` naming the key, on every rank, at warm-up.
@@ -25,6 +25,7 @@ engine core: `bounded_engine_sync`) get the same deadline and name (`call_bounde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tbo.core.errors import CommTimeoutError
@@ -39,8 +40,20 @@ from tbo.split.plan import SplitPlan, plan_from_cuts
 #: them as each finishes loading the model, which under load may be minutes apart
 WARMUP_TIMEOUT_S = 600.0
 
-__all__ = ["agreement_config", "bounded_engine_sync", "call_bounded", "check_dp_ep", "empty_tail_plan",
+__all__ = ["DpStep", "agreement_config", "bounded_engine_sync", "call_bounded", "check_dp_ep", "empty_tail_plan",
            "install_data_parallel", "StepAgreementHook"]
+
+
+@dataclass(frozen=True)
+class DpStep:
+    """What the data-parallel ranks agreed for one step beyond its plan and strategy (`Step.dp`)."""
+
+    #: the plan puts every token in microbatch 0 and leaves the others empty: they run only for their collectives
+    #: (vLLM's runner runs the step unsplit)
+    empty_tail: bool = False
+    #: per microbatch (one entry unsplit), the token rows every DP rank runs in it, indexed by rank
+    #: (`tbo.split.agree.StepAgreement.rows`); its dispatches send by them, with no count exchange. None: not agreed
+    rows: tuple[tuple[int, ...], ...] | None = None
 
 
 def check_dp_ep(par: Any) -> None:
@@ -77,7 +90,8 @@ def _mode_of(step: Step) -> str:
 class StepAgreementHook:
     """Called by `RunnerPatches` with this rank's own `Step`; returns the step every rank agreed to run."""
 
-    def __init__(self, num_microbatches: int, group: Any, timeout_s: float, config: Any = None) -> None:
+    def __init__(self, num_microbatches: int, group: Any, timeout_s: float, config: Any = None,
+                 adaptive: Any = None) -> None:
         if num_microbatches > MAX_AGREED_MICROBATCHES:
             _refuse("num_microbatches", num_microbatches, f"at most {MAX_AGREED_MICROBATCHES} with data parallel",
                     "the step agreement carries every rank's rows per microbatch in a table of fixed width")
@@ -87,7 +101,7 @@ class StepAgreementHook:
         self.last: Any = None  #: the last `StepAgreement` (for tests and logs)
         #: ``split: "adaptive"``: chooses each agreed step's split from the ranks' shared step times
         #: (`tbo.integrations.vllm.adaptive.AdaptiveSteps.agreed`); None: the thresholds decide
-        self.adaptive: Any = None
+        self.adaptive = adaptive
 
     def __call__(self, step: Step, vetoed: bool) -> Step:
         adaptive = self.adaptive
@@ -116,7 +130,7 @@ class StepAgreementHook:
         rows = agreed.rows
         if rows is not None and agreed.split and not split:  # the policy keeps it whole: each rank's total rows
             rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
-        return Step(step.mode, step.forward_mode, step.num_tokens, plan, strategy_mode, empty_tail, rows)
+        return Step(step.mode, step.forward_mode, step.num_tokens, plan, strategy_mode, DpStep(empty_tail, rows))
 
 
 def agreement_config(engine: Any) -> dict[str, Any]:
@@ -183,13 +197,24 @@ def install_data_parallel(engine: Any) -> None:
     from tbo.integrations.vllm.stats import PROCESS_STATS
 
     runner, patches, loop = engine.runner, engine.patches, engine.loop
-    patches.agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group,
-                                      engine.config.comm_timeout_s, agreement_config(engine))
-    patches.agree.adaptive = engine.adaptive
+    agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group, engine.config.comm_timeout_s,
+                              agreement_config(engine), adaptive=engine.adaptive)
+
+    def bounded(determine: Any) -> Any:
+        """vLLM's own DP batch coordination (an all-reduce right after the agreement), with the same deadline, and
+        naming a stalled or lost peer."""
+        @functools.wraps(determine)
+        def determine_bounded(*args: Any, **kwargs: Any) -> Any:
+            return call_bounded(agree.group, agree.timeout_s, "vLLM's DP batch coordination (all_reduce)", determine,
+                                *args, **kwargs)
+
+        return determine_bounded
+
+    patches.agree_with_peers(agree, bounded)
     for s in (loop.stats, PROCESS_STATS):
         s.ep_size = engine.ep_size
-    loop.traffic = engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",
-                                                                                          None)
+    loop.count_traffic(engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",
+                                                                                              None))
     execute, dummy_run = runner.execute_model, runner._dummy_run
     serving = [False]  # dummy runs before the first real step are profiling and warm-up: not counted
 
@@ -204,12 +229,3 @@ def install_data_parallel(engine: Any) -> None:
             return dummy_run(*args, **kwargs)
 
     runner.execute_model, runner._dummy_run = execute_model, _dummy_run
-    # vLLM's own DP batch coordination (an all-reduce right after the agreement) gets the same deadline and names
-    # a stalled or lost peer
-    determine, group, timeout_s = patches._determine_original, patches.agree.group, patches.agree.timeout_s
-
-    @functools.wraps(determine)
-    def determine_bounded(*args: Any, **kwargs: Any) -> Any:
-        return call_bounded(group, timeout_s, "vLLM's DP batch coordination (all_reduce)", determine, *args, **kwargs)
-
-    patches._determine_original = determine_bounded

@@ -24,7 +24,7 @@ from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches, check_metadata_builders
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
-from tbo.integrations.vllm.structure import check_model_ends, moe_dims
+from tbo.integrations.vllm.structure import moe_dims
 
 __all__ = ["TboEngine"]
 
@@ -49,7 +49,6 @@ class TboEngine:
         if (model.start_layer, model.end_layer) != (0, len(model.layers)):
             raise TboConfigError(f"the model holds layers {model.start_layer}..{model.end_layer} of "
                                  f"{len(model.layers)}: tbo needs the whole stack on this rank")
-        check_model_ends(model)
         hf = vllm_config.model_config.hf_text_config
         step_stats = StepStats()
         scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
@@ -90,14 +89,15 @@ class TboEngine:
 
             self.adaptive = AdaptiveSteps(config, names)
             LIVE.append(self.adaptive)
-        self.patches = RunnerPatches(runner, config.split_policy() if self.adaptive is None else self.adaptive.policy)
-        self.patches.adaptive = self.adaptive
-        self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config)
-        self.loop.stats = step_stats
-        self.loop.op_times, self.loop.agreed_rows = config.op_times, config.agreed_rows
+        self.patches = RunnerPatches(runner, config.split_policy() if self.adaptive is None else self.adaptive.policy,
+                                     adaptive=self.adaptive)
+        stats_file = None
         if config.stats_file:
             extra = None if self.adaptive is None else (lambda: {"adaptive": [self.adaptive.report()]})
-            self.loop.stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), extra)
+            stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), extra)
+        self.loop = LayerLoop(model, self.layers, self.strategies, self.backend, self.patches, vllm_config,
+                              stats=step_stats, stats_file=stats_file, op_times=config.op_times,
+                              agreed_rows=config.agreed_rows)
         self._model = model
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)

@@ -22,13 +22,12 @@ from tbo.core.observer import as_observer
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
+from tbo.integrations.vllm.structure import model_ends
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.runtime.op_times import OpTimes
 from tbo.split.plan import MicrobatchSlice
 
 __all__ = ["LayerLoop"]
-
-_OUTPUTS = ("hidden_states", "residual")
 
 logger = logging.getLogger("vllm.tbo")
 
@@ -37,15 +36,18 @@ class LayerLoop:
     """Callable in place of the inner model's ``forward`` (same arguments, same result)."""
 
     def __init__(self, model: Any, layers: list[Any], strategies: dict[str, Any], backend: Any,
-                 patches: RunnerPatches, vllm_config: Any) -> None:
+                 patches: RunnerPatches, vllm_config: Any, *, stats: StepStats | None = None,
+                 stats_file: StatsFile | None = None, op_times: bool = False, agreed_rows: bool = True) -> None:
         self.model, self.layers, self.strategies, self.backend = model, layers, strategies, backend
         self.patches, self.vllm_config = patches, vllm_config
-        self.stats = StepStats()
-        self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`tbo.integrations.vllm.ep`)
-        self.stats_file: StatsFile | None = None  #: ``stats_file``, written during the run (the engine sets it)
-        self.op_times = False  #: ``op_times``: time every op of the counted steps (the engine sets it)
-        #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows (the engine sets it)
-        self.agreed_rows = True
+        #: the model's own start and end around the layers (its embedding, its final norm; Granite's multipliers)
+        self.ends = model_ends(model, layers)
+        self.stats = StepStats() if stats is None else stats
+        self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`count_traffic`)
+        self.stats_file = stats_file  #: ``stats_file``, written during the run
+        self.op_times = op_times  #: ``op_times``: time every op of the counted steps
+        #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows
+        self.agreed_rows = agreed_rows
         #: ``stats_file`` writes that failed, and the last failure's message (logged when it first appears)
         self.stats_file_failures, self._stats_file_error = 0, ""
 
@@ -54,15 +56,15 @@ class LayerLoop:
                  **kwargs: Any) -> torch.Tensor:
         from vllm.forward_context import get_forward_context
 
-        model = self.model
-        hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
+        hidden = self.ends.start(input_ids, inputs_embeds)
         step = self.patches.step  # None in profiling and warm-up runs: they run unsplit, uncounted
         plan = step.plan if step is not None else None
+        dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.dp`)
         observer = None
         if plan is not None:
             if hidden.shape[0] != plan.num_tokens:
                 raise RuntimeError(f"tbo planned {plan.num_tokens} tokens but the model got {hidden.shape[0]}")
-            if not step.empty_tail:  # empty tail: microbatch 0 is the whole step, in the step's own context
+            if dp is None or not dp.empty_tail:  # empty tail: microbatch 0 is the whole step, in the step's own context
                 observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
         counted = step is not None and step.mode != "warmup"
         timer = OpTimes() if self.op_times and counted else None
@@ -70,17 +72,17 @@ class LayerLoop:
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             values = {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
-            if self.agreed_rows and step is not None and step.rows is not None:  # data parallel: agreed rows
-                values["rows_per_rank"] = step.rows[0 if mb is None else mb.microbatch_idx]
+            if self.agreed_rows and dp is not None and dp.rows is not None:  # data parallel: agreed rows
+                values["rows_per_rank"] = dp.rows[0 if mb is None else mb.microbatch_idx]
             return values
 
         strategy = self.strategies[step.strategy_mode if step is not None else "prefill"]
         t0 = time.perf_counter() if timer is not None else 0.0
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
-                                      output_key=_OUTPUTS, backend=self.backend,
+                                      output_key=self.ends.outputs, backend=self.backend,
                                       observer=as_observer([observer, timer]))
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
-        hidden, _ = model.norm(out["hidden_states"], out["residual"])
+        hidden = self.ends.end(out)
         if counted:
             parts = 1 if plan is None else plan.num_microbatches
             cut = plan is not None and plan.two_chunk
@@ -109,6 +111,11 @@ class LayerLoop:
                 self._stats_file_error = message
                 logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
                                self.stats_file.path, message)
+
+    def count_traffic(self, backend: Any) -> None:
+        """Data parallel (`tbo.integrations.vllm.dp.install_data_parallel`): count ``backend``'s ``remote_rows`` and
+        ``count_exchanges`` in the stats of every counted step."""
+        self.traffic = backend
 
     def _traffic(self) -> tuple[int, int]:
         """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zero where it counts none)."""

@@ -12,8 +12,10 @@ the fused-MoE experts kernel. What tbo changes is where the tokens go between ro
 weights). The routed output is then scaled, added to the shared expert's and all-reduced over tensor parallelism as
 vLLM's MoE runner does, in that order.
 
-vLLM layers hand the residual on unadded (the next layer's input norm adds it), so a layer's output is
-``{"hidden_states", "residual"}``: `model_forward_maybe_tbo` merges both, and the model's final norm adds them.
+vLLM's pre-norm layers hand the residual on unadded (the next layer's input norm adds it), so a layer's output is
+``{"hidden_states", "residual"}``: `model_forward_maybe_tbo` merges both, and the model's final norm adds them. A
+layer that adds its residual itself, scaled (Granite-MoE's ``residual_multiplier``), adds it here as its forward does
+and hands on ``{"hidden_states"}`` alone (`tbo.integrations.vllm.structure.ModelEnds`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class VllmDecoderLayer(ExpertParallelOps):
         #: attention as two ops (Qwen3-MoE), or one call in attn_core (every other attention module)
         self.split_attention = s.split_attention
         self.runner, self.gate, self.shared = s.runner, s.gate, s.shared
+        #: None: the residual goes on unadded; a number: this layer adds it, scaled ("residual added in the layer")
+        self.residual_multiplier = s.residual_multiplier
         self.kind = "dense" if self.runner is None else "moe"
         if self.runner is not None:
             if backend is not None and self.runner.routed_experts.global_num_experts != backend.num_experts:
@@ -96,7 +100,7 @@ class VllmDecoderLayer(ExpertParallelOps):
     # ---- attention ---------------------------------------------------------------------------------------------
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,
                              residual: torch.Tensor | None = None) -> None:
-        if residual is None:  # the first layer: the embeddings are the residual
+        if residual is None:  # the first layer (the embeddings are the residual), or Granite's: its input is
             state.residual = hidden_states
             state.attn_in = self.layer.input_layernorm(hidden_states)
         else:
@@ -136,6 +140,10 @@ class VllmDecoderLayer(ExpertParallelOps):
                                     scaling_beta=cfg["beta"], positions=positions)
 
     def op_comm_prepare_mlp(self, state: State) -> None:
+        if self.residual_multiplier is not None:  # Granite: the residual added here, the norm a plain one
+            residual = state.pop("residual") + state.pop("attn_out") * self.residual_multiplier
+            state.update(mlp_in=self.layer.post_attention_layernorm(residual), residual=residual)
+            return
         mlp_in, residual = self.layer.post_attention_layernorm(state.pop("attn_out"), state.pop("residual"))
         state.update(mlp_in=mlp_in, residual=residual)
 
@@ -206,6 +214,9 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.layer_out = out
 
     def op_comm_postprocess_layer(self, state: State) -> dict[str, Any]:
-        out = {"hidden_states": state.pop("layer_out"), "residual": state.pop("residual")}
+        if self.residual_multiplier is not None:  # Granite: the layer's output is the residual stream itself
+            out = {"hidden_states": state.pop("residual") + state.pop("layer_out") * self.residual_multiplier}
+        else:
+            out = {"hidden_states": state.pop("layer_out"), "residual": state.pop("residual")}
         state.clear()  # every key a layer wrote was consumed: anything left is a leak
         return out

@@ -130,21 +130,31 @@ _SLICES = _SlicesDispatch()
 class RunnerPatches:
     """Per-runner state of the split decision, and the patches that hand it to vLLM for one step."""
 
-    def __init__(self, runner: Any, policy: SplitPolicy) -> None:
+    def __init__(self, runner: Any, policy: SplitPolicy, adaptive: Any = None) -> None:
         import vllm.v1.worker.gpu_model_runner as runner_module
 
         self.runner, self.policy, self._module = runner, policy, runner_module
         cls = type(runner)
-        self._determine_original = getattr(cls, _DETERMINE).__get__(runner)
-        self._signature = inspect.signature(self._determine_original)
+        #: vLLM's own decision (``_determine_batch_execution_and_padding`` of the runner's class, bound)
+        self._determine_vllm: Callable[..., Any] = getattr(cls, _DETERMINE).__get__(runner)
+        self._signature = inspect.signature(self._determine_vllm)
         self.step: Step | None = None  #: the current execute_model call's decision; None outside one
         self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
         #: data parallel: ``agree(step, vetoed) -> Step`` settles the step with the other DP ranks
-        #: (`tbo.integrations.vllm.dp.StepAgreementHook`); None: this engine decides alone
+        #: (`tbo.integrations.vllm.dp.StepAgreementHook`, given by `agree_with_peers`); None: this engine decides alone
         self.agree: Callable[[Step, bool], Step] | None = None
         self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
         #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.adaptive`)
-        self.adaptive: Any = None
+        self.adaptive = adaptive
+
+    def agree_with_peers(self, agree: Callable[[Step, bool], Step],
+                         bound: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Data parallel, the one place it plugs in here (`tbo.integrations.vllm.dp.install_data_parallel`): every
+        step's decision, the dummy runs' included, is first settled with the other DP ranks by ``agree``, and vLLM's
+        own decision (its DP batch coordination, an all-reduce) runs as ``bound(vLLM's call)`` (under the
+        agreement's deadline)."""
+        self.agree = agree
+        self._determine_vllm = bound(self._determine_vllm)
 
     @contextmanager
     def microbatching(self) -> Iterator[None]:
@@ -187,7 +197,7 @@ class RunnerPatches:
     def _determine(self, *args: Any, **kwargs: Any) -> Any:
         if self.agree is not None:
             return self._determine_agreed(*args, **kwargs)
-        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
+        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(*args, **kwargs)
         bound = self._signature.bind(*args, **kwargs).arguments
         allowed = self._allowed(bound) and batch_desc.num_reqs in (None, int(bound["num_reqs"]))
         self.step = self._decide(bound, allowed, batch_desc.num_tokens)
@@ -219,9 +229,9 @@ class RunnerPatches:
             allowed = self._allowed(bound)
             step, vetoed = self._decide(bound, allowed, num_tokens), not allowed
         step = self.step = self.agree(step, vetoed)  # type: ignore[misc]
-        # vLLM's own DP batch coordination: `install_data_parallel` gave it the agreement's deadline and names
-        # a stalled or lost peer there
-        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
+        # vLLM's own DP batch coordination: `agree_with_peers` gave it the agreement's deadline, and it names a
+        # stalled or lost peer there
+        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(*args, **kwargs)
         if step.plan is not None and batch_desc.num_tokens != num_tokens:
             raise RuntimeError(f"tbo agreed to split a step of {num_tokens} tokens, but vLLM's runner padded it to "
                                f"{batch_desc.num_tokens}: its microbatches would not be the plan's")

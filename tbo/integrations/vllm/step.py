@@ -28,14 +28,12 @@ class Step:
     forward_mode: ForwardMode
     num_tokens: int
     plan: SplitPlan | None  #: None: the step runs unsplit
-    #: the strategy the data-parallel ranks agreed on (None: this step's own, from its forward mode)
+    #: the strategy chosen for it, by the data-parallel ranks' agreement or the adaptive split (None: this step's
+    #: own, from its forward mode)
     agreed_strategy: str | None = None
-    #: the plan puts every token in microbatch 0 and leaves the others empty: they run only for their collectives
-    #: (vLLM's runner runs the step unsplit)
-    empty_tail: bool = False
-    #: data parallel: per microbatch (one entry unsplit), the token rows every DP rank runs in it, indexed by rank
-    #: (`tbo.split.agree.StepAgreement.rows`); its dispatches send by them, with no count exchange. None: not agreed
-    rows: tuple[tuple[int, ...], ...] | None = None
+    #: data parallel: what the ranks agreed beyond the plan and the strategy (`tbo.integrations.vllm.dp.DpStep`:
+    #: an empty tail, every rank's rows); None: this engine decided alone
+    dp: Any = None
 
     @property
     def strategy_mode(self) -> str:
@@ -51,7 +49,7 @@ class Step:
     @property
     def runner_split(self) -> bool:
         """Whether vLLM's runner builds this step in microbatches (the plan's token ranges)."""
-        return self.plan is not None and not self.empty_tail
+        return self.plan is not None and not (self.dp is not None and self.dp.empty_tail)
 
 
 def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[bool], *, allowed: bool,

@@ -19,8 +19,8 @@ from typing import Any
 
 from tbo.integrations.vllm.config import TboConfigError
 
-__all__ = ["LayerStructure", "QUIRKS", "attention_and_ffn", "check_model_ends", "layer_structure", "moe_dims",
-           "moe_runner_of", "shared_expert_of"]
+__all__ = ["LayerStructure", "ModelEnds", "QUIRKS", "attention_and_ffn", "layer_structure", "model_ends",
+           "moe_dims", "moe_runner_of", "shared_expert_of"]
 
 #: the fused-residual pre-norms every admitted layer has (the norm adds the residual it is given)
 NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -46,6 +46,14 @@ QUIRKS: dict[str, tuple[str, str]] = {
         "attn_core calls it by keyword (positions, hidden_states[, llama_4_scaling per microbatch])"),
     "dense layer": ("the feed-forward module holds no MoE runner (mlp_only_layers, first_k_dense_replace, "
                     "Llama-4's interleaved dense layers)", "op_mlp calls it whole"),
+    "residual added in the layer": (
+        "the layer's forward takes no residual and the layer has a numeric residual_multiplier (Granite-MoE: "
+        "``h = residual + out * residual_multiplier`` after the attention and after the MoE, plain norms)",
+        "op_comm_prepare_mlp and op_comm_postprocess_layer add the residual so; the layer hands on its hidden "
+        "states alone, and the model's final norm takes no residual (`ModelEnds`)"),
+    "embedding multiplier": (
+        "the inner model has a numeric embedding_multiplier (Granite-MoE's forward scales the embeddings by it)",
+        "the layer loop scales the embeddings by it, as the model's forward does, before the first layer"),
 }
 
 
@@ -60,6 +68,9 @@ class LayerStructure:
     shared: Any  #: the shared expert module (gated or not), or None
     split_attention: bool  #: Qwen3-MoE's attention, as two ops
     attn_takes_scaling: bool  #: the attention takes DeepSeek's ``llama_4_scaling``
+    #: None: the layer hands the residual on unadded (its fused pre-norms add it); a number: the layer adds it itself,
+    #: scaled by it ("residual added in the layer")
+    residual_multiplier: float | None = None
 
 
 def _refuse(layer_idx: int, layer: Any, feature: str) -> TboConfigError:
@@ -162,9 +173,13 @@ def layer_structure(layer: Any, layer_idx: int, expert_parallel: bool = False) -
     """The `LayerStructure` of vLLM decoder layer ``layer``; a `TboConfigError` naming the layer and the feature
     for what tbo cannot reproduce."""
     params = inspect.signature(type(layer).forward).parameters
+    residual_multiplier = None
     if "residual" not in params:
-        raise _refuse(layer_idx, layer, "its forward takes no residual (a layer that adds its residual itself, such "
-                                        "as Granite-MoE's residual_multiplier); tbo's layers hand it on unadded")
+        residual_multiplier = getattr(layer, "residual_multiplier", None)
+        if isinstance(residual_multiplier, bool) or not isinstance(residual_multiplier, (int, float)):
+            raise _refuse(layer_idx, layer, "its forward takes no residual and it has no residual_multiplier (a "
+                                            "layer that adds its residual itself in a way tbo does not know)")
+        residual_multiplier = float(residual_multiplier)
     attn_name, ffn_name = attention_and_ffn(layer, layer_idx)
     attn, ffn = getattr(layer, attn_name), getattr(layer, ffn_name)
     attn_params = inspect.signature(attn.forward).parameters
@@ -179,15 +194,46 @@ def layer_structure(layer: Any, layer_idx: int, expert_parallel: bool = False) -
         if problems:
             raise _refuse(layer_idx, layer, f"its MoE has {'; '.join(problems)}")
     return LayerStructure(attn_name, ffn_name, runner, gate, shared, _is_qwen3_moe_attention(attn),
-                          "llama_4_scaling" in attn_params)
+                          "llama_4_scaling" in attn_params, residual_multiplier)
 
 
-def check_model_ends(model: Any) -> None:
-    """The model's start and end as tbo's layer loop runs them (its own embedding, its own final norm over the
-    last hidden states and residual): refuse a model that does more there."""
-    if getattr(model, "embedding_multiplier", None) not in (None, 1, 1.0):
-        raise TboConfigError(f"{type(model).__name__}: tbo cannot run it: it scales its embeddings "
-                             f"(embedding_multiplier={model.embedding_multiplier}), which tbo's layer loop does not")
+@dataclass(frozen=True)
+class ModelEnds:
+    """The model's own start and end around its layers, as tbo's layer loop runs them: the model's
+    ``embed_input_ids`` (scaled by its ``embedding_multiplier``, where it has one) and its final ``norm`` (over the
+    last layer's hidden states and residual, or its hidden states alone where the layers add their residual)."""
+
+    model: Any  #: the inner model (``...Model``)
+    embedding_multiplier: float | None  #: the "embedding multiplier" quirk
+    hands_on_residual: bool  #: the layers return ``(hidden_states, residual)``; False: the residual was added
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The outputs of the last layer, merged over the microbatches."""
+        return ("hidden_states", "residual") if self.hands_on_residual else ("hidden_states",)
+
+    def start(self, input_ids: Any, inputs_embeds: Any = None) -> Any:
+        hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
+        return hidden if self.embedding_multiplier is None else hidden * self.embedding_multiplier
+
+    def end(self, out: dict[str, Any]) -> Any:
+        if self.hands_on_residual:
+            return self.model.norm(out["hidden_states"], out["residual"])[0]
+        return self.model.norm(out["hidden_states"])
+
+
+def model_ends(model: Any, layers: list[Any]) -> ModelEnds:
+    """The `ModelEnds` of inner model ``model`` whose decoder layers are tbo's ``layers`` (each with its
+    `LayerStructure`); refuses a model whose layers differ in how they hand the residual on."""
+    multiplier = getattr(model, "embedding_multiplier", None)
+    if multiplier is not None and (isinstance(multiplier, bool) or not isinstance(multiplier, (int, float))):
+        raise TboConfigError(f"{type(model).__name__}: tbo cannot run it: its embedding_multiplier is "
+                             f"{multiplier!r}, not a number")
+    styles = {layer.structure.residual_multiplier is None for layer in layers}
+    if len(styles) != 1:
+        raise TboConfigError(f"{type(model).__name__}: tbo cannot run it: some of its layers hand the residual on "
+                             "unadded and others add it themselves")
+    return ModelEnds(model, None if multiplier is None else float(multiplier), styles.pop())
 
 
 def moe_dims(layers: Any) -> tuple[int, int]:
