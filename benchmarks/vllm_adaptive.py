@@ -11,7 +11,14 @@ model, sampling). The engines take turns over ``--repeats`` rounds after one war
 also does most of its exploring; later rounds still explore its 5% share). On 2 shared cores timing is noisy:
 run it several times and report the range.
 
+3. ``--dp``: instead, DP = 2 + EP (two rank processes, `benchmarks/vllm_dp.py`'s launches and model) over the link
+   sized as that benchmark sizes it: adaptive against never splitting and against the static split, each rank
+   ``--dp-batch`` requests of ``--dp-decode-tokens`` tokens, the configurations' launches alternating
+   (``--repeats`` each, the median reported). Every rank makes the same choice (the tables ride on the step
+   agreement), and each launch starts with an empty table, so a launch's exploration is part of its time.
+
     .venv-vllm/bin/python benchmarks/vllm_adaptive.py            # after make test-vllm
+    .venv-vllm/bin/python benchmarks/vllm_adaptive.py --dp
 """
 
 from __future__ import annotations
@@ -52,6 +59,45 @@ def run_round(llm, bench, sizes: list[int], prompt: int, decode_tokens: int) -> 
     return tokens + max(sizes) * prompt, seconds + sum(steps)
 
 
+def dp_regime(args) -> None:
+    """Regime 3: DP = 2 + EP over the emulated link, adaptive against never splitting and the static split."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("tbo_bench_vllm_dp", Path(__file__).with_name("vllm_dp.py"))
+    dp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dp)
+    run_args = argparse.Namespace(batch=args.dp_batch, decode_tokens=args.dp_decode_tokens, dtype="float32")
+    never = {"decode_token_threshold": NEVER, "prefill_token_threshold": NEVER}
+    static = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "strategy": "qwen3_moe_prefill"}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        model = dp.save_model(tmp / "qwen3_moe", args.dp_hidden, args.dp_layers, args.experts)
+        _, _, probe = dp.run(model, run_args, never, tmp, "probe")  # the link: decode comm ~= compute ops
+        compute = dp.compute_per_forward(probe)
+        link = f"0,{dp.moe_bytes_per_step(args.dp_batch, args.dp_hidden, 2, args.dp_layers) / compute / 1e9:.6f}"
+        configs = {"never split": never, "static split (decode >= 2, qwen3_moe_prefill)": static,
+                   "adaptive": {"split": "adaptive"}}
+        launches: dict[str, list] = {name: [] for name in configs}
+        for k in range(args.repeats):
+            for i, (name, tbo) in enumerate(configs.items()):
+                launches[name].append(dp.run(model, run_args, {**tbo, "link": link}, tmp, f"dp-{i}-{k}"))
+    median = {name: sorted(got, key=lambda r: r[0])[len(got) // 2] for name, got in launches.items()}
+    print(f"DP = 2 + EP, Qwen3-MoE hidden {args.dp_hidden}, {args.dp_layers} MoE layers, {args.experts} experts "
+          f"top-2, float32; per rank {args.dp_batch} requests x {args.dp_decode_tokens} tokens; link {link}; "
+          f"median of {args.repeats} launch(es)")
+    print("| configuration | step | tokens/s (both ranks) | every launch's step | rank 0's forwards: all, split |\n"
+          "|---|---|---|---|---|")
+    for name, (sec, tps, stats) in median.items():
+        every = ", ".join(f"{1e3 * r[0]:.0f}" for r in launches[name])
+        print(f"| {name} | {1e3 * sec:.1f} ms | {tps:.0f} | {every} ms | {stats['steps']}, {stats['split_steps']} |")
+    adaptive = median["adaptive"][1]
+    print(f"DP: adaptive {adaptive / median['never split'][1]:.2f}x never splitting, "
+          f"{adaptive / median['static split (decode >= 2, qwen3_moe_prefill)'][1]:.2f}x the static split")
+    summary = median["adaptive"][2].get("adaptive")
+    if summary:
+        print("adaptive (rank 0):", json.dumps(summary)[:2000])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -62,7 +108,15 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--thresholds", default="2,16,64,128", help="the static decode thresholds tried in hindsight")
+    p.add_argument("--dp", action="store_true", help="regime 3 only: DP = 2 + EP over the link")
+    p.add_argument("--dp-hidden", type=int, default=1024)
+    p.add_argument("--dp-layers", type=int, default=8)
+    p.add_argument("--dp-batch", type=int, default=32, help="requests per rank")
+    p.add_argument("--dp-decode-tokens", type=int, default=48)
     args = p.parse_args()
+    if args.dp:
+        dp_regime(args)
+        return
     bench = _bench_vllm()
     sizes = [int(s) for s in args.sizes.split(",")]
     top = max(sizes)

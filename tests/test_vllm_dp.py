@@ -116,6 +116,48 @@ def _stalled_peer_rank(rank: int, world: int) -> tuple:
     return (error, time.monotonic() - t0, gloo.options._timeout == datetime.timedelta(seconds=60))
 
 
+def _coordinate_rank(rank: int, world: int) -> tuple:
+    """The hook's `coordinate` on two gloo ranks of 3 and 5 tokens: merged, ``determine`` runs under vLLM's
+    ``skip_dp_coordination`` (its all-reduce skipped) and the per-rank counts come from the agreement; not merged,
+    ``determine`` all-reduces as vLLM's coordination does, counted."""
+    import torch
+    import torch.distributed as dist
+    from vllm.v1.worker.dp_utils import should_skip_dp_coordination
+
+    from tbo.integrations.vllm.dp import StepAgreementHook
+    from tbo.integrations.vllm.stats import StepStats
+    from tbo.integrations.vllm.step import Step
+    from tbo.split import ForwardMode
+
+    def determine() -> tuple:  # vLLM's shape of result; without the skip it all-reduces each rank's count
+        skipped = should_skip_dp_coordination()
+        counts = torch.zeros(world, dtype=torch.int32)
+        counts[rank] = 3 + 2 * rank
+        if not skipped:
+            dist.all_reduce(counts)
+        return "mode", skipped, False, counts, None
+
+    hook = StepAgreementHook(2, dist.group.WORLD, 30.0)
+    hook.stats = (StepStats(),)
+    out = []
+    for merged in (True, False):
+        hook.merges_coordination = merged
+        hook(Step("decode", ForwardMode.DECODE, 3 + 2 * rank, None), False)
+        _, skipped, _, counts, _ = hook.coordinate(determine)
+        out.append((skipped, counts.tolist()))
+    return out, hook.stats[0].vllm_dp_all_reduces
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_the_agreement_answers_vllm_s_dp_batch_coordination_without_a_second_all_reduce():
+    from tbo.harness.launch import launch
+
+    for out, all_reduces in launch(_coordinate_rank, 2, timeout_s=120):
+        assert out == [(True, [3, 5]), (False, [3, 5])], out
+        assert all_reduces == 1  # the unmerged call only
+
+
 @pytest.mark.dist
 def test_call_bounded_ends_a_blocking_collective_on_a_stalled_peer_with_a_named_error():
     from tbo.harness.launch import launch
@@ -311,6 +353,8 @@ def _assert_both_split_and_sent(per_rank: list[dict], microbatches: int, agreed_
         else:  # every dispatch exchanged row counts first: the MoE layers' dispatches of every step, split or not
             assert s["count_exchanges"] >= s["steps"] + s["microbatches"] - s["split_steps"] > 0, (rank, s)
         assert s["microbatches"] == microbatches * s["split_steps"], (rank, s)
+        # one collective per forward: the agreement answered vLLM's DP batch coordination (no CUDA graphs here)
+        assert s["vllm_dp_all_reduces"] == 0, (rank, s)
 
 
 #: rank 0: one short prompt, prefilled in one step, then decoding while rank 1 still prefills 126 tokens in 32-token
@@ -547,6 +591,9 @@ def test_qwen3_moe_dp2_ep_several_generate_calls_in_one_launch_tokens_equal(mode
         assert len(want) == 3 and all(want[k] for k in range(2)), want  # two rounds compared per rank, at least
     _assert_both_split_and_sent(per_rank, 2)
     assert per_rank[0]["split_steps_by_mode"]["idle"] > 0 and per_rank[1]["steps_by_mode"]["idle"] > 0, per_rank
+    # each round's wave ended with dummy steps on every rank at once (up to vLLM's dp_sync_interval - 1 of them):
+    # counted, their layer stacks skipped, the same number on both ranks
+    assert per_rank[0]["idle_skipped"] == per_rank[1]["idle_skipped"] > 0, per_rank
 
 
 @needs_vllm

@@ -91,6 +91,19 @@ class StepAgreement:
         return sum(v.mode == "idle" for v in self.votes)
 
     @property
+    def all_idle(self) -> bool:
+        """Every rank runs a dummy step: no rank has a token of its own, so no dispatch has a row to carry."""
+        return self.idle_ranks == len(self.votes)
+
+    @property
+    def tokens_per_rank(self) -> tuple[int, ...] | None:
+        """Each rank's token count in this step, indexed by rank (None when a vote did not tell its rows): what
+        vLLM's DP batch coordination all-reduces again (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`)."""
+        if not all(v.rows for v in self.votes):
+            return None
+        return tuple(sum(v.rows) for v in self.votes)
+
+    @property
     def measured_s(self) -> float | None:
         """The previous agreed step's wall time, the mean over the ranks that measured it (None: none did). The
         same number on every rank: the votes are."""

@@ -54,6 +54,9 @@ class DpStep:
     #: per microbatch (one entry unsplit), the token rows every DP rank runs in it, indexed by rank
     #: (`tbo.split.agree.StepAgreement.rows`); its dispatches send by them, with no count exchange. None: not agreed
     rows: tuple[tuple[int, ...], ...] | None = None
+    #: every rank runs a dummy step (vLLM's wave-end steps): no dispatch has a row to carry and vLLM discards a
+    #: dummy step's output, so the layer stack does not run (`tbo.integrations.vllm.forward.LayerLoop`)
+    all_idle: bool = False
 
 
 def check_dp_ep(par: Any) -> None:
@@ -102,6 +105,12 @@ class StepAgreementHook:
         #: ``split: "adaptive"``: chooses each agreed step's split from the ranks' shared step times
         #: (`tbo.integrations.vllm.adaptive.AdaptiveSteps.agreed`); None: the thresholds decide
         self.adaptive = adaptive
+        #: the agreement answers vLLM's DP batch coordination (`coordinate`): True when no CUDA graph pads a step
+        #: (`install_data_parallel` sets it from the engine's compilation config; the same on every rank: checked)
+        self.merges_coordination = False
+        #: where `coordinate` counts the steps whose vLLM DP batch coordination ran its own all-reduce
+        #: (``StepStats.vllm_dp_all_reduces``; `install_data_parallel` sets it)
+        self.stats: tuple[Any, ...] = ()
 
     def __call__(self, step: Step, vetoed: bool) -> Step:
         adaptive = self.adaptive
@@ -117,6 +126,9 @@ class StepAgreementHook:
                                    "(offline, without vLLM's DP coordinator) it has no requests in this wave (none in "
                                    "this generate call, or the wave ended before this rank's requests reached its "
                                    "engine), and an engine without requests does not step for its peers") from e
+        if step.mode == "idle" and agreed.all_idle:  # a wave's end: every rank steps only for its peers, none has any
+            return Step(step.mode, step.forward_mode, step.num_tokens, None, agreed.strategy_mode,
+                        DpStep(all_idle=True))
         split, strategy_mode = agreed.split, agreed.strategy_mode
         if adaptive is not None and agreed.idle_ranks < len(agreed.votes):  # every rank alike: see AdaptiveSteps
             choice, strategy_mode = adaptive.agreed(agreed)
@@ -132,6 +144,29 @@ class StepAgreementHook:
             rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
         return Step(step.mode, step.forward_mode, step.num_tokens, plan, strategy_mode, DpStep(empty_tail, rows))
 
+    def coordinate(self, determine: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``_determine_batch_execution_and_padding`` (``determine``) for the step just agreed on.
+
+        vLLM's DP batch coordination there all-reduces each rank's token count again (with its microbatching
+        and CUDA-graph flags), right after the agreement that already carried every rank's rows. Where that is
+        all it would learn (no CUDA graphs: nothing pads, `merges_coordination`), ``determine`` runs under vLLM's
+        own ``skip_dp_coordination`` and the token counts come from the agreement: one collective per step instead
+        of two. Otherwise vLLM's all-reduce runs, under this hook's deadline, naming a stalled or lost peer."""
+        counts = self.last.tokens_per_rank if self.last is not None and self.merges_coordination else None
+        if counts is None:
+            for s in self.stats:
+                s.vllm_dp_all_reduces += 1
+            return call_bounded(self.group, self.timeout_s, "vLLM's DP batch coordination (all_reduce)", determine,
+                                *args, **kwargs)
+        import torch
+        from vllm.v1.worker.dp_utils import skip_dp_coordination
+
+        with skip_dp_coordination():
+            cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats = determine(*args, **kwargs)
+        if across_dp is not None:  # what vLLM's all-reduce gives without padding: each rank's own count
+            across_dp = torch.tensor(counts, dtype=torch.int32)
+        return cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats
+
 
 def agreement_config(engine: Any) -> dict[str, Any]:
     """Everything of ``engine`` (a `TboEngine`) that shapes its collectives, for the step agreement to compare over
@@ -145,6 +180,7 @@ def agreement_config(engine: Any) -> dict[str, Any]:
         "strategy": config.strategy, "num_microbatches": config.num_microbatches, "agreed_rows": config.agreed_rows,
         "split": config.split, "adaptive": config.adaptive,
         "backend": config.backend, "deepep_kind": config.deepep_kind, "link": config.link,
+        "cudagraph_mode": str(vllm_config.compilation_config.cudagraph_mode),  # whether `coordinate` merges
         **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
         "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "
                           f"{getattr(backend, 'num_experts', None)} experts over {getattr(backend, 'num_ranks', None)}",
@@ -199,18 +235,11 @@ def install_data_parallel(engine: Any) -> None:
     runner, patches, loop = engine.runner, engine.patches, engine.loop
     agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group, engine.config.comm_timeout_s,
                               agreement_config(engine), adaptive=engine.adaptive)
+    from vllm.config import CUDAGraphMode
 
-    def bounded(determine: Any) -> Any:
-        """vLLM's own DP batch coordination (an all-reduce right after the agreement), with the same deadline, and
-        naming a stalled or lost peer."""
-        @functools.wraps(determine)
-        def determine_bounded(*args: Any, **kwargs: Any) -> Any:
-            return call_bounded(agree.group, agree.timeout_s, "vLLM's DP batch coordination (all_reduce)", determine,
-                                *args, **kwargs)
-
-        return determine_bounded
-
-    patches.agree_with_peers(agree, bounded)
+    agree.merges_coordination = runner.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    agree.stats = (loop.stats, PROCESS_STATS)
+    patches.agree_with_peers(agree)
     for s in (loop.stats, PROCESS_STATS):
         s.ep_size = engine.ep_size
     loop.count_traffic(engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",

@@ -58,6 +58,8 @@ class LayerLoop:
 
         hidden = self.ends.start(input_ids, inputs_embeds)
         step = self.patches.step  # None in profiling and warm-up runs: they run unsplit, uncounted
+        if step is not None and step.dp is not None and step.dp.all_idle:  # every DP rank idle: nobody needs a dispatch
+            return self._skip_idle(hidden)
         plan = step.plan if step is not None else None
         dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.dp`)
         observer = None
@@ -95,6 +97,17 @@ class LayerLoop:
                 if timer is not None:
                     s.add_op_times(timer.seconds, timer.calls, layers_s)
             self.write_stats()
+        return hidden
+
+    def _skip_idle(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A dummy step every DP rank runs at once (vLLM's steps between a wave's last request and its engine-loop
+        sync, up to ``dp_sync_interval - 1`` of them): counted, its layer stack skipped. It exists only for the
+        collectives of peers' batches, and every peer is idle too (the agreement says so on every rank alike);
+        vLLM discards what a dummy step returns."""
+        for s in (self.stats, PROCESS_STATS):
+            s.record("idle", 0, 1, False)
+            s.idle_skipped += 1
+        self.write_stats()
         return hidden
 
     def write_stats(self) -> None:

@@ -140,21 +140,20 @@ class RunnerPatches:
         self._signature = inspect.signature(self._determine_vllm)
         self.step: Step | None = None  #: the current execute_model call's decision; None outside one
         self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
-        #: data parallel: ``agree(step, vetoed) -> Step`` settles the step with the other DP ranks
-        #: (`tbo.integrations.vllm.dp.StepAgreementHook`, given by `agree_with_peers`); None: this engine decides alone
-        self.agree: Callable[[Step, bool], Step] | None = None
+        #: data parallel: settles each step with the other DP ranks (``agree(step, vetoed) -> Step``) and runs vLLM's
+        #: DP batch coordination for it (``agree.coordinate``): `tbo.integrations.vllm.dp.StepAgreementHook`, given by
+        #: `agree_with_peers`; None: this engine decides alone
+        self.agree: Any = None
         self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
         #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.adaptive`)
         self.adaptive = adaptive
 
-    def agree_with_peers(self, agree: Callable[[Step, bool], Step],
-                         bound: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    def agree_with_peers(self, agree: Any) -> None:
         """Data parallel, the one place it plugs in here (`tbo.integrations.vllm.dp.install_data_parallel`): every
-        step's decision, the dummy runs' included, is first settled with the other DP ranks by ``agree``, and vLLM's
-        own decision (its DP batch coordination, an all-reduce) runs as ``bound(vLLM's call)`` (under the
-        agreement's deadline)."""
+        step's decision, the dummy runs' included, is first settled with the other DP ranks by ``agree`` (a
+        `tbo.integrations.vllm.dp.StepAgreementHook`), and vLLM's own decision runs through ``agree.coordinate``
+        (its DP batch coordination answered from the agreement, or its all-reduce under the agreement's deadline)."""
         self.agree = agree
-        self._determine_vllm = bound(self._determine_vllm)
 
     @contextmanager
     def microbatching(self) -> Iterator[None]:
@@ -229,9 +228,10 @@ class RunnerPatches:
             allowed = self._allowed(bound)
             step, vetoed = self._decide(bound, allowed, num_tokens), not allowed
         step = self.step = self.agree(step, vetoed)  # type: ignore[misc]
-        # vLLM's own DP batch coordination: `agree_with_peers` gave it the agreement's deadline, and it names a
-        # stalled or lost peer there
-        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(*args, **kwargs)
+        # vLLM's own DP batch coordination: answered from the agreement, or its all-reduce under the agreement's
+        # deadline (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`)
+        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self.agree.coordinate(  # type: ignore[union-attr]
+            self._determine_vllm, *args, **kwargs)
         if step.plan is not None and batch_desc.num_tokens != num_tokens:
             raise RuntimeError(f"tbo agreed to split a step of {num_tokens} tokens, but vLLM's runner padded it to "
                                f"{batch_desc.num_tokens}: its microbatches would not be the plan's")

@@ -39,6 +39,11 @@ class StepStats:
     count_exchanges: int = 0
     #: data parallel: steps with work of its own that ran the strategy a peer needed (it decoded, a peer prefilled)
     peer_strategy_steps: int = 0
+    #: data parallel: ``idle`` steps every rank ran at once (a wave's end), whose layer stacks were skipped
+    idle_skipped: int = 0
+    #: data parallel: forwards (profiling and warm-up included) whose vLLM DP batch coordination ran its own
+    #: all-reduce beside tbo's agreement: 0 unless CUDA graphs pad the steps (`tbo.integrations.vllm.dp`)
+    vllm_dp_all_reduces: int = 0
     #: ``op_times``: wall seconds and calls per op name (layers and microbatches summed), over the counted steps,
     #: and the wall seconds of their layer stacks (what the ops do not cover is the executor's and tbo's own time)
     op_seconds: dict[str, float] = field(default_factory=dict)
@@ -110,7 +115,9 @@ def stats() -> dict[str, Any]:
     data-parallel rank's dummy steps while its peers work), ``cut_requests``, ``afd_stages_sent`` and
     ``local_ffn_calls`` (attention-FFN disaggregation), and with data parallel + expert parallel ``ep_size``,
     ``remote_rows`` (token rows sent to other ranks), ``count_exchanges`` (dispatches that waited on a row-count
-    exchange: none once the step agreed every rank's rows) and ``peer_strategy_steps``; with ``op_times``,
+    exchange: none once the step agreed every rank's rows), ``peer_strategy_steps``, ``idle_skipped`` (idle steps
+    every rank ran at once, at a wave's end: their layer stacks skipped) and ``vllm_dp_all_reduces`` (forwards whose
+    vLLM DP batch coordination all-reduced beside tbo's agreement: 0 without CUDA graphs); with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
     ``layers_seconds``; with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
     choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
