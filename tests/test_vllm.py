@@ -413,6 +413,34 @@ def test_qwen3_moe_tokens_equal_vllm_and_the_steps_split(qwen_tbo, qwen_referenc
 
 
 @needs_vllm
+def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, qwen_reference, monkeypatch):
+    """Issue 37: every split decode step's layer stack runs inside `no_host_reads`, and under the host-read guard
+    (`tbo.testing.host_reads`) no tbo code reads a tensor's value there (vLLM's own kernels, called by tbo's ops, are
+    let through: ``allow=("vllm",)``). Tokens equal vLLM's; every split decode step was guarded."""
+    from tbo.comm.devices import host_reads_forbidden
+    from tbo.integrations.vllm import forward
+    from tbo.testing.host_reads import forbid_host_reads
+
+    real, guarded, reads = forward.model_forward_maybe_tbo, [], []
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if not host_reads_forbidden():
+            return real(*args, **kwargs)
+        with forbid_host_reads(allow=("vllm",)) as guard:
+            try:
+                return real(*args, **kwargs)
+            finally:
+                guarded.append(args[3].num_tokens)
+                reads.extend(guard.reads)
+
+    monkeypatch.setattr(forward, "model_forward_maybe_tbo", checked)
+    out, delta = _run(qwen_tbo, SCENARIOS["decode"])
+    assert reads == [], reads
+    assert _tokens(out) == qwen_reference["decode"]
+    assert delta["split_steps_by_mode"]["decode"] > 0 and len(guarded) == delta["split_steps_by_mode"]["decode"]
+
+
+@needs_vllm
 def test_shared_prefixes_under_prefix_caching_equal_vllm_and_the_veto_ran(qwen_tbo, qwen_reference):
     """13 requests behind one 64-token prefix: some steps split, and vLLM's prefix-cache veto refused others (a
     request reading blocks that another of the same step writes)."""
