@@ -137,7 +137,10 @@ class RunnerPatches:
         cls = type(runner)
         self._determine_original = getattr(cls, _DETERMINE).__get__(runner)
         self._signature = inspect.signature(self._determine_original)
-        self.step: Step | None = None  #: the current execute_model call's decision; None outside one
+        self._step: Step | None = None
+        #: called with each step as it is decided, and with None when the step is over (compiled engines:
+        #: `tbo.integrations.vllm.compiled.CompiledSteps.on_step` picks the forward the step runs)
+        self.on_step: Callable[[Step | None], None] | None = None
         self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
         #: data parallel: ``agree(step, vetoed) -> Step`` settles the step with the other DP ranks
         #: (`tbo.integrations.vllm.dp.StepAgreementHook`); None: this engine decides alone
@@ -145,6 +148,17 @@ class RunnerPatches:
         self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
         #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.adaptive`)
         self.adaptive: Any = None
+
+    @property
+    def step(self) -> Step | None:
+        """The current execute_model call's decision; None outside one."""
+        return self._step
+
+    @step.setter
+    def step(self, step: Step | None) -> None:
+        self._step = step
+        if self.on_step is not None:
+            self.on_step(step)
 
     @contextmanager
     def microbatching(self) -> Iterator[None]:
@@ -190,9 +204,8 @@ class RunnerPatches:
         cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_original(*args, **kwargs)
         bound = self._signature.bind(*args, **kwargs).arguments
         allowed = self._allowed(bound) and batch_desc.num_reqs in (None, int(bound["num_reqs"]))
-        self.step = self._decide(bound, allowed, batch_desc.num_tokens)
-        if self.adaptive is not None:
-            self.step = self.adaptive.decide(self.step)
+        step = self._decide(bound, allowed, batch_desc.num_tokens)
+        self.step = step if self.adaptive is None else self.adaptive.decide(step)  # one decision, told once
         return cudagraph_mode, batch_desc, self.step.runner_split, across_dp, cg_stats
 
     def _allowed(self, bound: dict[str, Any]) -> bool:
