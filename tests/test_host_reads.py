@@ -156,3 +156,36 @@ def test_split_decode_step_over_gloo_by_agreed_rows_reads_nothing(family):
         assert reads == [], f"rank {rank}: {reads}"
         assert fixed and agreed and fixed_unsplit, f"rank {rank}: the fixed-shape step differs from the counted one"
         assert before > 0 and after == 0, f"rank {rank}: count exchanges {before} then {after}"
+
+
+def _fixed_dispatch(rank, world):
+    """Rank 1 dispatches no rows in the first case; every case: fixed shapes inside the guard, counted outside."""
+    from tbo.experts import run_experts
+    from tbo.testing.moe import SwiGLUExperts, make_routing
+
+    backend = TorchDistributedBackend(8, DispatchFormat.NORMAL, timeout_s=60)
+    each = SwiGLUExperts.build(8, 16, 24, seed=3).local(rank, backend.num_local_experts)
+
+    def fn(e, x):  # row by row: batch invariant, so that the fixed runner's all-rows GEMM gives the same rows
+        return torch.cat([each(e, row.unsqueeze(0)) for row in x]) if x.shape[0] else each(e, x)
+    same, reads = [], []
+    for case, rows in enumerate([(4, 0), (1, 1), (5, 3)]):
+        n = rows[rank]
+        x = torch.randn(n, 16, generator=torch.Generator().manual_seed(case * 10 + rank))
+        idx, w = make_routing(n, 8, 2, seed=case * 10 + rank, drop=0.2)
+        d = backend.dispatch_b(backend.dispatch_a(x, idx, w, rows_per_rank=rows))
+        counted = backend.combine_b(backend.combine_a(run_experts(d, fn), d.handle))
+        with no_host_reads(), forbid_host_reads() as guard:
+            d = backend.dispatch_b(backend.dispatch_a(x, idx, w, rows_per_rank=rows))
+            fixed = backend.combine_b(backend.combine_a(run_experts(d, fn), d.handle))
+        same.append(torch.equal(fixed, counted) and d.hidden.shape[0] == sum(rows))
+        reads += guard.reads
+    return same, reads, backend.count_exchanges
+
+
+@pytest.mark.dist
+def test_fixed_shape_dispatch_by_agreed_rows_equals_the_counted_one_with_an_empty_rank():
+    """The fixed-shape agreed-rows dispatch receives exactly the agreed rows (padding kept), combines bit for bit
+    what the counted one does, one rank dispatching none; no read, no count exchange."""
+    for rank, (same, reads, exchanges) in enumerate(launch(_fixed_dispatch, 2, timeout_s=120)):
+        assert all(same) and reads == [] and exchanges == 0, (rank, same, reads, exchanges)
