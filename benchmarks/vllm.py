@@ -19,6 +19,12 @@ downloaded. On 2 shared cores timing is noisy: run it several times and report t
 
     .venv-vllm/bin/python benchmarks/vllm.py            # after make test-vllm
 
+``--compiled`` measures compiled engines (no ``enforce_eager``: vLLM's dynamo + inductor graph; issue 37) side by
+side in one run: compiled tbo unsplit against compiled vLLM (target: within 3%), compiled tbo split over the emulated
+link against tbo unsplit over it (target: at least the eager figure), and compiled against eager tbo split over that
+link. A compiled unsplit step runs vLLM's own graph, whose MoE dispatches nothing through tbo, so the link does not
+apply to it: tbo's unsplit step over the link runs eager. Each compiled engine warms up for about a minute on 2 cores.
+
 ``--data-parallel 2`` measures data-parallel attention with expert parallelism instead (two DP rank processes, tbo
 carrying the expert traffic): it runs ``benchmarks/vllm_dp.py`` with the other arguments (see its ``--help``).
 """
@@ -101,11 +107,11 @@ def link_for(compute_s: float, nbytes: int) -> str:
     return f"0,{nbytes / compute_s / 1e9:.6f}"
 
 
-def start_engine(model: Path, tbo: dict | None, work: Workload, dtype: str) -> object:
+def start_engine(model: Path, tbo: dict | None, work: Workload, dtype: str, eager: bool = True) -> object:
     from vllm import LLM
 
     extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-    return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20,
+    return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=eager, kv_cache_memory_bytes=256 << 20,
                max_model_len=1024, max_num_batched_tokens=max(1024, work.batch * work.prompt),
                enable_prefix_caching=False, dtype=dtype, seed=0, **extra)
 
@@ -163,7 +169,10 @@ def main() -> None:
     p.add_argument("--strategies", default="auto,qwen3_moe_prefill",
                    help="the plugin's strategy key for the split engines over the link, comma-separated: auto (the "
                         "model family's decode and prefill strategies) or a registered name for both modes")
+    p.add_argument("--compiled", action="store_true", help="compiled engines (no enforce_eager): see the docstring")
     args = p.parse_args()
+    if args.compiled:
+        return compiled(args)
 
     work = Workload(args.batch, args.prompt, args.decode_tokens)
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
@@ -203,6 +212,47 @@ def main() -> None:
                          for name in strategies)
         print(f"{m}: tbo unsplit overhead {100 * (unsplit[m] / base[m] - 1):+.1f}% of vLLM's step (target <= 3%); "
               f"over the link split is {over} unsplit (target >= 1.3x); without a link {unsplit[m] / split_[m]:.2f}x")
+
+
+def compiled(args: argparse.Namespace) -> None:
+    """``--compiled``: compiled vLLM, compiled tbo unsplit, and over one link per mode (sized from the compiled
+    unsplit engine's compute) compiled tbo unsplit and split and eager tbo split."""
+    work = Workload(args.batch, args.prompt, args.decode_tokens)
+    never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
+    split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+    tokens = {"decode": args.batch, "prefill": args.batch * args.prompt}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
+        first = start_engine(model, None, work, args.dtype)  # started, kept, not measured (see main)
+        engines = {"compiled vLLM": start_engine(model, None, work, args.dtype, eager=False),
+                   "compiled tbo unsplit": start_engine(model, never, work, args.dtype, eager=False)}
+        rows = measure(engines, work, args.repeats)
+        link = args.link or link_for(rows["compiled tbo unsplit"]["decode"],
+                                     moe_bytes_per_step(tokens["decode"], args.hidden, 2, args.layers))
+        engines[f"compiled tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype,
+                                                                      eager=False)
+        engines[f"compiled tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype,
+                                                                    eager=False)
+        engines[f"eager tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype)
+        engines[f"eager tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype)
+        rows = measure(engines, work, args.repeats)
+        close({**engines, "first": first})
+    print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, {args.dtype}; "
+          f"decode {args.batch} requests, prefill {args.batch} x {args.prompt} tokens; median over {args.repeats} "
+          f"rounds; link sized for decode")
+    print(f"{'engine':46s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s}")
+    for name, r in rows.items():
+        print(f"{name:46s} " + " ".join(f"{r[m] * 1e3:9.2f} ms {tokens[m] / r[m]:13.0f}" for m in tokens))
+    base, unsplit = rows["compiled vLLM"], rows["compiled tbo unsplit"]
+    cu, cs = rows[f"compiled tbo unsplit, link {link}"], rows[f"compiled tbo split, link {link}"]
+    es, eu = rows[f"eager tbo split, link {link}"], rows[f"eager tbo unsplit, link {link}"]
+    print("(a compiled unsplit step runs vLLM's own graph, whose MoE dispatches nothing through tbo: the link does not "
+          "apply to it; the split baseline over the link is tbo's unsplit step, which only eager runs)")
+    for m in tokens:
+        print(f"{m}: compiled tbo unsplit {100 * (unsplit[m] / base[m] - 1):+.1f}% of compiled vLLM's step (target "
+              f"<= 3%); over the link compiled split is {eu[m] / cs[m]:.2f}x tbo unsplit (eager split: "
+              f"{eu[m] / es[m]:.2f}x); compiled split is {es[m] / cs[m]:.2f}x eager split; compiled unsplit (no link) "
+              f"is {cu[m] / cs[m]:.2f}x compiled split")
 
 
 if __name__ == "__main__":

@@ -413,6 +413,34 @@ def test_qwen3_moe_tokens_equal_vllm_and_the_steps_split(qwen_tbo, qwen_referenc
 
 
 @needs_vllm
+def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, qwen_reference, monkeypatch):
+    """Issue 37: every split decode step's layer stack runs inside `no_host_reads`, and under the host-read guard
+    (`tbo.testing.host_reads`) no tbo code reads a tensor's value there (vLLM's own kernels, called by tbo's ops, are
+    let through: ``allow=("vllm",)``). Tokens equal vLLM's; every split decode step was guarded."""
+    from tbo.comm.devices import host_reads_forbidden
+    from tbo.integrations.vllm import forward
+    from tbo.testing.host_reads import forbid_host_reads
+
+    real, guarded, reads = forward.model_forward_maybe_tbo, [], []
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if not host_reads_forbidden():
+            return real(*args, **kwargs)
+        with forbid_host_reads(allow=("vllm",)) as guard:
+            try:
+                return real(*args, **kwargs)
+            finally:
+                guarded.append(args[3].num_tokens)
+                reads.extend(guard.reads)
+
+    monkeypatch.setattr(forward, "model_forward_maybe_tbo", checked)
+    out, delta = _run(qwen_tbo, SCENARIOS["decode"])
+    assert reads == [], reads
+    assert _tokens(out) == qwen_reference["decode"]
+    assert delta["split_steps_by_mode"]["decode"] > 0 and len(guarded) == delta["split_steps_by_mode"]["decode"]
+
+
+@needs_vllm
 def test_shared_prefixes_under_prefix_caching_equal_vllm_and_the_veto_ran(qwen_tbo, qwen_reference):
     """13 requests behind one 64-token prefix: some steps split, and vLLM's prefix-cache veto refused others (a
     request reading blocks that another of the same step writes)."""
@@ -795,12 +823,32 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
             assert_as_faithful_as_vllm(judge, prompts, defective, want, [MAX_TOKENS] * len(prompts))
 
 
+def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
+    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), but not with vLLM's CUDA
+    graphs, data parallelism or AFD, each named."""
+    from types import SimpleNamespace
+
+    from tbo.integrations.vllm.checks import check_engine
+
+    def compiled(cudagraph_mode="NONE", dp=1):
+        cfg = _engine_config()
+        cfg.model_config.enforce_eager = False
+        cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name=cudagraph_mode))
+        cfg.parallel_config.data_parallel_size = dp
+        return cfg
+
+    tbo = parse_config({"tbo": {}})
+    assert check_engine(compiled(), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
+    with pytest.raises(TboConfigError, match=r"cudagraph_mode='FULL_AND_PIECEWISE': not supported \(tbo does not "
+                                             r"capture CUDA graphs.*accepted: NONE, or enforce_eager=True"):
+        check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda")
+
+
 @needs_vllm
 @pytest.mark.parametrize("model, tbo, kw, match", [
     ("qwen3_moe", {"strategy": "qwen3_moe_decodex"}, {}, r"strategy 'qwen3_moe_decodex' is not registered"),
     ("qwen3_moe", {"strategy": "afd_attention_dbo"}, {}, r"strategy 'afd_attention_dbo' cannot run vLLM's "
                                                          r"Qwen3MoeForCausalLM"),
-    ("qwen3_moe", {}, {"enforce_eager": False}, r"enforce_eager=False: not supported .*; accepted: True"),
     ("llama", {}, {}, r"none of its decoder layers has a MoE \(a vLLM MoERunner\)"),
 ])
 def test_a_bad_engine_fails_to_start_naming_the_culprit(models, model, tbo, kw, match):

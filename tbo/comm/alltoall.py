@@ -13,6 +13,14 @@ each peer's chunk is padded to the sender's row count (zero rows, every top-k sl
 once, and ``dispatch_b`` drops the padding. Fixed receive sizes, as DeepEP's low-latency mode has, for the price of
 the padding's bytes.
 
+Inside a step that must not read the host (`tbo.comm.devices.no_host_reads`, a torch.compile trace, a capture) the
+agreed-rows dispatch has fixed shapes end to end (`tbo.comm.layout.fixed_normal_route`): every token goes to every
+rank (this one included) as one record, real or padding, so the split sizes are the agreed rows themselves and no
+count is read; the padding is not dropped on arrival (its rows name no local expert, and the experts' output for
+such a row must be zero, as NORMAL's contract already says for a token sent nowhere), and combine sums each token's
+rows over the ranks, in rank order, as the counted combine does. The wire carries what the padded dispatch carries
+(each peer's chunk already held every token); the receiver's experts see the padding rows too.
+
 What a CUDA graph can capture (no host sync, no data-dependent shape), per backend and format:
 
 * `LocalBackend`, MASKED with a fixed ``masked_capacity``: **capture-safe**. Routing is a stable sort and a
@@ -22,6 +30,10 @@ What a CUDA graph can capture (no host sync, no data-dependent shape), per backe
   slabs of its own size eagerly (e.g. above a `GraphRunner`'s largest bucket). Expert ids are range-checked by a
   device-side assertion: a ValueError on the CPU, but on CUDA an asynchronous, sticky assert that ends the process
   (see `tbo.comm.layout.device_check`), so the capture-safe paths make it impossible for valid routing.
+* `LocalBackend`, NORMAL on one rank: the identity route, no host read (inside `no_host_reads` the routing check
+  is a device-side assertion too).
+* `TorchDistributedBackend`, NORMAL by agreed rows inside `no_host_reads`: no host read (split sizes are the agreed
+  rows, Python ints); the wait for the peers blocks the host, as a collective does.
 * `LocalBackend`, MASKED without a capacity, EXPANDED and NORMAL: not capture-safe. Their outputs are sized by
   routed counts read on the host (``nonzero``, ``.tolist()``); eager use on a GPU works.
 * `TorchDistributedBackend`, every format: not capture-safe (split sizes cross ranks on the host first).
@@ -36,9 +48,9 @@ from typing import Any, Sequence
 import torch
 
 from tbo.comm import devices
-from tbo.comm.layout import (ExpandedRoute, NormalRoute, StaticMaskedRoute, check_routing, count_per_expert,
-                             device_check, expanded_route, expert_major_perm, from_masked, normal_route, slot_sum,
-                             static_masked_route, to_masked, weighted_sum)
+from tbo.comm.layout import (ExpandedRoute, FixedNormalRoute, NormalRoute, StaticMaskedRoute, check_routing,
+                             count_per_expert, device_check, expanded_route, expert_major_perm, fixed_normal_route,
+                             from_masked, normal_route, slot_sum, static_masked_route, to_masked, weighted_sum)
 from tbo.comm.transport import LocalTransport, TorchDistributedTransport, Transport
 from tbo.comm.types import CombineState, DispatchFormat, DispatchOutput, DispatchState
 from tbo.comm.wait import DEFAULT_TIMEOUT_S
@@ -59,6 +71,13 @@ class _ExpandedHandle:
 class _StaticMaskedHandle:
     route: StaticMaskedRoute
     topk_weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _FixedNormalHandle:
+    route: FixedNormalRoute
+    chunks: tuple[int, ...]  # rows received from each rank: the agreed rows
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -86,6 +105,17 @@ def _sum_by_token(rows: torch.Tensor, route: NormalRoute, num_tokens: int) -> to
             else:
                 out.index_add_(0, ids, part)
         start += n
+    return out
+
+
+def _sum_over_ranks(rows: torch.Tensor, handle: _FixedNormalHandle) -> torch.Tensor:
+    """Fixed-shape NORMAL combine: every rank sent back one row per token; each token's real rows summed in rank
+    order (the order `_sum_by_token` adds them in), padding rows left out, with fixed shapes."""
+    n, h = handle.num_tokens, rows.shape[1]
+    per_rank = rows.view(handle.route.sends.shape[0], n, h)
+    out = rows.new_zeros((n, h))
+    for q in range(per_rank.shape[0]):
+        out = out + torch.where(handle.route.sends[q].unsqueeze(1), per_rank[q], rows.new_zeros(()))
     return out
 
 
@@ -234,6 +264,9 @@ class AllToAllBackend:
 
     def _dispatch_a_normal(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                            rows_per_rank: Sequence[int] | None) -> DispatchState:
+        if rows_per_rank is not None and self.num_ranks > 1 and devices.host_reads_forbidden(hidden.device):
+            return self._dispatch_a_fixed(hidden, topk_idx, topk_weights,
+                                          self._checked_rows(rows_per_rank, hidden.shape[0]))
         route = normal_route(topk_idx, topk_weights, self.num_ranks, self.num_local_experts)
         if rows_per_rank is not None:
             bounds = self._checked_rows(rows_per_rank, hidden.shape[0])
@@ -288,6 +321,22 @@ class AllToAllBackend:
         return DispatchState(pending, records.nbytes, {"route": route, "padded_recv": recv, "num_tokens": n,
                                                        "packing": packing})
 
+    def _dispatch_a_fixed(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                          bounds: list[int]) -> DispatchState:
+        """NORMAL by agreed rows with fixed shapes (see the module docstring): ``n`` records to every rank, this one
+        included, padding rows zero with every id -1; the peers' chunks received at their agreed rows."""
+        n, w = hidden.shape[0], self.num_ranks
+        route = fixed_normal_route(topk_idx, w, self.num_local_experts)
+        k = route.local_idx.shape[2]
+        packing = _Packing(hidden.dtype, hidden.shape[1], route.local_idx.dtype, topk_weights.dtype, k)
+        keep = route.sends.unsqueeze(2)  # [W, T, 1]
+        rows = torch.where(keep, hidden.unsqueeze(0), hidden.new_zeros(())).reshape(w * n, hidden.shape[1])
+        weights = torch.where(keep, topk_weights.unsqueeze(0), topk_weights.new_zeros(())).reshape(w * n, k)
+        records = packing.pack(rows, route.local_idx.reshape(w * n, k), weights)
+        pending = self.transport.start(records, [n] * w, bounds, "dispatch_b (tokens, topk_idx, topk_weights)")
+        return DispatchState(pending, records.nbytes, {"route": route, "fixed_recv": tuple(bounds), "num_tokens": n,
+                                                       "packing": packing})
+
     def _slab_rows(self, tokens: int, device: torch.device) -> int:
         """Rows per expert slab: the step's tokens, which no routing can overflow (top-k picks distinct experts).
 
@@ -328,6 +377,11 @@ class AllToAllBackend:
             return DispatchOutput(DispatchFormat.MASKED, state.pending, route.counts,
                                   _StaticMaskedHandle(route, info["topk_weights"]))
         if self.format is DispatchFormat.NORMAL:
+            if "fixed_recv" in info:  # fixed shapes: the padding stays (its rows name no expert here)
+                rows, idx, weights = info["packing"].unpack(self.transport.finish(state.pending))
+                handle = _FixedNormalHandle(info["route"], info["fixed_recv"], info["num_tokens"])
+                return DispatchOutput(DispatchFormat.NORMAL, rows, count_per_expert(idx, self.num_local_experts),
+                                      handle, topk_idx=idx, topk_weights=weights)
             recv_counts = info.get("recv_counts")
             if recv_counts is None:  # padded records (agreed rows): a real row names a local expert, padding none
                 rows, idx, weights = info["packing"].unpack(self.transport.finish(state.pending))
@@ -353,6 +407,14 @@ class AllToAllBackend:
             return self._combine_a_normal(expert_out, handle)
         if isinstance(handle, _StaticMaskedHandle):
             return self._combine_a_static(expert_out, handle)
+        if isinstance(handle, _FixedNormalHandle):
+            expected = sum(handle.chunks)
+            if expert_out.dim() != 2 or expert_out.shape[0] != expected:
+                raise ValueError(f"combine_a: NORMAL expert output must be [{expected}, H], got "
+                                 f"{tuple(expert_out.shape)}")
+            pending = self.transport.start(expert_out, list(handle.chunks), [handle.num_tokens] * self.num_ranks,
+                                           "combine_b (tokens)")
+            return CombineState(pending, expert_out.nbytes, {"handle": handle})
         if not isinstance(handle, _ExpandedHandle):
             raise TypeError(f"combine_a: handle must come from this backend's dispatch_b, got {type(handle).__name__}")
         if self.format is DispatchFormat.MASKED:
@@ -396,6 +458,8 @@ class AllToAllBackend:
         if isinstance(handle, _StaticMaskedHandle):
             return slot_sum(state.pending, handle.topk_weights)
         rows = self.transport.finish(state.pending)
+        if isinstance(handle, _FixedNormalHandle):
+            return _sum_over_ranks(rows, handle)
         if isinstance(handle, _NormalHandle):
             return _sum_by_token(rows, handle.route, handle.num_tokens)
         return weighted_sum(rows, handle.route.pair_ids, handle.topk_weights)

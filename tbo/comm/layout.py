@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tbo.comm import devices
+
 __all__ = [
     "ExpandedRoute",
     "NormalRoute",
@@ -28,6 +30,8 @@ __all__ = [
     "device_check",
     "StaticMaskedRoute",
     "static_masked_route",
+    "FixedNormalRoute",
+    "fixed_normal_route",
 ]
 
 
@@ -41,8 +45,12 @@ def device_check(ok: torch.Tensor, message: str) -> None:
     and sticky: the CUDA context is unusable from then on, and only a new process recovers. Treat it as a guard
     against bugs, never as input validation a caller could catch: paths that use it must make the failure
     impossible (e.g. `AllToAllBackend` sizes the MASKED slabs so that top-k routing cannot overflow them).
+
+    Inside a step that must not read the host (`tbo.comm.devices.host_reads_forbidden`: `no_host_reads`, a
+    torch.compile trace, a capture) the CPU too gets the assertion op (``torch._assert_async``, which raises a
+    RuntimeError there, at once), so that no Python code reads the value.
     """
-    if ok.device.type == "cpu":
+    if ok.device.type == "cpu" and not devices.host_reads_forbidden(ok.device):
         if not bool(ok):
             raise ValueError(message)
     else:
@@ -81,7 +89,7 @@ def check_routing(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
         )
     if not topk_idx.numel():
         return
-    if sync_free and topk_idx.device.type != "cpu":
+    if (sync_free and topk_idx.device.type != "cpu") or devices.host_reads_forbidden(topk_idx.device):
         device_check(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
                      f"{op}: topk_idx values must be in [-1, {num_experts})")
         return
@@ -242,3 +250,29 @@ def static_masked_route(topk_idx: torch.Tensor, num_experts: int, capacity: int)
     fits = (key < num_experts) & (pos < capacity)
     dest = torch.where(fits, key * capacity + pos, torch.full_like(pos, num_experts * capacity))
     return StaticMaskedRoute(dest, per_key[:num_experts], capacity, t, k)
+
+
+@dataclass(frozen=True)
+class FixedNormalRoute:
+    """A NORMAL route of fixed shape: every token goes to every rank, in token order, with that rank's local expert
+    ids (-1 for experts elsewhere); ``sends[q, t]`` says whether token ``t`` names any expert on rank ``q`` (a row
+    that does not is padding: its ids are all -1). No ``nonzero``, no host read: what a step that must not read the
+    host dispatches by agreed rows (`tbo.comm.alltoall`)."""
+
+    local_idx: torch.Tensor  #: [num_ranks, T, top_k]
+    sends: torch.Tensor  #: [num_ranks, T] bool
+
+    @property
+    def send_counts(self) -> torch.Tensor:
+        """[num_ranks] real rows per destination (a device tensor: count it, never read it inside the step)."""
+        return self.sends.sum(dim=1)
+
+
+def fixed_normal_route(topk_idx: torch.Tensor, num_ranks: int, num_local_experts: int) -> FixedNormalRoute:
+    """The `FixedNormalRoute` of ``topk_idx`` over ``num_ranks`` ranks of ``num_local_experts`` experts each."""
+    idx = topk_idx.long()
+    dest = torch.where(idx >= 0, torch.div(idx, num_local_experts, rounding_mode="floor"), torch.full_like(idx, -1))
+    ranks = torch.arange(num_ranks, device=idx.device).view(num_ranks, 1, 1)
+    mine = dest.unsqueeze(0) == ranks  # [W, T, K]
+    local = torch.where(mine, idx.unsqueeze(0) - ranks * num_local_experts, torch.full_like(mine, -1, dtype=idx.dtype))
+    return FixedNormalRoute(local, mine.any(dim=2))

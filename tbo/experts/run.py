@@ -17,7 +17,10 @@ MASKED off the CPU is capture-safe: no count is read on the host. Three ways, by
   zeroed.
 
 On the CPU, where reading the counts costs no device sync, each expert runs on exactly its rows; for a
-batch-invariant expert every way gives the same rows.
+batch-invariant expert every way gives the same rows. Inside a step that must not read the host
+(`tbo.comm.devices.host_reads_forbidden`) the CPU takes the fixed-shape ways too, and NORMAL rows run every local
+expert on every received row, the rows that do not name it zeroed (`_run_normal_static`): fixed shapes at
+``num_local_experts`` times the routed work, which a decode step of a few rows per rank affords.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def _grouped_available(hidden: torch.Tensor, w: StackedSwiGLU) -> bool:
 def masked_path(hidden: torch.Tensor, stacked: StackedSwiGLU | None = None) -> str:
     """Which way `run_experts` computes MASKED rows ``hidden[E, slab, H]``: ``"counted"`` (the CPU: exactly each
     expert's rows), ``"grouped"``, ``"batched"`` or ``"per-expert"`` (see the module docstring)."""
-    if hidden.device.type == "cpu":
+    if hidden.device.type == "cpu" and not devices.host_reads_forbidden(hidden.device):
         return "counted"
     if stacked is None or not stacked.matches(hidden):
         return "per-expert"
@@ -176,6 +179,21 @@ def _run_normal(d: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
     return out.to(d.hidden.dtype)
 
 
+def _run_normal_static(d: DispatchOutput, fn: ExpertFn) -> torch.Tensor:
+    """`_run_normal` with fixed shapes and no host read: each local expert on every row, kept (weighted) where the
+    row names it. Rows add in expert order, as `_run_normal`'s ``index_add_`` does (a token names an expert once), so
+    for a batch-invariant ``fn`` the result is bit for bit `_run_normal`'s; a row naming no local expert is zero."""
+    assert d.topk_idx is not None and d.topk_weights is not None
+    out = torch.zeros(d.hidden.shape, dtype=torch.float32, device=d.hidden.device)
+    zero = out.new_zeros(())
+    for e in range(d.num_local_experts):
+        mine = d.topk_idx == e  # [rows, top_k]: at most one slot per row
+        weight = torch.where(mine, d.topk_weights.float(), zero).sum(dim=1, keepdim=True)
+        y = fn(e, d.hidden).float() * weight
+        out = out + torch.where(mine.any(dim=1, keepdim=True), y, zero)
+    return out.to(d.hidden.dtype)
+
+
 def run_experts(dispatched: DispatchOutput, fn: ExpertFn, stacked: StackedSwiGLU | None = None) -> torch.Tensor:
     """Apply each local expert to its rows; the result has the layout ``combine_a`` expects for that format.
 
@@ -198,4 +216,6 @@ def run_experts(dispatched: DispatchOutput, fn: ExpertFn, stacked: StackedSwiGLU
         return _run_masked(hidden, counts.tolist(), fn)
     if dispatched.format is DispatchFormat.EXPANDED:
         return _run_grouped(dispatched.hidden, dispatched.tokens_per_expert.tolist(), fn)
+    if devices.host_reads_forbidden(dispatched.hidden.device):
+        return _run_normal_static(dispatched, fn)
     return _run_normal(dispatched, fn)

@@ -343,15 +343,23 @@ class ReferenceModel:
             return bound
 
     def forward_tbo(self, input_ids: torch.Tensor, meta: Metadata, cache: Cache, strategy: Any,
-                    plan: SplitPlan | None, **kwargs: Any) -> torch.Tensor:
-        """Logits of every token through the ops: overlapped over ``plan``, or as one batch when it is None."""
+                    plan: SplitPlan | None, rows_per_rank: Sequence[Sequence[int]] | None = None,
+                    **kwargs: Any) -> torch.Tensor:
+        """Logits of every token through the ops: overlapped over ``plan``, or as one batch when it is None.
+
+        ``rows_per_rank[m]``: data parallel, the token rows every rank dispatches in microbatch ``m`` (one entry
+        unsplit), agreed by all of them (`tbo.split.agree`): the dispatch then sends by them, with no count
+        exchange."""
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
         if plan is not None and plan.num_tokens != meta.num_tokens:
             raise ValueError(f"the plan covers {plan.num_tokens} tokens but the batch has {meta.num_tokens}")
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
-            return {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
+            values = {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
+            if rows_per_rank is not None:
+                values["rows_per_rank"] = tuple(rows_per_rank[0 if mb is None else mb.microbatch_idx])
+            return values
 
         out = model_forward_maybe_tbo(self.layers, {"hidden_states": self.embed(input_ids)}, self.bind(strategy),
                                       plan, pinned=pinned, backend=self.backend, **kwargs)

@@ -78,7 +78,9 @@ class DecoderLayerOps(ExpertParallelOps):
 
     def op_dispatch_a(self, state: State) -> None:
         x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
-        state.dispatch = self.backend.dispatch_a(x.reshape(-1, x.shape[-1]), *state.pop("topk"))
+        # data parallel: the rows every rank agreed for this microbatch, when the step pinned them (no count exchange)
+        rows = {"rows_per_rank": state.rows_per_rank} if "rows_per_rank" in state else {}
+        state.dispatch = self.backend.dispatch_a(x.reshape(-1, x.shape[-1]), *state.pop("topk"), **rows)
 
     def op_shared_experts(self, state: State) -> None:
         if self.has_shared_experts:

@@ -41,6 +41,19 @@ def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
                          f"{accepted}")
 
 
+def _check_compiled(vllm_config: Any, config: TboVllmConfig) -> None:
+    """A compiled engine (``enforce_eager=False``, `tbo.integrations.vllm.compiled`): what is accepted today."""
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is not None and str(getattr(mode, "name", mode)) != "NONE":
+        _refuse("compilation_config.cudagraph_mode", str(getattr(mode, "name", mode)), "NONE, or enforce_eager=True",
+                "tbo does not capture CUDA graphs of split steps in vLLM yet (docs/vllm.md, compiled mode)")
+    if vllm_config.parallel_config.data_parallel_size != 1:
+        _refuse("enforce_eager", False, "True with data_parallel_size > 1",
+                "a compiled data-parallel engine pads its steps; tbo's agreement needs the runner's token counts")
+    if config.afd is not None:
+        _refuse("enforce_eager", False, "True with afd", "attention-FFN disaggregation runs eager only")
+
+
 def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, platform: str) -> str:
     """Check the engine ``vllm_config`` can run with ``config``; returns the model's architecture (its layers are
     admitted by their structure when it loads: `tbo.integrations.vllm.structure`).
@@ -67,9 +80,8 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
         _refuse("decode/prefill_context_parallel_size", (par.decode_context_parallel_size,
                                                          par.prefill_context_parallel_size), "1, 1",
                 "context parallelism splits attention differently")
-    if not model.enforce_eager:
-        _refuse("enforce_eager", False, "True",
-                "tbo's layer loop is Python that torch.compile and CUDA graphs would trace or capture")
+    if not model.enforce_eager:  # compiled: vLLM's graph for unsplit steps, tbo's loop for split ones
+        _check_compiled(vllm_config, config)
     if vllm_config.speculative_config is not None:
         _refuse("speculative_config", "set", "None", "draft and verify steps are not split yet")
     if vllm_config.lora_config is not None:

@@ -52,13 +52,21 @@ class EpBackend(TorchDistributedBackend):
 
     def __init__(self, num_experts: int, group: Any, timeout_s: float) -> None:
         super().__init__(num_experts, DispatchFormat.NORMAL, group=group, timeout_s=timeout_s)
-        self.remote_rows = 0
+        #: the rows sent to other ranks, summed on the device by each dispatch (never read inside a step)
+        self._remote: torch.Tensor | None = None
+
+    @property
+    def remote_rows(self) -> int:
+        """Token rows this backend's dispatches sent to other ranks so far: one host read, here, of what the
+        dispatches counted on the device (a dispatch inside a step that must not read the host reads nothing)."""
+        return 0 if self._remote is None else int(self._remote)
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
                    rows_per_rank: Sequence[int] | None = None) -> Any:
         state = super().dispatch_a(hidden, topk_idx, topk_weights, rows_per_rank=rows_per_rank)
         sent = state.info["route"].send_counts
-        self.remote_rows += int(sent.sum()) - int(sent[self.rank])
+        remote = sent.sum() - sent[self.rank]
+        self._remote = remote if self._remote is None else self._remote + remote
         return state
 
 

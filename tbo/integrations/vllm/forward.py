@@ -5,6 +5,9 @@ Embeddings, the final norm and everything outside the layers stay vLLM's; the la
 microbatches, the plan decided for it splits the hidden states, each microbatch gets its positions (pinned in its
 State) and its own forward context (`ContextSwitcher`), and the outputs are merged back in token order.
 
+A split decode step runs inside `tbo.comm.devices.no_host_reads`: tbo's routes, checks and statistics take their
+fixed-shape forms there (docs/vllm.md, "Compiled mode and host reads").
+
 Diagnostics never fail a step: a ``stats_file`` that cannot be written (a directory, a full disk, a missing folder)
 is logged, once per distinct error, and the step's result is returned as if it had been written
 (`LayerLoop.write_stats`).
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tbo.comm.devices import no_host_reads
 from tbo.core.observer import as_observer
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
@@ -28,6 +32,15 @@ from tbo.runtime.op_times import OpTimes
 from tbo.split.plan import MicrobatchSlice
 
 __all__ = ["LayerLoop"]
+
+
+def _split_decode(step: Any) -> bool:
+    """A split step run by the decode strategy: tbo's ops run it with fixed shapes, reading nothing on the host
+    (`tbo.comm.devices.no_host_reads`; with data parallelism the agreed rows are the static bounds). Decided by the
+    agreed strategy, never by this rank's own batch alone: every rank's dispatches must take the same form (the
+    fixed-shape combine's sizes differ from the counted one's)."""
+    return step is not None and step.plan is not None and step.strategy_mode == "decode"
+
 
 logger = logging.getLogger("vllm.tbo")
 
@@ -80,9 +93,10 @@ class LayerLoop:
 
         strategy = self.strategies[step.strategy_mode if step is not None else "prefill"]
         t0 = time.perf_counter() if timer is not None else 0.0
-        out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
-                                      output_key=self.ends.outputs, backend=self.backend,
-                                      observer=as_observer([observer, timer]))
+        with no_host_reads(_split_decode(step)):  # tbo's part of a split decode step reads nothing on the host
+            out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
+                                          output_key=self.ends.outputs, backend=self.backend,
+                                          observer=as_observer([observer, timer]))
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
         hidden = self.ends.end(out)
         if counted:

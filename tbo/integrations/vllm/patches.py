@@ -138,7 +138,10 @@ class RunnerPatches:
         #: vLLM's own decision (``_determine_batch_execution_and_padding`` of the runner's class, bound)
         self._determine_vllm: Callable[..., Any] = getattr(cls, _DETERMINE).__get__(runner)
         self._signature = inspect.signature(self._determine_vllm)
-        self.step: Step | None = None  #: the current execute_model call's decision; None outside one
+        self._step: Step | None = None
+        #: called with each step as it is decided, and with None when the step is over (compiled engines:
+        #: `tbo.integrations.vllm.compiled.CompiledSteps.on_step` picks the forward the step runs)
+        self.on_step: Callable[[Step | None], None] | None = None
         self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
         #: data parallel: settles each step with the other DP ranks (``agree(step, vetoed) -> Step``) and runs vLLM's
         #: DP batch coordination for it (``agree.coordinate``): `tbo.integrations.vllm.dp.StepAgreementHook`, given by
@@ -154,6 +157,17 @@ class RunnerPatches:
         `tbo.integrations.vllm.dp.StepAgreementHook`), and vLLM's own decision runs through ``agree.coordinate``
         (its DP batch coordination answered from the agreement, or its all-reduce under the agreement's deadline)."""
         self.agree = agree
+
+    @property
+    def step(self) -> Step | None:
+        """The current execute_model call's decision; None outside one."""
+        return self._step
+
+    @step.setter
+    def step(self, step: Step | None) -> None:
+        self._step = step
+        if self.on_step is not None:
+            self.on_step(step)
 
     @contextmanager
     def microbatching(self) -> Iterator[None]:
@@ -199,9 +213,8 @@ class RunnerPatches:
         cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(*args, **kwargs)
         bound = self._signature.bind(*args, **kwargs).arguments
         allowed = self._allowed(bound) and batch_desc.num_reqs in (None, int(bound["num_reqs"]))
-        self.step = self._decide(bound, allowed, batch_desc.num_tokens)
-        if self.adaptive is not None:
-            self.step = self.adaptive.decide(self.step)
+        step = self._decide(bound, allowed, batch_desc.num_tokens)
+        self.step = step if self.adaptive is None else self.adaptive.decide(step)  # one decision, told once
         return cudagraph_mode, batch_desc, self.step.runner_split, across_dp, cg_stats
 
     def _allowed(self, bound: dict[str, Any]) -> bool:
