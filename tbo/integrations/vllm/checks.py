@@ -71,7 +71,9 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
         _refuse("enforce_eager", False, "True",
                 "tbo's layer loop is Python that torch.compile and CUDA graphs would trace or capture")
     if vllm_config.speculative_config is not None:
-        _refuse("speculative_config", "set", "None", "draft and verify steps are not split yet")
+        from tbo.integrations.vllm.spec import check_speculative
+
+        check_speculative(vllm_config.speculative_config)
     if vllm_config.lora_config is not None:
         _refuse("lora", "enabled", "no LoRA", "LoRA's per-request adapters are not split per microbatch")
     if getattr(model, "quantization", None):

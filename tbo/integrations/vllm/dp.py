@@ -25,6 +25,7 @@ engine core: `bounded_engine_sync`) get the same deadline and name (`call_bounde
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tbo.core.errors import CommTimeoutError
@@ -71,7 +72,7 @@ def empty_tail_plan(num_tokens: int, num_microbatches: int) -> SplitPlan:
 def _mode_of(step: Step) -> str:
     if step.mode in ("idle", "warmup"):
         return "idle"
-    return "decode" if step.forward_mode is ForwardMode.DECODE else "prefill"
+    return step.own_strategy  # a verify step is decode-like
 
 
 class StepAgreementHook:
@@ -116,7 +117,7 @@ class StepAgreementHook:
         rows = agreed.rows
         if rows is not None and agreed.split and not split:  # the policy keeps it whole: each rank's total rows
             rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
-        return Step(step.mode, step.forward_mode, step.num_tokens, plan, strategy_mode, empty_tail, rows)
+        return replace(step, plan=plan, agreed_strategy=strategy_mode, empty_tail=empty_tail, rows=rows)
 
 
 def agreement_config(engine: Any) -> dict[str, Any]:
