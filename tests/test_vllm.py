@@ -825,7 +825,7 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
 
 def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
     """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), but not with vLLM's CUDA
-    graphs, data parallelism or AFD, each named."""
+    graphs, data parallelism, AFD or speculative decoding, each named."""
     from types import SimpleNamespace
 
     from tbo.integrations.vllm.checks import check_engine
@@ -842,6 +842,11 @@ def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
     with pytest.raises(TboConfigError, match=r"cudagraph_mode='FULL_AND_PIECEWISE': not supported \(tbo does not "
                                              r"capture CUDA graphs.*accepted: NONE, or enforce_eager=True"):
         check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda")
+    spec = compiled()
+    spec.speculative_config = SimpleNamespace(method="ngram")
+    with pytest.raises(TboConfigError, match=r"enforce_eager=False: not supported \(split verify steps are tested "
+                                             r"eager only.*accepted: True with speculative_config"):
+        check_engine(spec, tbo, "0.32.0", "cpu")
 
 
 @needs_vllm

@@ -4,7 +4,9 @@ Decode-like batches cut between sequences, half the sequences each. Prefill batc
 sequence boundary that best balances tokens, unless that boundary is lopsided (a share below
 ``token_distribution_threshold``); then the cut falls inside one sequence at half the tokens ("two-chunk" mode), so
 that one long prefill still splits in the middle. `boundary_cuts` is the rule for callers that must never cut inside
-a sequence: the same boundaries, or no cut at all.
+a sequence: the same boundaries, or no cut at all. A speculative verify step (TARGET_VERIFY) is decode-like: each
+request's 1 + k tokens stay whole; when k differs between requests, `verify_cuts` picks the request boundaries that
+best balance tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "boundary_cuts",
     "extend_cut",
     "sequence_lens",
+    "verify_cuts",
 ]
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
@@ -32,7 +35,9 @@ class ForwardMode(enum.Enum):
 
     DECODE = "decode"
     EXTEND = "extend"  #: prefill, possibly mixed with decode requests (extend length 1)
-    TARGET_VERIFY = "target_verify"  #: speculative verification, ``token_num_per_seq`` tokens per sequence
+    #: speculative verification: ``token_num_per_seq`` tokens per sequence, or each request's own 1 + k
+    #: (``extend_lens``) where the draft count k differs between requests; never cut inside a request
+    TARGET_VERIFY = "target_verify"
     IDLE = "idle"
 
     @property
@@ -80,6 +85,15 @@ def sequence_lens(
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if token_num_per_seq < 1:
         raise ValueError(f"token_num_per_seq must be >= 1, got {token_num_per_seq}")
+    if mode is ForwardMode.TARGET_VERIFY and extend_lens is not None and token_num_per_seq == 1:
+        lens = [int(n) for n in extend_lens]  # each request's 1 + k, k its own draft count
+        for i, n in enumerate(lens):
+            if n < 1:
+                raise ValueError(f"extend_lens[{i}] = {n} in TARGET_VERIFY: a verified request brings at least one "
+                                 "token (1 + its draft tokens)")
+        if sum(lens) != num_tokens:
+            raise ValueError(f"extend_lens sum to {sum(lens)} but num_tokens is {num_tokens}")
+        return lens
     if mode.is_decode_like:
         if num_tokens % token_num_per_seq:
             raise ValueError(
@@ -147,6 +161,27 @@ def boundary_cuts(extend_lens: Sequence[int], parts: int, token_distribution_thr
     return cuts
 
 
+def verify_cuts(lens: Sequence[int], parts: int) -> list[Cut] | None:
+    """``parts - 1`` cuts of a verify step between requests only (a request's 1 + k tokens are never cut), or None
+    when it has fewer requests than parts.
+
+    Cut ``k`` falls at the request boundary closest to ``k * total / parts`` tokens (the larger index on a tie), each
+    microbatch keeping at least one request. Decode-like: no balance threshold, as a decode step's half-and-half cut
+    has none. For uniform ``lens`` a caller uses the decode rule (half the requests each) instead.
+    """
+    n, total = len(lens), sum(lens)
+    if n < parts or parts < 2:
+        return None
+    starts = [0, *accumulate(lens)]
+    cuts, prev = [], 0
+    for k in range(1, parts):
+        candidates = range(prev + 1, n - (parts - k) + 1)  # later microbatches keep a request each
+        best = min(candidates, key=lambda i: (abs(parts * starts[i] - k * total), -i))
+        cuts.append(Cut(starts[best], best, False))
+        prev = best
+    return cuts
+
+
 def _decode_cut(num_seqs: int, token_num_per_seq: int) -> Cut | None:
     seq = num_seqs // 2
     return Cut(seq * token_num_per_seq, seq, False) if seq >= 1 else None
@@ -163,8 +198,11 @@ def _cut(
     if mode is ForwardMode.IDLE:
         return None
     lens = sequence_lens(mode, num_tokens, extend_lens, token_num_per_seq)
+    if mode.is_decode_like and len(set(lens)) > 1:  # a verify step whose draft counts differ
+        cuts = verify_cuts(lens, 2)
+        return None if cuts is None else cuts[0]
     if mode.is_decode_like:
-        return _decode_cut(len(lens), token_num_per_seq)
+        return _decode_cut(len(lens), lens[0] if lens else token_num_per_seq)
     return extend_cut(lens, token_distribution_threshold)
 
 
@@ -194,6 +232,8 @@ def compute_split_token_index(
     if mode is ForwardMode.IDLE:
         return 0
     if mode.is_decode_like:
+        if extend_lens is not None:  # a verify step: the requests' own 1 + k
+            return sum(sequence_lens(mode, sum(extend_lens), extend_lens, token_num_per_seq)[:split_seq_index])
         return split_seq_index * token_num_per_seq
     if extend_lens is None:
         raise ValueError(f"extend_lens is required in {mode.name} mode")

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tbo.core.state import State
 from tbo.split.index import (DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, Cut, ForwardMode, _decode_cut, boundary_cuts,
-                             extend_cut, sequence_lens)
+                             extend_cut, sequence_lens, verify_cuts)
 
 __all__ = ["MicrobatchSlice", "SplitPlan", "SplitPolicy", "plan_from_cuts"]
 
@@ -234,7 +234,9 @@ class SplitPolicy(BaseModel):
     ) -> SplitPlan | None:
         """The split plan for this step, or None: run it unsplit (too small, IDLE, or no acceptable cut exists).
 
-        ``mode`` is a `ForwardMode` or its name in any case (``"extend"``).
+        ``mode`` is a `ForwardMode` or its name in any case (``"extend"``). A TARGET_VERIFY step gives either
+        ``token_num_per_seq`` (every request 1 + k tokens) or ``extend_lens`` (each request's own 1 + k, where k
+        varies); its cuts fall between requests only, with the decode threshold.
         """
         mode = ForwardMode.of(mode)
         if mode is ForwardMode.IDLE:
@@ -273,6 +275,10 @@ class SplitPolicy(BaseModel):
 
     def _cuts(self, mode: ForwardMode, lens: list[int], token_num_per_seq: int) -> list[Cut] | None:
         n, total, parts = len(lens), sum(lens), self.num_microbatches
+        if mode.is_decode_like and len(set(lens)) > 1:  # a verify step whose requests bring different draft counts
+            return verify_cuts(lens, parts)
+        if mode.is_decode_like and lens:
+            token_num_per_seq = lens[0]  # uniform: 1 + k each, given as extend_lens
         if not self.allow_cut_sequences and not mode.is_decode_like:
             return boundary_cuts(lens, parts, self.token_distribution_threshold)
         if parts == 2:

@@ -22,6 +22,7 @@ for its peers; an idle rank's dummy step measures nothing (its peers' times coun
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from tbo.integrations.vllm.config import StrategyNames, TboVllmConfig
@@ -66,10 +67,9 @@ class AdaptiveSteps:
         self._running = None
         choice = self.split.choose(step.mode, step.num_tokens)
         if choice.split and step.plan is not None:
-            ran, step = choice, Step(step.mode, step.forward_mode, step.num_tokens, step.plan,
-                                     agreed_strategy=self._mode_of[choice.strategy])
+            ran, step = choice, replace(step, agreed_strategy=self._mode_of[choice.strategy])
         else:
-            ran, step = UNSPLIT, Step(step.mode, step.forward_mode, step.num_tokens, None)
+            ran, step = UNSPLIT, replace(step, plan=None)
         self._running = (step.mode, step.num_tokens, ran, time.perf_counter())
         return step
 

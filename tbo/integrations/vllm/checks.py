@@ -52,6 +52,9 @@ def _check_compiled(vllm_config: Any, config: TboVllmConfig) -> None:
                 "a compiled data-parallel engine pads its steps; tbo's agreement needs the runner's token counts")
     if config.afd is not None:
         _refuse("enforce_eager", False, "True with afd", "attention-FFN disaggregation runs eager only")
+    if vllm_config.speculative_config is not None:
+        _refuse("enforce_eager", False, "True with speculative_config",
+                "split verify steps are tested eager only (docs/vllm.md, speculative decoding)")
 
 
 def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, platform: str) -> str:
@@ -83,7 +86,9 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
     if not model.enforce_eager:  # compiled: vLLM's graph for unsplit steps, tbo's loop for split ones
         _check_compiled(vllm_config, config)
     if vllm_config.speculative_config is not None:
-        _refuse("speculative_config", "set", "None", "draft and verify steps are not split yet")
+        from tbo.integrations.vllm.spec import check_speculative
+
+        check_speculative(vllm_config.speculative_config)
     if vllm_config.lora_config is not None:
         _refuse("lora", "enabled", "no LoRA", "LoRA's per-request adapters are not split per microbatch")
     if getattr(model, "quantization", None):

@@ -25,7 +25,7 @@ engine core: `bounded_engine_sync`) get the same deadline and name (`call_bounde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tbo.core.errors import CommTimeoutError
@@ -87,7 +87,7 @@ def empty_tail_plan(num_tokens: int, num_microbatches: int) -> SplitPlan:
 def _mode_of(step: Step) -> str:
     if step.mode in ("idle", "warmup"):
         return "idle"
-    return "decode" if step.forward_mode is ForwardMode.DECODE else "prefill"
+    return step.own_strategy  # a verify step is decode-like
 
 
 class StepAgreementHook:
@@ -127,8 +127,7 @@ class StepAgreementHook:
                                    "this generate call, or the wave ended before this rank's requests reached its "
                                    "engine), and an engine without requests does not step for its peers") from e
         if step.mode == "idle" and agreed.all_idle:  # a wave's end: every rank steps only for its peers, none has any
-            return Step(step.mode, step.forward_mode, step.num_tokens, None, agreed.strategy_mode,
-                        DpStep(all_idle=True))
+            return replace(step, plan=None, agreed_strategy=agreed.strategy_mode, dp=DpStep(all_idle=True))
         split, strategy_mode = agreed.split, agreed.strategy_mode
         if adaptive is not None and agreed.idle_ranks < len(agreed.votes):  # every rank alike: see AdaptiveSteps
             choice, strategy_mode = adaptive.agreed(agreed)
@@ -142,30 +141,7 @@ class StepAgreementHook:
         rows = agreed.rows
         if rows is not None and agreed.split and not split:  # the policy keeps it whole: each rank's total rows
             rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
-        return Step(step.mode, step.forward_mode, step.num_tokens, plan, strategy_mode, DpStep(empty_tail, rows))
-
-    def coordinate(self, determine: Any, /, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``_determine_batch_execution_and_padding`` (``determine``) for the step just agreed on.
-
-        vLLM's DP batch coordination there all-reduces each rank's token count again (with its microbatching
-        and CUDA-graph flags), right after the agreement that already carried every rank's rows. Where that is
-        all it would learn (no CUDA graphs: nothing pads, `merges_coordination`), ``determine`` runs under vLLM's
-        own ``skip_dp_coordination`` and the token counts come from the agreement: one collective per step instead
-        of two. Otherwise vLLM's all-reduce runs, under this hook's deadline, naming a stalled or lost peer."""
-        counts = self.last.tokens_per_rank if self.last is not None and self.merges_coordination else None
-        if counts is None:
-            for s in self.stats:
-                s.vllm_dp_all_reduces += 1
-            return call_bounded(self.group, self.timeout_s, "vLLM's DP batch coordination (all_reduce)", determine,
-                                *args, **kwargs)
-        import torch
-        from vllm.v1.worker.dp_utils import skip_dp_coordination
-
-        with skip_dp_coordination():
-            cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats = determine(*args, **kwargs)
-        if across_dp is not None:  # what vLLM's all-reduce gives without padding: each rank's own count
-            across_dp = torch.tensor(counts, dtype=torch.int32)
-        return cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats
+from dataclasses import dataclass, replace
 
 
 def agreement_config(engine: Any) -> dict[str, Any]:

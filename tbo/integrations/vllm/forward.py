@@ -108,6 +108,8 @@ class LayerLoop:
                 s.remote_rows += rows
                 s.count_exchanges += exchanges
                 s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
+                if step.draft_tokens:
+                    s.record_verify(step.draft_tokens, parts > 1, step.varying_drafts)
                 if timer is not None:
                     s.add_op_times(timer.seconds, timer.calls, layers_s)
             self.write_stats()

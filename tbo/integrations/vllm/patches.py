@@ -226,8 +226,11 @@ class RunnerPatches:
         num_reqs = int(bound["num_reqs"])
         batch = self.runner.input_batch
         past_prompt = batch.num_computed_tokens_cpu[:num_reqs] >= batch.num_prompt_tokens[:num_reqs]
+        # speculative decoding: this step's draft tokens per request, as the runner's batch holds them (set from
+        # the scheduler's scheduled_spec_decode_tokens before the step is decided)
+        drafts = [len(t) for t in batch.spec_token_ids[:num_reqs]] if self.runner.speculative_config else None
         return decide(self.policy, bound["num_scheduled_tokens_np"][:num_reqs], past_prompt, allowed=allowed,
-                      padded_tokens=padded_tokens, cascade=bool(bound.get("use_cascade_attn", False)))
+                      padded_tokens=padded_tokens, cascade=bool(bound.get("use_cascade_attn", False)), drafts=drafts)
 
     def _determine_agreed(self, *args: Any, **kwargs: Any) -> Any:
         """Data parallel: agree with the other ranks first (tbo's deadline bounds that wait: a stalled or dead peer

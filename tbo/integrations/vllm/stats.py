@@ -29,6 +29,16 @@ class StepStats:
     steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     split_steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     cut_requests: int = 0  #: split steps whose cut fell inside a request (a prefill chunk in two microbatches)
+    #: speculative decoding: target steps that verified draft tokens, those split (never inside a request's 1 + k
+    #: tokens), those of them whose requests brought different draft counts, and the draft tokens they verified
+    verify_steps: int = 0
+    split_verify_steps: int = 0
+    split_verify_steps_varying_k: int = 0
+    verified_draft_tokens: int = 0
+    #: speculative decoding with a drafter that runs a model (MTP, a draft model): its forward passes through tbo,
+    #: and those split
+    draft_steps: int = 0
+    split_draft_steps: int = 0
     #: AFD: stages (one layer of one microbatch) sent to the FFN server; this and the next count every forward
     afd_stages_sent: int = 0
     local_ffn_calls: int = 0  #: FFN or MoE computations on this side (0 under AFD: the FFN server makes them)
@@ -61,6 +71,13 @@ class StepStats:
             self.split_tokens += num_tokens
             self.split_steps_by_mode[mode] += 1
             self.cut_requests += int(cut_request)
+
+    def record_verify(self, draft_tokens: int, split: bool, varying: bool) -> None:
+        """Count one target step that verified ``draft_tokens`` draft tokens (after `record`)."""
+        self.verify_steps += 1
+        self.verified_draft_tokens += draft_tokens
+        self.split_verify_steps += int(split)
+        self.split_verify_steps_varying_k += int(split and varying)
 
     def add_op_times(self, seconds: dict[str, float], calls: dict[str, int], layers_seconds: float) -> None:
         """Add one step's `tbo.runtime.op_times.OpTimes` figures and its layer stack's wall time."""
@@ -112,7 +129,10 @@ PROCESS_STATS = StepStats()
 def stats() -> dict[str, Any]:
     """What TBO did in this process since it started (or since `reset_stats`): ``steps``, ``split_steps``,
     ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``; ``idle``: a
-    data-parallel rank's dummy steps while its peers work), ``cut_requests``, ``afd_stages_sent`` and
+    data-parallel rank's dummy steps while its peers work), ``cut_requests``; with speculative decoding
+    ``verify_steps``, ``split_verify_steps``, ``split_verify_steps_varying_k`` (split verify steps whose requests
+    brought different draft counts), ``verified_draft_tokens``, and for a drafter that runs a model ``draft_steps``
+    and ``split_draft_steps``; ``afd_stages_sent`` and
     ``local_ffn_calls`` (attention-FFN disaggregation), and with data parallel + expert parallel ``ep_size``,
     ``remote_rows`` (token rows sent to other ranks), ``count_exchanges`` (dispatches that waited on a row-count
     exchange: none once the step agreed every rank's rows), ``peer_strategy_steps``, ``idle_skipped`` (idle steps

@@ -6,6 +6,13 @@ scheduled tokens, so a step can be cut between requests or, when the boundaries 
 chunk (the later part then attends over the earlier part through the KV cache, which the earlier microbatch's
 attention has written by then: microbatch 0 always runs a layer's attention first).
 
+With speculative decoding a step verifies drafts: a request brings 1 + k tokens, k its own draft count (ngram
+proposes a different k per request). Such a step, every request past its prompt, is TARGET_VERIFY to the policy:
+decode-like, cut between requests only (uniform k: ``token_num_per_seq`` = 1 + k; varying k: the request boundary
+that best balances tokens, `tbo.split.index.verify_cuts`). In a step that also prefills, a cut the policy put inside
+a drafted request moves to that request's nearer boundary. vLLM's rejection sampling and spec-decode metadata see the
+whole step, as without tbo: only the layers run in microbatches.
+
 A step does not split when the policy says no, when vLLM's prefix-cache rule forbids it (a request reading blocks
 another request of the same step is writing now), when it uses cascade attention, or when the runner padded it.
 """
@@ -13,9 +20,12 @@ another request of the same step is writing now), when it uses cascade attention
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Sequence
 
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
+from tbo.split.index import Cut
+from tbo.split.plan import plan_from_cuts
 
 __all__ = ["Step", "decide", "microbatch_rows", "ubatch_slices"]
 
@@ -34,6 +44,10 @@ class Step:
     #: data parallel: what the ranks agreed beyond the plan and the strategy (`tbo.integrations.vllm.dp.DpStep`:
     #: an empty tail, every rank's rows); None: this engine decided alone
     dp: Any = None
+    #: speculative decoding: the draft tokens this step verifies (0: none, not a verify step)
+    draft_tokens: int = 0
+    #: a verify step whose requests bring different draft counts (k varies between them)
+    varying_drafts: bool = False
 
     @property
     def strategy_mode(self) -> str:
@@ -43,8 +57,9 @@ class Step:
 
     @property
     def own_strategy(self) -> str:
-        """The strategy this step's own batch needs: decode for decode-only steps, prefill otherwise."""
-        return "decode" if self.forward_mode is ForwardMode.DECODE else "prefill"
+        """The strategy this step's own batch needs: decode for decode-like steps (a verify step too), prefill
+        otherwise."""
+        return "decode" if self.forward_mode.is_decode_like else "prefill"
 
     @property
     def runner_split(self) -> bool:
@@ -53,7 +68,7 @@ class Step:
 
 
 def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[bool], *, allowed: bool,
-           padded_tokens: int, cascade: bool = False) -> Step:
+           padded_tokens: int, cascade: bool = False, drafts: Sequence[int] | None = None) -> Step:
     """The `Step` for requests with ``scheduled`` tokens each, ``past_prompt[i]`` True for a decoding request.
 
     ``allowed`` is False when vLLM's own microbatching veto applies; ``padded_tokens`` is the token count the
@@ -61,16 +76,47 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
     ``cascade``: the step uses cascade attention, whose shared-prefix metadata spans every request of the step;
     vLLM's DBO turns it off while microbatching, and a step that has it is not split here. (vLLM 0.32 removed
     cascade attention and always passes False; the veto stays for runners that still pass True.)
+    ``drafts``: speculative decoding, each request's draft tokens to verify this step (None or all 0: none).
     """
     lens = [int(n) for n in scheduled]
     decoding = sum(bool(p) for p in past_prompt)
     mode = "decode" if decoding == len(lens) else "prefill" if decoding == 0 else "mixed"
     num_tokens = sum(lens)
-    fmode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.EXTEND
+    k = [int(d) for d in drafts] if drafts is not None else [0] * len(lens)
+    if len(k) != len(lens):
+        raise ValueError(f"drafts gives {len(k)} requests' draft counts for a step of {len(lens)} requests")
+    draft_tokens = sum(k)
+    if draft_tokens and mode == "decode":  # a verify step: 1 + k tokens per request
+        fmode = ForwardMode.TARGET_VERIFY
+    else:
+        fmode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.EXTEND
     plan = None
     if allowed and not cascade and padded_tokens == num_tokens and len(lens) > 0:
-        plan = policy.plan(fmode, num_tokens, None if fmode is ForwardMode.DECODE else lens)
-    return Step(mode, fmode, num_tokens, plan)
+        if fmode is ForwardMode.TARGET_VERIFY and len(set(lens)) == 1:
+            plan = policy.plan(fmode, num_tokens, None, lens[0])  # uniform k: token_num_per_seq
+        else:
+            plan = policy.plan(fmode, num_tokens, None if fmode is ForwardMode.DECODE else lens)
+        if plan is not None and draft_tokens and plan.two_chunk:
+            plan = _keep_drafts_whole(policy, plan, lens, k)
+    varying = draft_tokens > 0 and len({d for d, p in zip(k, past_prompt) if p}) > 1
+    return Step(mode, fmode, num_tokens, plan, draft_tokens=draft_tokens, varying_drafts=varying)
+
+
+def _keep_drafts_whole(policy: SplitPolicy, plan: SplitPlan, lens: list[int], drafts: list[int]) -> SplitPlan | None:
+    """``plan`` with every cut that falls inside a request verifying drafts moved to that request's nearer boundary
+    (a prefill chunk may still be cut); None where that leaves a microbatch empty."""
+    starts = [0, *accumulate(lens)]
+    cuts = []
+    for cut in plan.cuts:
+        if cut.inside and drafts[cut.seq_index]:
+            lo, hi = starts[cut.seq_index], starts[cut.seq_index + 1]
+            left = lo > 0 and (cut.token_index - lo <= hi - cut.token_index or hi == starts[-1])
+            cut = Cut(lo, cut.seq_index, False) if left else Cut(hi, cut.seq_index + 1, False)
+        cuts.append(cut)
+    bounds = [0, *(c.token_index for c in cuts), starts[-1]]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        return None
+    return plan_from_cuts(plan.mode, lens, cuts, policy.pad_to_multiple)
 
 
 def microbatch_rows(plan: SplitPlan | None, num_tokens: int, num_microbatches: int) -> tuple[int, ...]:

