@@ -141,7 +141,30 @@ class StepAgreementHook:
         rows = agreed.rows
         if rows is not None and agreed.split and not split:  # the policy keeps it whole: each rank's total rows
             rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
-from dataclasses import dataclass, replace
+        return replace(step, plan=plan, agreed_strategy=strategy_mode, dp=DpStep(empty_tail, rows))
+
+    def coordinate(self, determine: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``_determine_batch_execution_and_padding`` (``determine``) for the step just agreed on.
+
+        vLLM's DP batch coordination there all-reduces each rank's token count again (with its microbatching
+        and CUDA-graph flags), right after the agreement that already carried every rank's rows. Where that is
+        all it would learn (no CUDA graphs: nothing pads, `merges_coordination`), ``determine`` runs under vLLM's
+        own ``skip_dp_coordination`` and the token counts come from the agreement: one collective per step instead
+        of two. Otherwise vLLM's all-reduce runs, under this hook's deadline, naming a stalled or lost peer."""
+        counts = self.last.tokens_per_rank if self.last is not None and self.merges_coordination else None
+        if counts is None:
+            for s in self.stats:
+                s.vllm_dp_all_reduces += 1
+            return call_bounded(self.group, self.timeout_s, "vLLM's DP batch coordination (all_reduce)", determine,
+                                *args, **kwargs)
+        import torch
+        from vllm.v1.worker.dp_utils import skip_dp_coordination
+
+        with skip_dp_coordination():
+            cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats = determine(*args, **kwargs)
+        if across_dp is not None:  # what vLLM's all-reduce gives without padding: each rank's own count
+            across_dp = torch.tensor(counts, dtype=torch.int32)
+        return cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats
 
 
 def agreement_config(engine: Any) -> dict[str, Any]:
