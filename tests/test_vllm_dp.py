@@ -137,8 +137,7 @@ def _coordinate_rank(rank: int, world: int) -> tuple:
             dist.all_reduce(counts)
         return "mode", skipped, False, counts, None
 
-    hook = StepAgreementHook(2, dist.group.WORLD, 30.0)
-    hook.stats = (StepStats(),)
+    hook = StepAgreementHook(2, dist.group.WORLD, 30.0, stats=(StepStats(),))
     out = []
     for merged in (True, False):
         hook.merges_coordination = merged

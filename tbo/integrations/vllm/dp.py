@@ -94,7 +94,7 @@ class StepAgreementHook:
     """Called by `RunnerPatches` with this rank's own `Step`; returns the step every rank agreed to run."""
 
     def __init__(self, num_microbatches: int, group: Any, timeout_s: float, config: Any = None,
-                 adaptive: Any = None) -> None:
+                 adaptive: Any = None, merges_coordination: bool = False, stats: tuple[Any, ...] = ()) -> None:
         if num_microbatches > MAX_AGREED_MICROBATCHES:
             _refuse("num_microbatches", num_microbatches, f"at most {MAX_AGREED_MICROBATCHES} with data parallel",
                     "the step agreement carries every rank's rows per microbatch in a table of fixed width")
@@ -106,11 +106,11 @@ class StepAgreementHook:
         #: (`tbo.integrations.vllm.adaptive.AdaptiveSteps.agreed`); None: the thresholds decide
         self.adaptive = adaptive
         #: the agreement answers vLLM's DP batch coordination (`coordinate`): True when no CUDA graph pads a step
-        #: (`install_data_parallel` sets it from the engine's compilation config; the same on every rank: checked)
-        self.merges_coordination = False
+        #: (from the engine's compilation config, the same on every rank: its ``cudagraph_mode`` is agreed)
+        self.merges_coordination = merges_coordination
         #: where `coordinate` counts the steps whose vLLM DP batch coordination ran its own all-reduce
-        #: (``StepStats.vllm_dp_all_reduces``; `install_data_parallel` sets it)
-        self.stats: tuple[Any, ...] = ()
+        #: (``StepStats.vllm_dp_all_reduces``)
+        self.stats = stats
 
     def __call__(self, step: Step, vetoed: bool) -> Step:
         adaptive = self.adaptive
@@ -232,12 +232,12 @@ def install_data_parallel(engine: Any) -> None:
     from tbo.integrations.vllm.stats import PROCESS_STATS
 
     runner, patches, loop = engine.runner, engine.patches, engine.loop
-    agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group, engine.config.comm_timeout_s,
-                              agreement_config(engine), adaptive=engine.adaptive)
     from vllm.config import CUDAGraphMode
 
-    agree.merges_coordination = runner.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
-    agree.stats = (loop.stats, PROCESS_STATS)
+    agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group, engine.config.comm_timeout_s,
+                              agreement_config(engine), adaptive=engine.adaptive,
+                              merges_coordination=runner.compilation_config.cudagraph_mode == CUDAGraphMode.NONE,
+                              stats=(loop.stats, PROCESS_STATS))
     patches.agree_with_peers(agree)
     for s in (loop.stats, PROCESS_STATS):
         s.ep_size = engine.ep_size

@@ -71,10 +71,10 @@ class LayerLoop:
 
         hidden = self.ends.start(input_ids, inputs_embeds)
         step = self.patches.step  # None in profiling and warm-up runs: they run unsplit, uncounted
-        if step is not None and step.dp is not None and step.dp.all_idle:  # every DP rank idle: nobody needs a dispatch
+        dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.dp`)
+        if dp is not None and dp.all_idle:  # every DP rank idle: nobody needs a dispatch
             return self._skip_idle(hidden)
         plan = step.plan if step is not None else None
-        dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.dp`)
         observer = None
         if plan is not None:
             if hidden.shape[0] != plan.num_tokens:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.checks import _refuse
 
 __all__ = ["ADMITTED_METHODS", "check_speculative"]
 
@@ -26,11 +26,10 @@ def check_speculative(spec: Any) -> None:
     method = getattr(spec, "method", None)
     if method in ADMITTED_METHODS:
         return
-    accepted = ", ".join(repr(m) for m in ADMITTED_METHODS)
     why = ("its drafter runs a model of its own outside tbo's layer loop" if method in _MODEL_DRAFTERS
            else "not tested with tbo")
-    raise TboConfigError(f"additional_config['tbo'] with speculative_config method={method!r}: not supported "
-                         f"({why}); accepted: {accepted}, or no speculative_config")
+    _refuse("speculative_config method", method, ", ".join(repr(m) for m in ADMITTED_METHODS)
+            + ", or no speculative_config", why)
 
 
 _MODEL_DRAFTERS = ("mtp", "eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "dflash", "dspark")
