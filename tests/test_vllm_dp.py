@@ -461,8 +461,10 @@ def _live_members(pgid: int) -> list[int]:
 
 
 def _signal_rank_1_mid_generation(models: dict, tmp_path: Path, sig: int, timeout_s: float) -> tuple:
-    """Two DP ranks generating 200 tokens each, ``comm_timeout_s=timeout_s``; once both generate, ``sig`` goes to
-    rank 1's whole process group. Returns rank 0's `RankRun` (once it exited, or ``timeout_s + 90`` s passed) and
+    """Two DP ranks generating three rounds of 240 tokens each, ``comm_timeout_s=timeout_s``; a second after both
+    began the first round, ``sig`` goes to rank 1's whole process group. The work is sized so that no machine finishes
+    it first: a fast CI machine generated one round of 200 tokens in 2.8 s, and a survivor that finished its rounds
+    before the signal would exit cleanly (a wait between rounds times out after ``timeout_s`` too). Returns rank 0's `RankRun` (once it exited, or ``timeout_s + 90`` s passed) and
     the live processes of rank 1's group at that moment. Every process is gone when it returns (a stopped one takes
     SIGKILL too)."""
     from tbo.harness.launch import free_port
@@ -471,8 +473,8 @@ def _signal_rank_1_mid_generation(models: dict, tmp_path: Path, sig: int, timeou
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     spec = dict(model=str(models["qwen3_moe"]), engine={**ENGINE, "dtype": "float32", "enable_expert_parallel": True},
-                tbo={**TBO, "comm_timeout_s": timeout_s}, max_tokens=200, barrier_dir=str(barrier),
-                rounds=[[_prompt(4, s) for s in range(6)]])
+                tbo={**TBO, "comm_timeout_s": timeout_s}, max_tokens=240, barrier_dir=str(barrier),
+                barrier_s=timeout_s, rounds=[[_prompt(4, s) for s in range(6)]] * 3)
     port = free_port()
     runs = [start_rank(k, 2, port, spec) for k in range(2)]
     try:
@@ -480,7 +482,7 @@ def _signal_rank_1_mid_generation(models: dict, tmp_path: Path, sig: int, timeou
         while not all((barrier / f"round0-{k}").exists() for k in range(2)):
             assert time.monotonic() < deadline and all(r.proc.poll() is None for r in runs), "ranks did not start"
             time.sleep(0.1)
-        time.sleep(3)  # both are generating (200 tokens each: far from done)
+        time.sleep(1)  # both are generating: past the prefill, seconds from the end of the first round
         assert all(r.proc.poll() is None for r in runs)
         stop(runs[1], sig)
         survivor = collect(runs[0], timeout_s=timeout_s + 90)
