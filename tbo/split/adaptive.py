@@ -6,10 +6,18 @@ per deployment. This policy learns it from what an engine already measures, a st
 anyway when it samples: no device sync and no per-op timing in the hot path.
 
 Per step kind (``decode``, ``prefill``, ``mixed``) and token-count bucket (powers of two) it keeps, for each `Choice`
-(unsplit, or a strategy with a microbatch count), the time per token as a moving average. It runs the cheapest
-choice of the bucket (the incumbent), explores the others a bounded share of the steps, and lets a challenger take
-over only when it is cheaper by a margin (hysteresis), so that near-ties do not flap and a cost that changes
-mid-run is followed within a bounded number of steps. It starts from a prior when given one (the predictor's
+(unsplit, or a strategy with a microbatch count), its last ``window`` times per token, and estimates the choice's
+cost as their lower median. A moving average would not do: wall times on a shared host have outliers that only
+ever slow a step (a page fault, a neighbour's burst, a peer's late arrival), and a challenger is sampled only every
+twentieth step or so, so one outlier in its average would stand for a hundred steps, and so would the wrong choice
+it caused (an engine test over an emulated link kept splitting 2-token decode steps at 0.98x that way). The lower
+median of five ignores two such outliers, and a cost that really changes shows in it after three samples.
+
+It runs the cheapest choice of the bucket (the incumbent), explores the others a bounded share of the steps, and
+lets a challenger take over only when it is cheaper by a margin (hysteresis), so that near-ties do not flap and a
+cost that changes mid-run is followed within a bounded number of steps. The margin is one-sided toward not
+splitting: a split must beat unsplit by it to be taken, and gives way as soon as unsplit is measured no slower, so
+that a split is never kept where it does not pay (the band is as wide as a symmetric one, so ties do not flap). It starts from a prior when given one (the predictor's
 `tbo.tools.predict.split_policy` for a named GPU and EP size, or any `SplitPolicy`), and from unsplit otherwise.
 
 It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
@@ -84,7 +92,8 @@ class AdaptiveConfig(BaseModel):
                                                            "run a choice other than its incumbent")
     hysteresis: float = Field(default=0.05, description="a challenger replaces the incumbent only when its time per "
                                                         "token is lower by this share")
-    smoothing: float = Field(default=0.3, description="weight of a new measurement in a choice's moving average")
+    window: int = Field(default=5, description="a choice's cost is the lower median of its last `window` times per "
+                                               "token: robust to (window - 1) // 2 outliers")
 
     @model_validator(mode="after")
     def _check(self) -> "AdaptiveConfig":
@@ -94,8 +103,8 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"explore_share must be in [0, 0.5], got {self.explore_share}")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
-        if not 0 < self.smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
         return self
 
 
@@ -116,12 +125,13 @@ def prior_from_policy(policy: SplitPolicy, choices: Mapping[str, Sequence[Choice
 
 @dataclass
 class _Table:
-    """One bucket's measurements and decision state; ``cost[i]`` is choice ``i``'s seconds per token (None: never
-    measured)."""
+    """One bucket's measurements and decision state; ``cost[i]`` is choice ``i``'s estimated seconds per token
+    (None: never measured), the lower median of ``recent[i]``, its last ``window`` measurements."""
 
     choices: tuple[Choice, ...]
     incumbent: int
     cost: list[float | None] = field(default_factory=list)
+    recent: list[list[float]] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     tried: list[int] = field(default_factory=list)  #: steps each choice was chosen for
     last: list[int] = field(default_factory=list)  #: the step each choice was last chosen at
@@ -132,6 +142,7 @@ class _Table:
     def __post_init__(self) -> None:
         k = len(self.choices)
         self.cost, self.samples, self.tried, self.last = [None] * k, [0] * k, [0] * k, [-1] * k
+        self.recent = [[] for _ in range(k)]
 
 
 class AdaptiveSplit:
@@ -200,13 +211,17 @@ class AdaptiveSplit:
 
     def _settled(self, table: _Table) -> int:
         """The incumbent after this table's measurements: the cheapest measured choice when it beats the incumbent
-        by the hysteresis margin (an unmeasured incumbent, the prior's, stays until it has run)."""
+        by the hysteresis margin (an unmeasured incumbent, the prior's, stays until it has run); and unsplit (choice
+        0), once measured, in place of a split that is not cheaper than it (the margin is one-sided: module
+        docstring)."""
         inc, cost = table.incumbent, table.cost
         measured = [i for i, c in enumerate(cost) if c is not None]
         if not measured or cost[inc] is None:
             return inc
         best = min(measured, key=lambda i: (cost[i], i != inc, i))
-        return best if cost[best] < cost[inc] * (1 - self.config.hysteresis) else inc
+        settled = best if cost[best] < cost[inc] * (1 - self.config.hysteresis) else inc
+        unsplit = cost[0]
+        return 0 if settled and unsplit is not None and unsplit <= cost[settled] else settled
 
     def observe(self, kind: str, num_tokens: int, choice: Choice, seconds: float) -> None:
         """A step of ``kind`` with ``num_tokens`` ran ``choice`` (what ran: unsplit when the chosen split found no
@@ -217,9 +232,10 @@ class AdaptiveSplit:
         if choice not in table.choices:
             raise ValueError(f"{choice} is not one of the {kind} choices: {', '.join(map(str, table.choices))}")
         i = table.choices.index(choice)
-        per_token = seconds / max(num_tokens, 1)
-        old = table.cost[i]
-        table.cost[i] = per_token if old is None else old + self.config.smoothing * (per_token - old)
+        recent = table.recent[i]
+        recent.append(seconds / max(num_tokens, 1))
+        del recent[:-self.config.window]
+        table.cost[i] = sorted(recent)[(len(recent) - 1) // 2]
         table.samples[i] += 1
 
     # ---- what it decided, for stats() and a log line ----------------------------------------------------------
