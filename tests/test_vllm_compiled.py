@@ -57,7 +57,7 @@ def test_compiled_qwen3_moe_tokens_equal_compiled_vllm_and_the_steps_split(compi
 
     engine = _runner(compiled_tbo).tbo
     # the engine is compiled: vLLM's wrapper compiled (or loaded from its cache) the model's graph
-    assert engine.compiled is not None and vars(_runner(compiled_tbo).model.model).get("compiled"), compiles()
+    assert engine.forwards is not None and vars(_runner(compiled_tbo).model.model).get("compiled"), compiles()
     out, delta = _run(compiled_tbo, CASES[scenario])
     assert _tokens(out) == compiled_reference[scenario]
     assert delta["split_steps"] > 0 and delta["split_steps_by_mode"][mode] > 0, delta
@@ -72,12 +72,12 @@ def test_split_and_compiled_unsplit_steps_in_one_run_and_no_recompilation(compil
     from tbo.integrations.vllm.compiled import compiles
 
     engine = _runner(compiled_tbo).tbo
-    before, compiled_before = compiles(), engine.compiled.compiled_steps
+    before, compiled_before = compiles(), engine.forwards.vllm_steps
     for _ in range(3):
         out, delta = _run(compiled_tbo, TAIL, max_tokens=TAIL_TOKENS)
         assert _tokens(out) == compiled_reference["tail"]
         assert delta["split_steps_by_mode"]["decode"] > 0, delta
         assert delta["steps"] > delta["split_steps"], delta  # unsplit steps ran too, and were counted
-    assert engine.compiled.compiled_steps > compiled_before
+    assert engine.forwards.vllm_steps > compiled_before
     assert compiles() == before, (before, compiles())  # no step recompiled once warm
     assert "forward" not in vars(_runner(compiled_tbo).model.model)  # the split step's forward is put back

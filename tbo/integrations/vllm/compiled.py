@@ -12,6 +12,13 @@ attributes only (nothing on the class):
   modules, each a kernel call), and a split decode step reads nothing on the host (`tbo.comm.devices.no_host_reads`):
   what a per-op or whole-schedule trace of fixed shapes would need.
 
+An eager engine whose unsplit step vLLM's own forward computes exactly as tbo's layers would (one rank, tbo's
+local backend with no emulated link, no data parallelism, no AFD, no ``op_times``: `vllm_runs_unsplit`) takes the
+same per-step choice: its unsplit steps run vLLM's own eager forward, so that they cost what they cost without tbo
+(tbo's layer ops over the local backend route and permute in Python-driven kernels vLLM's fused MoE does not need:
++15% of a 128-request decode step on 2 cores). Where tbo's dispatch is the point (a link, expert parallelism, AFD),
+every step runs the layer loop.
+
 A graph key here is vLLM's: one trace of its forward with a dynamic token dimension, so tbo causes no compile at all;
 `compiles` reports vLLM's compilation counter, so that a test can see that no step recompiles after warm-up.
 """
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CompiledSteps", "compiles", "is_compiled"]
+__all__ = ["StepForwards", "compiles", "is_compiled", "vllm_runs_unsplit"]
 
 
 def is_compiled(model: Any) -> bool:
@@ -40,27 +47,41 @@ def compiles() -> dict[str, int]:
             "artifacts_loaded": c.num_compiled_artifacts_loaded, "dynamo_graphs": counters["stats"]["unique_graphs"]}
 
 
-class CompiledSteps:
-    """Per compiled engine: which forward the inner ``model`` runs in the step just decided (see the module
-    docstring). ``counters``: the `StepStats` that count the unsplit steps, which never reach the layer loop."""
+def vllm_runs_unsplit(*, backend: Any, afd: Any, data_parallel_size: int, op_times: bool) -> bool:
+    """Whether vLLM's own forward computes an unsplit step as tbo's layer loop would, so that an eager engine's
+    unsplit steps can run it (the module docstring): tbo's plain local backend (every expert here, no emulated link:
+    vLLM's fused MoE is the same routing and experts), one DP rank, no AFD (the FFN lives elsewhere) and no
+    ``op_times`` (it times tbo's ops on every counted step)."""
+    from tbo.comm.alltoall import LocalBackend
+
+    return type(backend) is LocalBackend and afd is None and data_parallel_size == 1 and not op_times
+
+
+class StepForwards:
+    """Per engine that lets vLLM run its unsplit steps (compiled engines, and eager ones where `vllm_runs_unsplit`):
+    which forward the inner ``model`` runs in the step just decided (see the module docstring). ``counters``: the
+    `StepStats` that count the unsplit steps, which never reach the layer loop."""
 
     def __init__(self, model: Any, loop: Any, counters: tuple[Any, ...]) -> None:
         self.model, self.loop, self.counters = model, loop, counters
-        self._do_not_compile = model.do_not_compile  # vLLM's own value, put back after every split step
-        self.split_steps = self.compiled_steps = 0
+        #: vLLM's own ``do_not_compile`` (None: the model has no compile wrapper), put back after every split step
+        self._do_not_compile = vars(model).get("do_not_compile")
+        self.split_steps = self.vllm_steps = 0
 
     def on_step(self, step: Any) -> None:
         """``step`` was just decided (None: the step is over, or a run with no decision: profiling, warm-up)."""
         model = self.model
         if step is not None and step.plan is not None:
             model.forward = self.loop
-            model.do_not_compile = True
+            if self._do_not_compile is not None:
+                model.do_not_compile = True
             self.split_steps += 1
             return
         model.__dict__.pop("forward", None)
-        model.do_not_compile = self._do_not_compile
-        if step is not None and step.mode != "warmup":  # vLLM's compiled graph runs it: count it here
-            self.compiled_steps += 1
+        if self._do_not_compile is not None:
+            model.do_not_compile = self._do_not_compile
+        if step is not None and step.mode != "warmup":  # vLLM's own forward (or compiled graph) runs it: count it
+            self.vllm_steps += 1
             for s in self.counters:
                 s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, 1, False)
 

@@ -2,11 +2,13 @@
 
 Installing changes four attributes of this runner and its model, all on the instances (no class is touched), and
 reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.fixes`):
-the inner model's ``forward`` becomes the tbo `LayerLoop` (on a compiled engine, only for the steps tbo splits:
-`tbo.integrations.vllm.compiled`); the runner's ``execute_model`` runs inside the scoped
-`RunnerPatches`; its ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's
-own code, seeing microbatching on) and asserts it did (`check_metadata_builders`, a named `MetadataBuilderError`); its ``shutdown`` first takes tbo off (the instance attributes are deleted, so vLLM's own methods
-are what remains), logs the one summary line, and writes ``stats_file`` if asked, then always runs vLLM's own
+the inner model's ``forward`` becomes the tbo `LayerLoop` (only for the steps tbo splits where vLLM's own forward
+runs the others: compiled engines, and eager ones on one rank with the local backend,
+`tbo.integrations.vllm.compiled`); the runner's ``execute_model`` runs inside the scoped `RunnerPatches`; its
+``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's own code, seeing
+microbatching on) and asserts it did (`check_metadata_builders`, a named `MetadataBuilderError`); its ``shutdown``
+first takes tbo off (the instance attributes are deleted, so vLLM's own methods are what remains), logs the one
+summary line, and writes ``stats_file`` if asked, then always runs vLLM's own
 ``shutdown``: a failure of tbo's part is logged, never allowed to skip vLLM's.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 from tbo import strategies
 from tbo.core.errors import StrategyError
 from tbo.integrations.vllm.backend import make_backend
-from tbo.integrations.vllm.compiled import CompiledSteps, is_compiled
+from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_runs_unsplit
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
@@ -107,10 +109,13 @@ class TboEngine:
             logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform "
                            "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
                            "tbo.integrations.vllm.fixes", len(self.rotary_fix))
-        #: compiled engines (no enforce_eager): which forward each step runs (`tbo.integrations.vllm.compiled`)
-        self.compiled = None
-        if is_compiled(model):
-            self.compiled = CompiledSteps(model, self.loop, (step_stats, PROCESS_STATS))
+        #: which forward each step runs, where vLLM's own runs the unsplit ones (`tbo.integrations.vllm.compiled`):
+        #: compiled engines, and eager ones whose unsplit step vLLM's forward computes as tbo's loop would
+        self.forwards = None
+        if is_compiled(model) or vllm_runs_unsplit(
+                backend=self.backend, afd=self.afd, op_times=config.op_times,
+                data_parallel_size=vllm_config.parallel_config.data_parallel_size):
+            self.forwards = StepForwards(model, self.loop, (step_stats, PROCESS_STATS))
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.dp import install_data_parallel
@@ -160,10 +165,10 @@ class TboEngine:
                 logger.exception("tbo: taking tbo off the runner failed; vLLM's own shutdown goes on")
             return shutdown(*args, **kwargs)
 
-        if self.compiled is None:
+        if self.forwards is None:
             self._model.forward = self.loop
-        else:  # compiled: vLLM's graph for unsplit steps, the loop for split ones, chosen per step
-            self.patches.on_step = self.compiled.on_step
+        else:  # vLLM's forward (or graph) for unsplit steps, the loop for split ones, chosen per step
+            self.patches.on_step = self.forwards.on_step
         runner.execute_model, runner.shutdown = execute_model, shutdown_
         if self.adaptive is not None:
             runner.sample_tokens = sample_tokens
@@ -180,9 +185,9 @@ class TboEngine:
                           (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
                           (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
-        if self.compiled is not None:
+        if self.forwards is not None:
             self.patches.on_step = None
-            self.compiled.close()
+            self.forwards.close()
         try:
             if self.afd is not None:
                 self.afd.close()

@@ -139,8 +139,8 @@ class RunnerPatches:
         self._determine_vllm: Callable[..., Any] = getattr(cls, _DETERMINE).__get__(runner)
         self._signature = inspect.signature(self._determine_vllm)
         self._step: Step | None = None
-        #: called with each step as it is decided, and with None when the step is over (compiled engines:
-        #: `tbo.integrations.vllm.compiled.CompiledSteps.on_step` picks the forward the step runs)
+        #: called with each step as it is decided, and with None when the step is over (where vLLM runs unsplit steps:
+        #: `tbo.integrations.vllm.compiled.StepForwards.on_step` picks the forward the step runs)
         self.on_step: Callable[[Step | None], None] | None = None
         self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
         #: data parallel: settles each step with the other DP ranks (``agree(step, vetoed) -> Step``) and runs vLLM's
