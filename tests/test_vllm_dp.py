@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from test_vllm import _pinned
+
 from tbo.core.errors import CommTimeoutError
 from tbo.split.agree import StepVote, agree_step, decide_step
 
@@ -312,7 +314,7 @@ def _reference(model: Path, rounds: list[list[list[int]]], **kw) -> list:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(model), **{**ENGINE, **kw})
+    llm = LLM(model=str(model), **_pinned(model, {**ENGINE, **kw}))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
     try:
         return [[o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
@@ -330,7 +332,7 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
     barrier = tmp_path / "barrier"
     barrier.mkdir(exist_ok=True)
     stats = tmp_path / "stats-{rank}.json"
-    specs = [dict(model=str(model), engine={**ENGINE, **kw, "enable_expert_parallel": True},
+    specs = [dict(model=str(model), engine=_pinned(model, {**ENGINE, **kw, "enable_expert_parallel": True}),
                   tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
                   barrier_dir=str(barrier)) for rounds in rounds_per_rank]
     runs = run_dp(specs, timeout_s=timeout_s)

@@ -96,9 +96,15 @@ class VllmFFNModel:
             from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
             _set_torch_accelerator_to_noop()
-        args = EngineArgs(model=model_dir, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                          max_num_batched_tokens=max_tokens, kv_cache_memory_bytes=1 << 20)
-        self.vllm_config = config = args.create_engine_config()
+        engine = dict(model=model_dir, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                      max_num_batched_tokens=max_tokens, kv_cache_memory_bytes=1 << 20)
+        config = EngineArgs(**engine).create_engine_config()
+        if self.platform == "cpu" and config.model_config.use_mla:
+            # the server runs no attention, but get_model builds the whole model; on a CPU with AMX tiles vLLM
+            # picks its AMX MLA backend, whose weight packing at load takes bf16 only: the reference CPU MLA backend
+            # loads every dtype (on any CPU) and is never called here
+            config = EngineArgs(**engine, attention_config={"backend": "CPU_MLA"}).create_engine_config()
+        self.vllm_config = config
         self.family = family_of(getattr(config.model_config.hf_config, "architectures", None))
         with set_current_vllm_config(config), _loopback_gloo():
             backend = "gloo" if self.platform == "cpu" else current_platform.dist_backend
