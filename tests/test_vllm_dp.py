@@ -806,8 +806,10 @@ def test_two_nodes_on_loopback_tokens_equal_and_a_killed_node_is_named(top3_mode
     """DP = 2 + EP as two nodes on loopback, as vLLM's multi-node example launches them: one process per node, each
     DP rank the only one of its node (``VLLM_DP_RANK_LOCAL=0``, its own core), both pointed at 127.0.0.1. A top-3
     model under uneven load (one-row receives of 292-byte records). Round 0: tokens of both nodes equal vLLM's
-    DP = 1, both split and sent rows to the other node. Round 1 (200 tokens each): node 1 is killed; node 0 fails
-    with tbo's `CommTimeoutError` naming its rank, within ``comm_timeout_s`` plus teardown."""
+    DP = 1, both split and sent rows to the other node. Rounds 1 to 3 (240 tokens each): a second into round 1 node 1
+    is killed; node 0 fails with tbo's `CommTimeoutError` naming its rank, within ``comm_timeout_s`` plus teardown.
+    The work after the kill is sized as `_signal_rank_1_mid_generation`'s: a Sapphire Rapids CI machine generated one
+    round of 200 tokens in 2.3 s, before a 3 s sleep ended, and node 0 then exited cleanly."""
     from tbo.harness.launch import free_port
     from tbo.harness.vllm_dp import collect, start_rank, stop
 
@@ -817,8 +819,10 @@ def test_two_nodes_on_loopback_tokens_equal_and_a_killed_node_is_named(top3_mode
     barrier, stats = tmp_path / "barrier", tmp_path / "stats-{rank}.json"
     barrier.mkdir()
     engine = {**ENGINE, "dtype": "float32", "enable_expert_parallel": True}
-    specs = [dict(model=str(top3_model), engine=engine, max_tokens=[MAX_TOKENS, 200], barrier_dir=str(barrier),
-                  tbo={**TBO, "comm_timeout_s": timeout_s, "stats_file": str(stats)}, rounds=r) for r in rounds]
+    specs = [dict(model=str(top3_model), engine=engine, max_tokens=[MAX_TOKENS, 240, 240, 240],
+                  barrier_dir=str(barrier), barrier_s=timeout_s,
+                  tbo={**TBO, "comm_timeout_s": timeout_s, "stats_file": str(stats)}, rounds=r + [r[1]] * 2)
+             for r in rounds]
     port = free_port()
     runs = [start_rank(k, 2, port, specs[k], binds=str(k), local_rank=0) for k in range(2)]
     try:
@@ -829,7 +833,7 @@ def test_two_nodes_on_loopback_tokens_equal_and_a_killed_node_is_named(top3_mode
                     collect(r, 10, grace_s=10)
                 pytest.fail("the nodes did not reach round 1:\n" + "\n".join(r.tail(6000) for r in runs))
             time.sleep(0.1)
-        time.sleep(3)  # both generate round 1 (200 tokens each: far from done)
+        time.sleep(1)  # both generate round 1: past the prefill, seconds from the end of round 3
         assert all(r.proc.poll() is None for r in runs)
         per_rank = [json.loads(Path(str(stats).replace("{rank}", str(k))).read_text()) for k in range(2)]
         stop(runs[1], signal.SIGKILL)
