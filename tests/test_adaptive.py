@@ -75,6 +75,15 @@ def test_exploration_stays_within_its_bound():
     assert row["explored"] >= 0.9 * cfg.explore_share * row["steps"]  # and it does keep exploring, slowly
 
 
+def test_the_warm_up_runs_in_rounds_so_a_winner_runs_from_the_third_step():
+    """A prefill size seen once per wave has few steps in a bucket's life: the warm-up samples each choice once per
+    round, the incumbent first, so the split that pays (1.5x here) runs from the bucket's third step, and unsplit's
+    second sample comes after (the incumbent's own samples first would run unsplit twice before trying the split)."""
+    policy = AdaptiveSplit(CHOICES)
+    chosen = run(policy, 6, lambda s: 2048, lambda c, n: n * (1e-5 if c.split else 1.5e-5), kind="prefill")
+    assert chosen[:4] == [UNSPLIT, PREFILL, PREFILL, UNSPLIT] and chosen[4:] == [PREFILL, PREFILL]
+
+
 def test_no_exploration_after_warmup_when_share_is_zero():
     policy = AdaptiveSplit(CHOICES, AdaptiveConfig(explore_share=0, warmup_samples=1))
     chosen = run(policy, 500, lambda s: 100)

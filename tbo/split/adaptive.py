@@ -194,13 +194,13 @@ class AdaptiveSplit:
         steps = table.steps + 1
         pick, rationed = inc if inc in fits else 0, table.rationed
         challengers = [i for i in fits if i != pick]
-        # warm-up: the incumbent's own samples first, so that the warm-up explores each other choice at most
-        # warmup_samples times in the bucket's life (a later incumbent has had its samples by then)
-        warming = [i for i in challengers if table.tried[i] < cfg.warmup_samples]
-        if table.tried[pick] < cfg.warmup_samples:
-            pass
-        elif warming:
-            pick = min(warming, key=lambda i: (table.tried[i], i))
+        # warm-up in rounds: each round samples every choice once, the incumbent first, so that a challenger measured
+        # cheaper takes over before the next round (a bucket of few steps, a prefill size seen once per wave, runs
+        # its winner from its third step, not after the incumbent's own warm-up); a round explores each challenger
+        # once, so the warm-up explores each other choice at most warmup_samples times in the bucket's life
+        warming = [i for i in fits if table.tried[i] < cfg.warmup_samples]
+        if warming:
+            pick = min(warming, key=lambda i: (table.tried[i], i != pick, i))
         elif challengers and rationed + 1 <= cfg.explore_share * steps:
             pick, rationed = min(challengers, key=lambda i: (table.last[i], i)), rationed + 1
         table.incumbent, table.steps, table.rationed = inc, steps, rationed
