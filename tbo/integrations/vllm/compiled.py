@@ -25,9 +25,9 @@ A graph key here is vLLM's: one trace of its forward with a dynamic token dimens
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["StepForwards", "compiles", "is_compiled", "vllm_runs_unsplit"]
+__all__ = ["StepForwards", "compiles", "is_compiled", "vllm_graph_off", "vllm_runs_unsplit"]
 
 
 def is_compiled(model: Any) -> bool:
@@ -55,6 +55,20 @@ def vllm_runs_unsplit(*, backend: Any, afd: Any, data_parallel_size: int, op_tim
     from tbo.comm.alltoall import LocalBackend
 
     return type(backend) is LocalBackend and afd is None and data_parallel_size == 1 and not op_times
+
+
+def vllm_graph_off(model: Any) -> Callable[[], None]:
+    """A compiled engine whose every step runs tbo's loop (a link, data parallelism, ``op_times``: not
+    `vllm_runs_unsplit`): ``model``'s ``forward`` is the loop for good and vLLM's ``do_not_compile`` is set, so that
+    vLLM's graph of the whole model is never compiled (no step would run it; with expert parallelism its MoE would
+    move the tokens itself). Returns what puts vLLM's ``do_not_compile`` back (the engine deletes the forward)."""
+    saved = model.do_not_compile
+    model.do_not_compile = True
+
+    def restore() -> None:
+        model.do_not_compile = saved
+
+    return restore
 
 
 class StepForwards:

@@ -21,7 +21,8 @@ from typing import Any
 from tbo import strategies
 from tbo.core.errors import StrategyError
 from tbo.integrations.vllm.backend import make_backend
-from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_runs_unsplit
+from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_graph_off, vllm_runs_unsplit
+from tbo.integrations.vllm.compute import EAGER, CompiledCompute
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
@@ -85,8 +86,16 @@ class TboEngine:
             names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
             self.strategies = {mode: self._bind(getattr(names, mode), top_k)
                                for mode in ("decode", "prefill")}
+        #: the ops' tensor work: compiled in a compiled engine (`tbo.integrations.vllm.compute`), as it is otherwise
+        self.compute = CompiledCompute(vllm_config.compilation_config, (step_stats, PROCESS_STATS)) if is_compiled(
+            model) else EAGER
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)
+            layer.compute = self.compute
+        #: the most graphs the compiled ops can make (0 in an eager engine), reported with their count in `stats`
+        if self.compute.compiled:
+            for s in (step_stats, PROCESS_STATS):
+                s.op_compile_bound += CompiledCompute.bound(self.layers)
         self.adaptive = None
         if config.split == "adaptive":  # the thresholds give way to measured step costs
             from tbo.integrations.vllm.adaptive import LIVE, AdaptiveSteps
@@ -110,12 +119,16 @@ class TboEngine:
                            "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
                            "tbo.integrations.vllm.fixes", len(self.rotary_fix))
         #: which forward each step runs, where vLLM's own runs the unsplit ones (`tbo.integrations.vllm.compiled`):
-        #: compiled engines, and eager ones whose unsplit step vLLM's forward computes as tbo's loop would
+        #: engines, compiled or eager, whose unsplit step vLLM's forward computes as tbo's loop would
         self.forwards = None
-        if is_compiled(model) or vllm_runs_unsplit(
-                backend=self.backend, afd=self.afd, op_times=config.op_times,
-                data_parallel_size=vllm_config.parallel_config.data_parallel_size):
+        #: a compiled engine whose every step runs the loop: vLLM's ``do_not_compile`` to put back (its graph of the
+        #: whole model is never compiled: no step would run it)
+        self._graph_off: Any = None
+        if vllm_runs_unsplit(backend=self.backend, afd=self.afd, op_times=config.op_times,
+                             data_parallel_size=vllm_config.parallel_config.data_parallel_size):
             self.forwards = StepForwards(model, self.loop, (step_stats, PROCESS_STATS))
+        elif self.compute.compiled:
+            self._graph_off = vllm_graph_off(model)
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.dp import install_data_parallel
@@ -188,6 +201,9 @@ class TboEngine:
         if self.forwards is not None:
             self.patches.on_step = None
             self.forwards.close()
+        if self._graph_off is not None:
+            self._graph_off()
+            self._graph_off = None
         try:
             if self.afd is not None:
                 self.afd.close()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tbo.core.state import State
+from tbo.integrations.vllm.compute import EAGER, Compute
 from tbo.integrations.vllm.config import TboConfigError
 from tbo.integrations.vllm.structure import layer_structure
 from tbo.models.layer_ops import ExpertParallelOps
@@ -53,6 +54,9 @@ class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
     counters: tuple[Any, ...] = ()  #: the `StepStats` that count local_ffn_calls (the engine sets them)
+    #: the ops' tensor work (`tbo.integrations.vllm.compute`): as it is, or compiled in a compiled engine (the engine
+    #: sets it)
+    compute: Compute = EAGER
     #: True for `tbo.integrations.vllm.ep.EpDecoderLayer`: the experts are spread over data-parallel ranks
     expert_parallel = False
 
@@ -97,14 +101,27 @@ class VllmDecoderLayer(ExpertParallelOps):
     def __repr__(self) -> str:
         return f"VllmDecoderLayer({self.layer_idx}, {type(self.layer).__name__}, {self.kind})"
 
+    def compute_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The functions of `tbo.integrations.vllm.compute` this layer's ops call, each with the modules it is given:
+        what `CompiledCompute.bound` counts the graph keys of."""
+        layer, first = self.layer, self.layer_idx == 0 or self.residual_multiplier is not None
+        keys: list[tuple[str, tuple[Any, ...]]] = [("norm" if first else "add_norm", (layer.input_layernorm,))]
+        if self.split_attention:
+            keys.append(("qkv", (self.attn,)))
+        keys.append(("norm" if self.residual_multiplier is not None else "add_norm", (layer.post_attention_layernorm,)))
+        if self.runner is None:
+            return keys + [("mlp", (self.ffn,))]
+        keys += [("route", (self.runner.router,)), ("experts", (self.runner.routed_experts,))]
+        return keys + ([("mlp", (self.shared,))] if self.has_shared_experts else [])
+
     # ---- attention ---------------------------------------------------------------------------------------------
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,
                              residual: torch.Tensor | None = None) -> None:
         if residual is None:  # the first layer (the embeddings are the residual), or Granite's: its input is
             state.residual = hidden_states
-            state.attn_in = self.layer.input_layernorm(hidden_states)
+            state.attn_in = self.compute.norm(self.layer.input_layernorm, hidden_states)
         else:
-            attn_in, state.residual = self.layer.input_layernorm(hidden_states, residual)
+            attn_in, state.residual = self.compute.add_norm(self.layer.input_layernorm, hidden_states, residual)
             state.attn_in = attn_in
 
     def op_attn_prepare(self, state: State) -> None:
@@ -112,13 +129,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         the other microbatch's dispatch has that compute to hide behind). Other attention modules (DeepSeek's MLA)
         are one call: ``attn_core`` makes it."""
         if self.split_attention:
-            attn = self.attn
-            qkv, _ = attn.qkv_proj(state.pop("attn_in"))
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q = attn.q_norm(q.view(*q.shape[:-1], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
-            k = attn.k_norm(k.view(*k.shape[:-1], k.shape[-1] // attn.head_dim, attn.head_dim)).view(k.shape)
-            q, k = attn.rotary_emb(state.positions, q, k)
-            state.qkv = (q, k, v)
+            state.qkv = self.compute.qkv(self.attn, state.pop("attn_in"), state.positions)
 
     def op_attn_core(self, state: State) -> None:
         attn = self.attn
@@ -142,15 +153,16 @@ class VllmDecoderLayer(ExpertParallelOps):
     def op_comm_prepare_mlp(self, state: State) -> None:
         if self.residual_multiplier is not None:  # Granite: the residual added here, the norm a plain one
             residual = state.pop("residual") + state.pop("attn_out") * self.residual_multiplier
-            state.update(mlp_in=self.layer.post_attention_layernorm(residual), residual=residual)
+            state.update(mlp_in=self.compute.norm(self.layer.post_attention_layernorm, residual), residual=residual)
             return
-        mlp_in, residual = self.layer.post_attention_layernorm(state.pop("attn_out"), state.pop("residual"))
+        mlp_in, residual = self.compute.add_norm(self.layer.post_attention_layernorm, state.pop("attn_out"),
+                                                 state.pop("residual"))
         state.update(mlp_in=mlp_in, residual=residual)
 
     # ---- dense layers ------------------------------------------------------------------------------------------
     def op_mlp(self, state: State) -> None:
         self._count_ffn()
-        state.mlp_out = self.ffn(state.pop("mlp_in"))  # its down projection all-reduces over TP
+        state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))  # its down projection all-reduces over TP
 
     def _count_ffn(self) -> None:
         for s in self.counters:
@@ -162,9 +174,8 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.router_logits = logits[0] if isinstance(logits, tuple) else logits
 
     def op_select_experts(self, state: State) -> None:
-        weights, ids = self.runner.router.select_experts(hidden_states=state.mlp_in,
-                                                         router_logits=state.pop("router_logits"),
-                                                         topk_indices_dtype=self._topk_dtype)
+        weights, ids = self.compute.route(self.runner.router, state.mlp_in, state.pop("router_logits"),
+                                          self._topk_dtype)
         self._ids_dtype = ids.dtype  # the experts kernel wants it back (the NORMAL layout carries int64)
         state.topk = (ids, weights)
 
@@ -179,21 +190,20 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def op_shared_experts(self, state: State) -> None:
         if self.has_shared_experts:
-            state.shared_out = self.shared(state.pop("mlp_in"))
+            state.shared_out = self.compute.mlp(self.shared, state.pop("mlp_in"))
 
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel on the tokens dispatched here: per token, the weighted sum over its local
         experts (the NORMAL layout's contract: combine only adds)."""
         self._count_ffn()
         d = state.pop("dispatched")
-        ids = d.topk_idx.to(self._ids_dtype)
         x = d.hidden
         if "mlp_in" in state and x.data_ptr() == state.mlp_in.data_ptr():
             # the shared expert has not run yet and reads the same storage (the identity route dispatches the MLP
             # input itself): the experts get a copy, so that no kernel writing its input in place can change the
             # shared expert's input (vLLM 0.32's modular kernels allocate their output, but nothing promises it)
             x = x.clone()
-        out = self.runner.routed_experts.forward_modular(x=x, topk_weights=d.topk_weights, topk_ids=ids)
+        out = self.compute.experts(self.runner.routed_experts, x, d.topk_weights, d.topk_idx, self._ids_dtype)
         state.expert_out = (out, d.handle)
 
     # ---- output ------------------------------------------------------------------------------------------------
