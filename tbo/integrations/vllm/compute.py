@@ -13,9 +13,9 @@ eager fallback), and the token dimension dynamic, as vLLM marks it.
 A graph key is what dynamo keys a compiled function's graphs by (its guards): the modules' structure and constants
 (not their identity: parameters are graph inputs, so one graph serves every layer alike), the dtype, which inputs are
 given, and whether the token count is 1 (dynamo specializes a dimension of size 1) or more. So the graphs are bounded
-by the functions, the layer kinds that call them and those two sizes (`CompiledCompute.bound`), never by the plan
+by the functions, the module sets the layers give them and those two sizes (`CompiledCompute.bound`), never by the plan
 shapes or the step: a step never recompiles once each key has been seen. `CompiledCompute.compiles` counts every
-graph traced, per function (``split_compiles`` in `tbo.integrations.vllm.stats`).
+graph traced, per function (``op_compiles`` in `tbo.integrations.vllm.stats`, beside ``op_compile_bound``).
 
 What stays eager, and why:
 
@@ -31,9 +31,9 @@ compiled engine) through the same inductor options; a token's result never depen
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+import logging
+import types
+from typing import Any, Callable
 
 import torch
 
@@ -105,37 +105,22 @@ EAGER = Compute()
 
 COMPILED = ("norm", "add_norm", "qkv", "route", "experts", "mlp")  #: what `CompiledCompute` compiles: all of them
 
-#: dynamo's recompile limit while a compiled function runs, with hitting it an error (dynamo's default silently runs
-#: the function eagerly from then on): far above `CompiledCompute.bound` for any model, so that only a real
-#: recompilation leak reaches it
-RECOMPILE_LIMIT = 64
-_CONFIG_LOCK = threading.Lock()
-
-
-@contextmanager
-def _strict_limits() -> Iterator[None]:
-    """Dynamo's recompile limit raised to `RECOMPILE_LIMIT`, with an error at the limit, for one call (vLLM raises
-    its limits around each call of its own graph the same way); put back after."""
-    import torch._dynamo.config as cfg
-
-    with _CONFIG_LOCK:
-        saved = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
-        cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = max(saved[0], RECOMPILE_LIMIT), True
-    try:
-        yield
-    finally:
-        with _CONFIG_LOCK:
-            cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = saved
+logger = logging.getLogger("vllm.tbo")
 
 
 class CompiledCompute(Compute):
-    """The functions compiled (see the module docstring), with vLLM's backend and inductor options from
-    ``compilation_config``; `compiles` counts the graphs traced per function, and each of ``counters`` (`StepStats`)
-    counts them (``op_compiles``) and the calls (``compiled_op_calls``)."""
+    """The functions compiled for the engine whose ``layers`` call them (see the module docstring), with vLLM's
+    backend and inductor options from ``compilation_config``. `compiles` counts the graphs traced per function, and
+    each of ``counters`` (`StepStats`) counts them (``op_compiles``) and the calls (``compiled_op_calls``).
+
+    Each engine compiles its own copies of the functions (fresh code objects: dynamo keeps its graphs and its
+    recompile limit per code object), so that its graphs are its own to count and bound (`bounds`), whatever other
+    engines of the process compiled. A function that compiles more graphs than its bound (a guard tbo did not
+    foresee) is logged, naming it: it still runs compiled, and ``op_compiles`` shows it."""
 
     compiled = True
 
-    def __init__(self, compilation_config: Any, counters: tuple[Any, ...] = ()) -> None:
+    def __init__(self, compilation_config: Any, layers: list[Any], counters: tuple[Any, ...] = ()) -> None:
         super().__init__()
         self.counters = counters
         backend = compilation_config.backend or "inductor"
@@ -143,9 +128,22 @@ class CompiledCompute(Compute):
         self.options = {k: v for k, v in dict(compilation_config.inductor_compile_config).items()
                         if k != "guard_filter_fn"} if backend == "inductor" else {}
         self.backend = backend
+        #: per function, the most graphs ``layers`` can make it compile; their sum is `bound`
+        self.bounds = self.bounds_of(layers)
         self.compiles: dict[str, int] = dict.fromkeys(COMPILED, 0)
+        import torch._dynamo.config
+
         for name in COMPILED:
+            if self.bounds[name] > torch._dynamo.config.recompile_limit:
+                logger.warning("tbo: compiled op function %r may need %d graphs for this model, more than dynamo's "
+                               "recompile_limit (%d): past it, dynamo runs it eagerly", name, self.bounds[name],
+                               torch._dynamo.config.recompile_limit)
             setattr(self, name, self._compile(name, *FUNCTIONS[name]))
+
+    @property
+    def bound(self) -> int:
+        """The most graphs this engine's compiled functions can make (``op_compile_bound``)."""
+        return sum(self.bounds.values())
 
     def _compile(self, name: str, fn: Callable[..., Any], dynamic: tuple[int, ...]) -> Callable[..., Any]:
         import torch._dynamo
@@ -154,6 +152,10 @@ class CompiledCompute(Compute):
             self.compiles[name] += 1  # every graph dynamo traces of this function, a recompilation included
             for s in self.counters:
                 s.op_compiles += 1
+            if self.compiles[name] == self.bounds[name] + 1:
+                logger.warning("tbo: compiled op function %r traced graph %d, past its bound of %d (a guard tbo's "
+                               "graph keys do not foresee): see op_compiles in stats()", name, self.compiles[name],
+                               self.bounds[name])
             if self.backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
@@ -162,28 +164,28 @@ class CompiledCompute(Compute):
 
             return lookup_backend(self.backend)(gm, example_inputs)
 
-        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=backend)
         mark, counters = torch._dynamo.mark_dynamic, self.counters
 
         def call(*args: Any) -> Any:
-            for i in dynamic:
+            for i in dynamic:  # the token dimension, as vLLM marks its graph's inputs
                 mark(args[i], 0)
             for s in counters:
                 s.compiled_op_calls += 1
-            with _strict_limits():
-                return compiled(*args)
+            return compiled(*args)
 
         call.__name__ = call.__qualname__ = f"compiled_{name}"
         return call
 
     @staticmethod
-    def bound(layers: list[Any]) -> int:
-        """The most graphs ``layers`` can make compile (each key of the module docstring): per function, per kind of
-        layer calling it (the type of the vLLM layer and of each module the function is given), per token count of 1
-        or more, and for the input norm whether a residual is given (the first layer's is not)."""
+    def bounds_of(layers: list[Any]) -> dict[str, int]:
+        """Per function, the most graphs ``layers`` can make it compile: one per graph key of the module docstring,
+        i.e. per distinct set of modules the layers give it (`_module_key`), times two token-count classes (1, more).
+        The first layer's input norm, given no residual, is a function of its own (``norm``)."""
         keys = {(name, tuple(_module_key(m) for m in modules)) for layer in layers
                 for name, modules in layer.compute_keys()}
-        return 2 * len(keys)
+        return {name: 2 * sum(k[0] == name for k in keys) for name in COMPILED}
 
 
 def _module_key(module: Any) -> tuple[Any, ...]:

@@ -87,15 +87,14 @@ class TboEngine:
             self.strategies = {mode: self._bind(getattr(names, mode), top_k)
                                for mode in ("decode", "prefill")}
         #: the ops' tensor work: compiled in a compiled engine (`tbo.integrations.vllm.compute`), as it is otherwise
-        self.compute = CompiledCompute(vllm_config.compilation_config, (step_stats, PROCESS_STATS)) if is_compiled(
-            model) else EAGER
+        self.compute = CompiledCompute(vllm_config.compilation_config, self.layers, (step_stats, PROCESS_STATS)) \
+            if is_compiled(model) else EAGER
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)
             layer.compute = self.compute
-        #: the most graphs the compiled ops can make (0 in an eager engine), reported with their count in `stats`
-        if self.compute.compiled:
+        if self.compute.compiled:  # the most graphs the compiled ops can make, beside their count in `stats`
             for s in (step_stats, PROCESS_STATS):
-                s.op_compile_bound += CompiledCompute.bound(self.layers)
+                s.op_compile_bound += self.compute.bound
         self.adaptive = None
         if config.split == "adaptive":  # the thresholds give way to measured step costs
             from tbo.integrations.vllm.adaptive import LIVE, AdaptiveSteps
