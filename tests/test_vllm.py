@@ -423,11 +423,10 @@ def test_qwen3_moe_tokens_equal_vllm_and_the_steps_split(qwen_tbo, qwen_referenc
         assert delta["cut_requests"] > 0, delta  # a prefill chunk in two microbatches, still equal tokens
 
 
-@needs_vllm
-def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, qwen_reference, monkeypatch):
-    """Issue 37: every split decode step's layer stack runs inside `no_host_reads`, and under the host-read guard
-    (`tbo.testing.host_reads`) no tbo code reads a tensor's value there (vLLM's own kernels, called by tbo's ops, are
-    let through: ``allow=("vllm",)``). Tokens equal vLLM's; every split decode step was guarded."""
+def _guard_split_decode_steps(monkeypatch) -> tuple[list, list]:
+    """Every layer stack run inside `no_host_reads` (a split decode step) runs under the host-read guard
+    (`tbo.testing.host_reads`), vLLM's own kernels let through (``allow=("vllm",)``). Returns the lists that collect
+    the guarded steps' token counts and the reads the guard caught."""
     from tbo.comm.devices import host_reads_forbidden
     from tbo.integrations.vllm import forward
     from tbo.testing.host_reads import forbid_host_reads
@@ -445,6 +444,14 @@ def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, q
                 reads.extend(guard.reads)
 
     monkeypatch.setattr(forward, "model_forward_maybe_tbo", checked)
+    return guarded, reads
+
+
+@needs_vllm
+def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, qwen_reference, monkeypatch):
+    """Issue 37: every split decode step's layer stack runs inside `no_host_reads`, and under the host-read guard
+    no tbo code reads a tensor's value there. Tokens equal vLLM's; every split decode step was guarded."""
+    guarded, reads = _guard_split_decode_steps(monkeypatch)
     out, delta = _run(qwen_tbo, SCENARIOS["decode"])
     assert reads == [], reads
     assert _tokens(out) == qwen_reference["decode"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from test_vllm import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, HAVE_VLLM, SCENARIOS, _free, _generate, _llm, _prompt,
-                       _reference_llm, _run, _runner, _save_moe_models, _tokens, needs_vllm)
+from test_vllm import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, HAVE_VLLM, SCENARIOS, _free, _generate,
+                       _guard_split_decode_steps, _llm, _prompt, _reference_llm, _run, _runner, _save_moe_models,
+                       _tokens, needs_vllm)
 
 COMPILED = dict(enforce_eager=False, dtype="float32")
 #: the split thresholds of tests/test_vllm.py, without ``op_times`` (which times tbo's ops on every step, so that
@@ -104,6 +105,22 @@ def test_split_and_compiled_unsplit_steps_in_one_run_and_no_recompilation(compil
     assert engine.loop.stats.op_compiles == vllm_before > 0
     assert "forward" not in vars(_runner(compiled_tbo).model.model)  # the split step's forward is put back
     _assert_compiled(compiled_tbo, delta)
+
+
+@needs_vllm
+def test_a_compiled_split_decode_step_reads_nothing_on_the_host(compiled_tbo, compiled_reference, monkeypatch):
+    """tbo's part of a split decode step, its compiled ops included, runs inside `no_host_reads` under the host-read
+    guard: nothing reads a tensor's value. The guard is a torch-function mode, which dynamo guards on: each compiled
+    function called traces once more under it (never more), the guard's checks running on every op of the trace
+    (and none tripped). Tokens equal."""
+    from tbo.integrations.vllm.compute import COMPILED
+
+    guarded, reads = _guard_split_decode_steps(monkeypatch)
+    out, delta = _run(compiled_tbo, CASES["decode"])
+    assert reads == [], reads
+    assert _tokens(out) == compiled_reference["decode"]
+    assert delta["split_steps_by_mode"]["decode"] > 0 and len(guarded) == delta["split_steps_by_mode"]["decode"]
+    assert delta["compiled_op_calls"] > 0 and 0 < delta["op_compiles"] <= len(COMPILED), delta
 
 
 # ---- DeepSeek-V3: MLA (its attention module whole, eager), grouped routing, a shared expert, a dense first layer --
