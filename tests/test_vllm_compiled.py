@@ -44,9 +44,15 @@ def compiled_reference(models):
     try:
         out = {name: _tokens(_generate(llm, prompts)) for name, prompts in CASES.items()}
         out["tail"] = _tokens(_generate(llm, TAIL, max_tokens=TAIL_TOKENS))
+        out["logprobs"] = _logprobs(_generate(llm, CASES["decode"] + CASES["prefill"], logprobs=5))
         return out
     finally:
         _free(llm)
+
+
+def _logprobs(outputs: list) -> list:
+    """Each generated position's top log-probabilities, as (token, float) pairs."""
+    return [[sorted((t, lp.logprob) for t, lp in pos.items()) for pos in o.logprobs] for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +63,13 @@ def compiled_tbo(models, compiled_reference):
 
 
 def _assert_compiled(llm, delta: dict) -> None:
-    """The engine compiles its ops (`CompiledCompute`), its split steps of ``delta`` called them, and what it
-    compiled is within its bound."""
+    """The engine compiles its ops (`CompiledCompute`), its split steps of ``delta`` called them, and it compiled
+    exactly one graph per graph key (all at vLLM's warm-up: ``delta`` compiled none)."""
     engine = _runner(llm).tbo
-    assert engine.compute.compiled and delta["compiled_op_calls"] > 0, delta
+    assert engine.compute.compiled and delta["compiled_op_calls"] > 0 and delta["op_compiles"] == 0, delta
     s = engine.loop.stats
-    assert 0 < s.op_compile_bound and s.op_compiles <= s.op_compile_bound, (s.op_compiles, s.op_compile_bound,
-                                                                          engine.compute.compiles)
+    assert 0 < s.op_compiles == s.op_compile_bound == len(engine.compute.keys), (s.op_compiles, s.op_compile_bound,
+                                                                               engine.compute.compiles)
 
 
 @needs_vllm
@@ -86,41 +92,53 @@ def test_compiled_qwen3_moe_tokens_equal_compiled_vllm_and_the_steps_split(compi
 @needs_vllm
 def test_split_and_compiled_unsplit_steps_in_one_run_and_no_recompilation(compiled_tbo, compiled_reference):
     """One generate call makes split decode steps (tbo's schedule, its ops compiled: microbatches of 2 tokens and of
-    1) and 1-token steps below the threshold (vLLM's compiled graph, counted by tbo all the same). Once a first round
-    has compiled what it needs, three more compile nothing: neither tbo's ops nor vLLM's graph."""
+    1) and 1-token steps below the threshold (vLLM's compiled graph, counted by tbo all the same). Three rounds of it
+    compile nothing: neither tbo's ops (compiled at vLLM's warm-up) nor vLLM's graph."""
     from tbo.integrations.vllm.compiled import compiles
 
     engine = _runner(compiled_tbo).tbo
-    out, _ = _run(compiled_tbo, TAIL, max_tokens=TAIL_TOKENS)  # warm-up: whatever sizes were new compile here
-    assert _tokens(out) == compiled_reference["tail"]
-    before, vllm_before, compiled_before = compiles(), engine.loop.stats.op_compiles, engine.forwards.vllm_steps
+    before, ops_before, vllm_before = compiles(), engine.loop.stats.op_compiles, engine.forwards.vllm_steps
     for _ in range(3):
         out, delta = _run(compiled_tbo, TAIL, max_tokens=TAIL_TOKENS)
         assert _tokens(out) == compiled_reference["tail"]
         assert delta["split_steps_by_mode"]["decode"] > 0 and delta["compiled_op_calls"] > 0, delta
         assert delta["steps"] > delta["split_steps"], delta  # unsplit steps ran too, and were counted
-        assert delta["op_compiles"] == 0, (delta, engine.compute.compiles)  # no step recompiled tbo's ops
-    assert engine.forwards.vllm_steps > compiled_before
+        assert delta["op_compiles"] == 0, (delta, engine.compute.compiles)  # no step compiled tbo's ops
+    assert engine.forwards.vllm_steps > vllm_before
     assert compiles() == before, (before, compiles())  # nor vLLM's graph, nor anything else dynamo traces
-    assert engine.loop.stats.op_compiles == vllm_before > 0
+    assert engine.loop.stats.op_compiles == ops_before == engine.compute.bound > 0
     assert "forward" not in vars(_runner(compiled_tbo).model.model)  # the split step's forward is put back
     _assert_compiled(compiled_tbo, delta)
 
 
 @needs_vllm
 def test_a_compiled_split_decode_step_reads_nothing_on_the_host(compiled_tbo, compiled_reference, monkeypatch):
-    """tbo's part of a split decode step, its compiled ops included, runs inside `no_host_reads` under the host-read
-    guard: nothing reads a tensor's value. The guard is a torch-function mode, which dynamo guards on: each compiled
-    function called traces once more under it (never more), the guard's checks running on every op of the trace
-    (and none tripped). Tokens equal."""
-    from tbo.integrations.vllm.compute import COMPILED
-
+    """tbo's part of a split decode step runs inside `no_host_reads` under the host-read guard, its compiled ops
+    between its eager ones: nothing reads a tensor's value. Tokens equal."""
     guarded, reads = _guard_split_decode_steps(monkeypatch)
     out, delta = _run(compiled_tbo, CASES["decode"])
     assert reads == [], reads
     assert _tokens(out) == compiled_reference["decode"]
     assert delta["split_steps_by_mode"]["decode"] > 0 and len(guarded) == delta["split_steps_by_mode"]["decode"]
-    assert delta["compiled_op_calls"] > 0 and 0 < delta["op_compiles"] <= len(COMPILED), delta
+    _assert_compiled(compiled_tbo, delta)
+
+
+@needs_vllm
+def test_the_compiled_ops_compute_vllm_s_compiled_graph_bit_for_bit(models, compiled_reference):
+    """Every step through tbo's loop unsplit (``op_times`` keeps vLLM's graph off), its ops compiled: each generated
+    position's top-5 log-probabilities are vLLM's compiled graph's, bit for bit, for the same batches. One graph per
+    key, with vLLM's inductor options and its token dimension dynamic, computes what vLLM's whole-model graph does
+    (the final norm included: run eagerly it rounds otherwise, in the last bit)."""
+    never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30, "op_times": True}
+    llm = _llm(models["qwen3_moe"], never, **COMPILED)
+    try:
+        engine = _runner(llm).tbo
+        assert engine.forwards is None and engine._graph_off is not None  # vLLM's graph never runs here
+        out, delta = _run(llm, CASES["decode"] + CASES["prefill"], logprobs=5)
+        assert delta["steps"] > 0 and delta["split_steps"] == 0 and delta["compiled_op_calls"] > 0, delta
+        assert _logprobs(out) == compiled_reference["logprobs"]
+    finally:
+        _free(llm)
 
 
 # ---- DeepSeek-V3: MLA (its attention module whole, eager), grouped routing, a shared expert, a dense first layer --

@@ -394,7 +394,8 @@ def test_compiled_qwen3_moe_dp2_ep_tokens_equal_compiled_vllm_and_both_ranks_spl
         assert runs[rank].result["tokens"] == want, rank
     _assert_both_split_and_sent(per_rank, 2)
     for rank, s in enumerate(per_rank):
-        assert s["compiled_op_calls"] > 0 and 0 < s["op_compiles"] <= s["op_compile_bound"], (rank, s)
+        # one graph per graph key, compiled at warm-up (its dummy runs run tbo's loop): the bound, exactly
+        assert s["compiled_op_calls"] > 0 and 0 < s["op_compiles"] == s["op_compile_bound"], (rank, s)
     assert per_rank[0]["split_steps_by_mode"]["idle"] > 0, per_rank[0]  # the idle rank's dummy steps, split too
 
 

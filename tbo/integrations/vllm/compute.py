@@ -63,6 +63,19 @@ def qkv(attn: Any, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
     return q, k, v
 
 
+def attention_core(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE's attention kernel (vLLM's ``Attention``: its KV cache, the forward context's metadata) and output
+    projection."""
+    return attn.o_proj(attn.attn(q, k, v))[0]
+
+
+def attention(attn: Any, positions: torch.Tensor, hidden: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor:
+    """Any other attention module whole (DeepSeek's MLA, GPT-OSS's with sinks, Llama-4's), called by keyword:
+    GPT-OSS's takes ``(hidden_states, positions)``, the others the other way round. ``extra``: DeepSeek's
+    ``llama_4_scaling``, where the module takes it."""
+    return attn(positions=positions, hidden_states=hidden, **extra)
+
+
 def route(router: Any, hidden: torch.Tensor, logits: torch.Tensor,
           ids_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE runner's top-k: ``(weights, ids)``."""
@@ -80,14 +93,28 @@ def mlp(module: Any, hidden: torch.Tensor) -> torch.Tensor:
     return module(hidden)
 
 
-#: name -> (function, the positions of its arguments whose first dimension is the token count)
+def moe_output(runner: Any, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """A MoE layer's output as vLLM's MoE runner makes it: the routed part scaled by the runner's
+    ``routed_scaling_factor`` (DeepSeek's), then the shared expert's added (compiled, inductor fuses the two as in
+    vLLM's graph)."""
+    scale = float(runner.routed_scaling_factor)
+    if scale != 1.0:
+        routed = routed * scale
+    return routed if shared is None else shared + routed
+
+
+#: name -> (function, the positions of its arguments whose first dimension is the token count: the first of them
+#: is a tensor). Each function's first argument is the module (or object) that names its graph key.
 FUNCTIONS: dict[str, tuple[Callable[..., Any], tuple[int, ...]]] = {
     "norm": (norm, (1,)),
     "add_norm": (add_norm, (1, 2)),
     "qkv": (qkv, (1, 2)),
+    "attention_core": (attention_core, (1, 2, 3)),
+    "attention": (attention, (1, 2, 3)),
     "route": (route, (1, 2)),
     "experts": (experts, (1, 2, 3)),
     "mlp": (mlp, (1,)),
+    "moe_output": (moe_output, (1, 2)),
 }
 
 
@@ -103,24 +130,20 @@ class Compute:
 
 EAGER = Compute()
 
-COMPILED = ("norm", "add_norm", "qkv", "route", "experts", "mlp")  #: what `CompiledCompute` compiles: all of them
+COMPILED = tuple(FUNCTIONS)  #: what `CompiledCompute` compiles: all of them
 
 logger = logging.getLogger("vllm.tbo")
 
 
 class CompiledCompute(Compute):
-    """The functions compiled for the engine whose ``layers`` call them (see the module docstring), with vLLM's
-    backend and inductor options from ``compilation_config``. `compiles` counts the graphs traced per function, and
-    each of ``counters`` (`StepStats`) counts them (``op_compiles``) and the calls (``compiled_op_calls``).
-
-    Each engine compiles its own copies of the functions (fresh code objects: dynamo keeps its graphs and its
-    recompile limit per code object), so that its graphs are its own to count and bound (`bounds`), whatever other
-    engines of the process compiled. A function that compiles more graphs than its bound (a guard tbo did not
-    foresee) is logged, naming it: it still runs compiled, and ``op_compiles`` shows it."""
+    """The functions compiled, one graph per graph key (see the module docstring), for the engine whose ``callers``
+    (its layers and its model's ends, each with a ``compute_keys()``) call them, with vLLM's backend and inductor
+    options from ``compilation_config``. `compiles` counts the graphs traced per function; each of ``counters``
+    (`StepStats`) counts them (``op_compiles``) and the calls that ran compiled (``compiled_op_calls``)."""
 
     compiled = True
 
-    def __init__(self, compilation_config: Any, layers: list[Any], counters: tuple[Any, ...] = ()) -> None:
+    def __init__(self, compilation_config: Any, callers: list[Any], counters: tuple[Any, ...] = ()) -> None:
         super().__init__()
         self.counters = counters
         backend = compilation_config.backend or "inductor"
@@ -128,64 +151,97 @@ class CompiledCompute(Compute):
         self.options = {k: v for k, v in dict(compilation_config.inductor_compile_config).items()
                         if k != "guard_filter_fn"} if backend == "inductor" else {}
         self.backend = backend
-        #: per function, the most graphs ``layers`` can make it compile; their sum is `bound`
-        self.bounds = self.bounds_of(layers)
         self.compiles: dict[str, int] = dict.fromkeys(COMPILED, 0)
-        import torch._dynamo.config
-
+        graphs: dict[tuple[Any, ...], _Graph] = {}
+        #: (function, id of the object naming the key) -> that key's graph: how a call finds its graph
+        self._graphs: dict[tuple[str, int], _Graph] = {}
+        for caller in callers:
+            for name, objects in caller.compute_keys():
+                key = (name, tuple(_module_key(o) for o in objects))
+                if key not in graphs:
+                    graphs[key] = _Graph(self, name)
+                self._graphs[(name, id(objects[0]))] = graphs[key]
+        #: the engine's graph keys, each compiled once: the most graphs it can make (``op_compile_bound``)
+        self.keys = list(graphs)
         for name in COMPILED:
-            if self.bounds[name] > torch._dynamo.config.recompile_limit:
-                logger.warning("tbo: compiled op function %r may need %d graphs for this model, more than dynamo's "
-                               "recompile_limit (%d): past it, dynamo runs it eagerly", name, self.bounds[name],
-                               torch._dynamo.config.recompile_limit)
-            setattr(self, name, self._compile(name, *FUNCTIONS[name]))
+            setattr(self, name, self._dispatch(name))
 
     @property
     def bound(self) -> int:
-        """The most graphs this engine's compiled functions can make (``op_compile_bound``)."""
-        return sum(self.bounds.values())
+        """The most graphs this engine compiles: one per graph key."""
+        return len(self.keys)
 
-    def _compile(self, name: str, fn: Callable[..., Any], dynamic: tuple[int, ...]) -> Callable[..., Any]:
-        import torch._dynamo
+    @property
+    def warm(self) -> bool:
+        """Whether every graph key has been compiled."""
+        return sum(self.compiles.values()) >= self.bound
 
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            self.compiles[name] += 1  # every graph dynamo traces of this function, a recompilation included
-            for s in self.counters:
-                s.op_compiles += 1
-            if self.compiles[name] == self.bounds[name] + 1:
-                logger.warning("tbo: compiled op function %r traced graph %d, past its bound of %d (a guard tbo's "
-                               "graph keys do not foresee): see op_compiles in stats()", name, self.compiles[name],
-                               self.bounds[name])
-            if self.backend == "inductor":
-                from torch._inductor.compile_fx import compile_fx
+    def _dispatch(self, name: str) -> Callable[..., Any]:
+        graphs = self._graphs
 
-                return compile_fx(gm, example_inputs, config_patches=dict(self.options))
-            from torch._dynamo.backends.registry import lookup_backend
-
-            return lookup_backend(self.backend)(gm, example_inputs)
-
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=backend)
-        mark, counters = torch._dynamo.mark_dynamic, self.counters
-
-        def call(*args: Any) -> Any:
-            for i in dynamic:  # the token dimension, as vLLM marks its graph's inputs
-                mark(args[i], 0)
-            for s in counters:
-                s.compiled_op_calls += 1
-            return compiled(*args)
+        def call(first: Any, *rest: Any) -> Any:
+            graph = graphs.get((name, id(first)))
+            if graph is None:
+                raise RuntimeError(f"tbo: compiled op function {name!r} called with a {type(first).__name__} that no "
+                                   "layer declared in its compute_keys(): it has no graph key")
+            return graph(first, *rest)
 
         call.__name__ = call.__qualname__ = f"compiled_{name}"
         return call
 
-    @staticmethod
-    def bounds_of(layers: list[Any]) -> dict[str, int]:
-        """Per function, the most graphs ``layers`` can make it compile: one per graph key of the module docstring,
-        i.e. per distinct set of modules the layers give it (`_module_key`), times two token-count classes (1, more).
-        The first layer's input norm, given no residual, is a function of its own (``norm``)."""
-        keys = {(name, tuple(_module_key(m) for m in modules)) for layer in layers
-                for name, modules in layer.compute_keys()}
-        return {name: 2 * sum(k[0] == name for k in keys) for name in COMPILED}
+
+class _Graph:
+    """One graph key's compiled function: a copy of the function (a fresh code object: dynamo keeps its graphs per
+    code object), compiled at its first call of two tokens or more with the token dimension dynamic, as vLLM's graph
+    is, and, as vLLM's, with dynamo's guards dropped: the key (`_module_key`) is what sets the graph apart, and one
+    graph serves every token count, 1 included, so that nothing ever recompiles. A call before then with fewer than
+    two tokens runs the function eagerly (a graph traced at one token would be specialized to it: the engine's
+    warm-up compiles every key at its full token count first, `tbo.integrations.vllm.compiled.StepForwards`)."""
+
+    def __init__(self, owner: CompiledCompute, name: str) -> None:
+        import torch._dynamo
+
+        self.owner, self.name = owner, name
+        self.fn, self.dynamic = FUNCTIONS[name]
+        self.ready = False
+        fn = self.fn
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        self.compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=self._backend,
+                                      options={"guard_filter_fn": _no_guards})
+        self._mark = torch._dynamo.mark_dynamic
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        owner = self.owner
+        owner.compiles[self.name] += 1  # every graph dynamo traces (one per key: no guard can fail)
+        for s in owner.counters:
+            s.op_compiles += 1
+        self.ready = True
+        if owner.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=dict(owner.options))
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(owner.backend)(gm, example_inputs)
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.ready:
+            if args[self.dynamic[0]].shape[0] < 2:  # not yet compiled, and too few tokens to compile it on
+                return self.fn(*args)
+            for i in self.dynamic:  # the token dimension, as vLLM marks its graph's inputs
+                arg = args[i]
+                for t in arg.values() if isinstance(arg, dict) else (arg,):
+                    if isinstance(t, torch.Tensor):
+                        self._mark(t, 0)
+        for s in self.owner.counters:
+            s.compiled_op_calls += 1
+        return self.compiled(*args)
+
+
+def _no_guards(guard_entries: list[Any]) -> list[bool]:
+    """Dynamo's ``guard_filter_fn`` dropping every guard, as vLLM's compiled graph does (its
+    ``TorchCompileWithNoGuardsWrapper``): the graph key is tbo's to check, once, at engine start."""
+    return [False for _ in guard_entries]
 
 
 def _module_key(module: Any) -> tuple[Any, ...]:
@@ -193,6 +249,8 @@ def _module_key(module: Any) -> tuple[Any, ...]:
     constants (vLLM's layers print theirs: features, eps; on a CPU a linear layer's weight lives in a oneDNN handle,
     its parameter emptied) and its parameters' shapes and dtypes. A dense MLP and a shared expert of one model are
     the same class with other sizes: two keys."""
+    if module is None or isinstance(module, (bool, int, float, str)):  # a constant (the routed scaling factor)
+        return (type(module).__qualname__, module)
     if not isinstance(module, torch.nn.Module):  # a plain object (the MoE router): its constants and tensor shapes
         return (type(module).__qualname__, tuple(sorted(
             (k, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v) for k, v in vars(module).items()

@@ -86,15 +86,8 @@ class TboEngine:
             names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
             self.strategies = {mode: self._bind(getattr(names, mode), top_k)
                                for mode in ("decode", "prefill")}
-        #: the ops' tensor work: compiled in a compiled engine (`tbo.integrations.vllm.compute`), as it is otherwise
-        self.compute = CompiledCompute(vllm_config.compilation_config, self.layers, (step_stats, PROCESS_STATS)) \
-            if is_compiled(model) else EAGER
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)
-            layer.compute = self.compute
-        if self.compute.compiled:  # the most graphs the compiled ops can make, beside their count in `stats`
-            for s in (step_stats, PROCESS_STATS):
-                s.op_compile_bound += self.compute.bound
         self.adaptive = None
         if config.split == "adaptive":  # the thresholds give way to measured step costs
             from tbo.integrations.vllm.adaptive import LIVE, AdaptiveSteps
@@ -111,6 +104,17 @@ class TboEngine:
                               stats=step_stats, stats_file=stats_file, op_times=config.op_times,
                               agreed_rows=config.agreed_rows)
         self._model = model
+        #: the ops' tensor work and the final norm: compiled in a compiled engine (`tbo.integrations.vllm.compute`),
+        #: as they are otherwise
+        self.compute = EAGER
+        if is_compiled(model):
+            self.compute = CompiledCompute(vllm_config.compilation_config, [*self.layers, self.loop.ends],
+                                           (step_stats, PROCESS_STATS))
+            self.loop.compute = self.compute
+            for layer in self.layers:
+                layer.compute = self.compute
+            for s in (step_stats, PROCESS_STATS):  # the most graphs the compiled ops can make, beside their count
+                s.op_compile_bound += self.compute.bound
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)
         if self.rotary_fix:
@@ -181,6 +185,17 @@ class TboEngine:
             self._model.forward = self.loop
         else:  # vLLM's forward (or graph) for unsplit steps, the loop for split ones, chosen per step
             self.patches.on_step = self.forwards.on_step
+            if self.compute.compiled:  # vLLM's warm-up compiles tbo's ops too (StepForwards.warming_up)
+                dummy_run = runner._dummy_run
+
+                @functools.wraps(dummy_run)
+                def _dummy_run(*args: Any, **kwargs: Any) -> Any:
+                    if self.compute.warm:
+                        return dummy_run(*args, **kwargs)
+                    with self.forwards.warming_up():
+                        return dummy_run(*args, **kwargs)
+
+                runner._dummy_run = _dummy_run
         runner.execute_model, runner.shutdown = execute_model, shutdown_
         if self.adaptive is not None:
             runner.sample_tokens = sample_tokens

@@ -106,12 +106,14 @@ class VllmDecoderLayer(ExpertParallelOps):
         what `CompiledCompute.bound` counts the graph keys of."""
         layer, first = self.layer, self.layer_idx == 0 or self.residual_multiplier is not None
         keys: list[tuple[str, tuple[Any, ...]]] = [("norm" if first else "add_norm", (layer.input_layernorm,))]
+        keys.append(("qkv", (self.attn,)) if self.split_attention else ("attention", (self.attn,)))
         if self.split_attention:
-            keys.append(("qkv", (self.attn,)))
+            keys.append(("attention_core", (self.attn,)))
         keys.append(("norm" if self.residual_multiplier is not None else "add_norm", (layer.post_attention_layernorm,)))
         if self.runner is None:
             return keys + [("mlp", (self.ffn,))]
-        keys += [("route", (self.runner.router,)), ("experts", (self.runner.routed_experts,))]
+        keys += [("route", (self.runner.router,)), ("experts", (self.runner.routed_experts,)),
+                 ("moe_output", (self.runner, self.scale, self.has_shared_experts))]
         return keys + ([("mlp", (self.shared,))] if self.has_shared_experts else [])
 
     # ---- attention ---------------------------------------------------------------------------------------------
@@ -132,12 +134,11 @@ class VllmDecoderLayer(ExpertParallelOps):
             state.qkv = self.compute.qkv(self.attn, state.pop("attn_in"), state.positions)
 
     def op_attn_core(self, state: State) -> None:
-        attn = self.attn
         if self.split_attention:
-            state.attn_out, _ = attn.o_proj(attn.attn(*state.pop("qkv")))
-        else:  # by keyword: GPT-OSS's attention takes (hidden_states, positions), the others the other way round
+            state.attn_out = self.compute.attention_core(self.attn, *state.pop("qkv"))
+        else:
             extra = {"llama_4_scaling": self._scaling(state.positions)} if self._attn_takes_scaling else {}
-            state.attn_out = attn(positions=state.positions, hidden_states=state.pop("attn_in"), **extra)
+            state.attn_out = self.compute.attention(self.attn, state.positions, state.pop("attn_in"), extra)
 
     def _scaling(self, positions: torch.Tensor) -> torch.Tensor | None:
         """vLLM's ``_get_llama_4_scaling`` for these positions (elementwise per token: a microbatch's slice of the
@@ -211,14 +212,11 @@ class VllmDecoderLayer(ExpertParallelOps):
         if self.kind == "dense":
             state.layer_out = state.pop("mlp_out")
             return
-        out = state.pop("routed_out")
-        if self.scale != 1.0:
-            out *= self.scale  # DeepSeek's routed_scaling_factor, on the routed part, as vLLM's runner applies it
-        if self.has_shared_experts:
-            shared = state.pop("shared_out")
-            if self.reduce_shared:  # the routed part came reduced from the kernel: reduce the shared part alone
-                shared = self._all_reduce(shared)
-            out = shared + out
+        shared = state.pop("shared_out") if self.has_shared_experts else None
+        if self.reduce_shared:  # the routed part came reduced from the kernel: reduce the shared part alone
+            shared = self._all_reduce(shared)
+        # DeepSeek's routed_scaling_factor on the routed part, then the shared part added, as vLLM's runner does
+        out = self.compute.moe_output(self.runner, state.pop("routed_out"), shared)
         if self.reduce_final:
             out = self._all_reduce(out)
         state.layer_out = out
