@@ -840,8 +840,9 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
 
 
 def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
-    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), but not with vLLM's CUDA
-    graphs, data parallelism, AFD or speculative decoding, each named."""
+    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with FULL CUDA graph
+    modes too (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, data parallelism, AFD or
+    speculative decoding, each named."""
     from types import SimpleNamespace
 
     from tbo.integrations.vllm.checks import check_engine
@@ -855,9 +856,10 @@ def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
 
     tbo = parse_config({"tbo": {}})
     assert check_engine(compiled(), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
-    with pytest.raises(TboConfigError, match=r"cudagraph_mode='FULL_AND_PIECEWISE': not supported \(tbo does not "
-                                             r"capture CUDA graphs.*accepted: NONE, or enforce_eager=True"):
-        check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda")
+    assert check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda") == "DeepseekV3ForCausalLM"
+    with pytest.raises(TboConfigError, match=r"cudagraph_mode='PIECEWISE': not supported \(PIECEWISE alone pads "
+                                             r"every step.*accepted: NONE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"):
+        check_engine(compiled("PIECEWISE"), tbo, "0.32.0", "cuda")
     spec = compiled()
     spec.speculative_config = SimpleNamespace(method="ngram")
     with pytest.raises(TboConfigError, match=r"enforce_eager=False: not supported \(split verify steps are tested "

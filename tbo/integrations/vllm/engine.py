@@ -4,7 +4,9 @@ Installing changes four attributes of this runner and its model, all on the inst
 reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.fixes`):
 the inner model's ``forward`` becomes the tbo `LayerLoop` (only for the steps tbo splits where vLLM's own forward
 runs the others: compiled engines, and eager ones on one rank with the local backend,
-`tbo.integrations.vllm.compiled`); the runner's ``execute_model`` runs inside the scoped `RunnerPatches`; its
+`tbo.integrations.vllm.compiled`); the runner's ``execute_model`` runs inside the scoped `RunnerPatches` (and, with
+a FULL ``cudagraph_mode``, its ``_warmup_and_capture`` captures tbo's split decode steps:
+`tbo.integrations.vllm.graphs`); its
 ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's own code, seeing
 microbatching on) and asserts it did (`check_metadata_builders`, a named `MetadataBuilderError`); its ``shutdown``
 first takes tbo off (the instance attributes are deleted, so vLLM's own methods are what remains), logs the one
@@ -116,6 +118,14 @@ class TboEngine:
                 backend=self.backend, afd=self.afd, op_times=config.op_times,
                 data_parallel_size=vllm_config.parallel_config.data_parallel_size):
             self.forwards = StepForwards(model, self.loop, (step_stats, PROCESS_STATS))
+        #: a FULL ``cudagraph_mode``: CUDA graphs of split decode steps, captured and replayed by vLLM's own
+        #: ``CUDAGraphWrapper`` (`tbo.integrations.vllm.graphs`); None otherwise (a CPU: vLLM's mode is NONE there)
+        self.graphs = None
+        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        if mode is not None and mode.has_full_cudagraphs():
+            from tbo.integrations.vllm.graphs import SplitGraphs
+
+            self.graphs = self.patches.graphs = SplitGraphs(self.patches.policy, (step_stats, PROCESS_STATS))
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.dp import install_data_parallel
@@ -173,6 +183,8 @@ class TboEngine:
         if self.adaptive is not None:
             runner.sample_tokens = sample_tokens
         runner.initialize_metadata_builders = initialize_metadata_builders
+        if self.graphs is not None:  # vLLM's capture of a size tbo splits runs with the size's plan
+            runner._warmup_and_capture = self.graphs.wrap(runner._warmup_and_capture, self.patches)
         runner.tbo = self
 
     def close(self) -> None:
@@ -183,6 +195,7 @@ class TboEngine:
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
                           (self.runner, "sample_tokens"),
                           (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
+                          (self.runner, "_warmup_and_capture"),
                           (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
         if self.forwards is not None:
