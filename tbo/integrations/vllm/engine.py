@@ -22,7 +22,7 @@ from typing import Any
 
 from tbo import strategies
 from tbo.core.errors import StrategyError
-from tbo.integrations.vllm.backend import make_backend
+from tbo.integrations.vllm.backend import ModeBackends, make_backend
 from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_runs_unsplit
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
@@ -77,15 +77,25 @@ class TboEngine:
             num_experts, top_k = moe_dims(model.layers)  # the runners' own, whatever the config calls them
             if vllm_config.parallel_config.enable_expert_parallel:
                 self.ep_size = expert_parallel_size()
+            spec = vllm_config.speculative_config
+            decode_tokens = vllm_config.scheduler_config.max_num_seqs * (1 + (spec.num_speculative_tokens or 0)
+                                                                         if spec is not None else 1)
             self.backend = make_backend(config, num_experts, hidden=hf.hidden_size, top_k=top_k,
                                         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                                        ep_size=self.ep_size, platform=current_platform.device_type)
+                                        ep_size=self.ep_size, platform=current_platform.device_type,
+                                        dtype=vllm_config.model_config.dtype, max_decode_tokens=decode_tokens)
             tp = get_tensor_model_parallel_world_size()
             layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
             self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling)
                            for i, layer in enumerate(model.layers)]
+            if isinstance(self.backend, ModeBackends):  # DeepEP low-latency decode: vLLM's batched experts kernel
+                from tbo.integrations.vllm.masked import check_masked_kernel
+
+                for layer in self.layers:
+                    if layer.runner is not None:
+                        check_masked_kernel(layer.runner.routed_experts, repr(layer))
             names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
-            self.strategies = {mode: self._bind(getattr(names, mode), top_k)
+            self.strategies = {mode: self._bind(getattr(names, mode), top_k, mode)
                                for mode in ("decode", "prefill")}
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)
@@ -135,10 +145,13 @@ class TboEngine:
                     sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
                     config.split_policy())
 
-    def _bind(self, name: str, top_k: int) -> Any:
+    def _bind(self, name: str, top_k: int, mode: str) -> Any:
+        """The ``mode`` strategy ``name`` bound to the layers, sized for and checked against the backend its steps
+        run over (DeepEP low-latency decode: one un-received call at a time)."""
+        backend = self.backend.for_mode(mode) if isinstance(self.backend, ModeBackends) else self.backend
         try:
-            return strategies.bind_layers(self.layers, strategies.sized_for(strategies.get(name), self.backend,
-                                                                            top_k))
+            return strategies.bind_layers(self.layers, strategies.sized_for(strategies.get(name), backend, top_k),
+                                          backend=backend)
         except StrategyError as e:
             raise TboConfigError(f"additional_config['tbo'] strategy {name!r} cannot run vLLM's {self.family} "
                                  f"layers: {e}") from None
