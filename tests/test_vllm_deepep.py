@@ -107,7 +107,7 @@ def _rank(rank: int, world: int, path: str, seed: int) -> dict:
     import tbo.strategies as S
     from tbo.core.errors import StrategyError
     from tbo.integrations.vllm.backend import ModeBackends, make_backend
-    from tbo.integrations.vllm.config import parse_config
+    from tbo.integrations.vllm.config import TboConfigError, parse_config
     from tbo.integrations.vllm.ep import EpDecoderLayer, expert_parallel_size
     from tbo.integrations.vllm.stats import StepStats
     from tbo.testing import deepep_standin
@@ -118,6 +118,16 @@ def _rank(rank: int, world: int, path: str, seed: int) -> dict:
     backend = make_backend(config, EXPERTS, hidden=HIDDEN, top_k=TOP_K, max_tokens=64, ep_size=world, platform="cpu",
                            dtype=torch.bfloat16, max_decode_tokens=MAX_DECODE, deep_ep=deepep_standin)
     assert isinstance(backend, ModeBackends), backend
+    # a float32 model: low-latency mode carries bf16 only; "auto" keeps normal mode, "low_latency" is refused
+    fp32 = dict(hidden=HIDDEN, top_k=TOP_K, max_tokens=64, ep_size=world, platform="cpu", dtype=torch.float32,
+                max_decode_tokens=MAX_DECODE, deep_ep=deepep_standin)
+    auto = make_backend(parse_config({"tbo": {"backend": "deepep"}}), EXPERTS, **fp32)
+    assert not isinstance(auto, ModeBackends) and auto.format.name == "NORMAL", auto
+    try:
+        make_backend(config, EXPERTS, **fp32)
+        fp32_refusal = ""
+    except TboConfigError as e:
+        fp32_refusal = str(e)
     ep = EpDecoderLayer(layer, backend, 0, 1)
     ep.counters = (StepStats(),)
     # the one-un-received-call rule on the schedule: the decode strategy binds over low-latency, prefill's does not
@@ -132,6 +142,7 @@ def _rank(rank: int, world: int, path: str, seed: int) -> dict:
     masked = [_moe(ep, x, "decode") for x in mine]
     normal = [_moe(ep, x, "prefill") for x in mine]
     return {"masked": masked, "normal": normal, "refused": refused, "ffn_calls": ep.counters[0].local_ffn_calls,
+            "fp32_refusal": fp32_refusal,
             "kernel": type(ep._masked).__name__, "pending": backend.decode.buffer.pending_hooks(),
             "ll_calls": backend.decode.buffer._calls.seq, "capacity": backend.decode.max_tokens * world}
 
@@ -168,7 +179,10 @@ def test_low_latency_decode_equals_tbos_one_process_masked_path_and_vllm_on_the_
         assert got["kernel"] == "MaskedExperts" and got["pending"] == [], got
         assert got["ll_calls"] >= 4, got  # a low-latency dispatch and combine per microbatch
         assert got["ffn_calls"] == 4, got  # the experts ran on both microbatches, both ways
-        assert "microbatch 1's 'dispatch_a'" in got["refused"] or "DeepEP low-latency" in got["refused"], got
+        assert "DeepEP low-latency" in got["refused"], got["refused"]
+        assert "deepep_decode='low_latency': DeepEP's low-latency kernels cannot carry this model's decode steps " \
+               "(its dispatch takes bfloat16 hidden states and this model runs in torch.float32)" in \
+               got["fp32_refusal"], got["fp32_refusal"]
     for mb in range(2):
         masked = torch.cat([per_rank[r]["masked"][mb] for r in range(2)])
         normal = torch.cat([per_rank[r]["normal"][mb] for r in range(2)])
@@ -180,3 +194,32 @@ def test_low_latency_decode_equals_tbos_one_process_masked_path_and_vllm_on_the_
         for name, out in (("masked", masked), ("normal", normal)):
             err = (out.float() - vllm).abs().max().item()
             assert err <= 2e-2 * scale, f"microbatch {mb}: the {name} path is {err} off vLLM's (scale {scale})"
+
+
+def test_low_latency_sizing_and_refusals_name_the_culprit():
+    import torch
+
+    from tbo.integrations.vllm.backend import low_latency_refusal, low_latency_tokens
+
+    assert [low_latency_tokens(n, 2) for n in (1, 2, 3, 16)] == [2, 2, 4, 16]
+    assert low_latency_tokens(5, 4) == 5 and low_latency_tokens(5, 1) == 8
+    ok = dict(dtype=torch.bfloat16, hidden=2048, top_k=8, num_ranks=8, max_decode_tokens=256)
+    assert low_latency_refusal(**ok) is None
+    assert "takes bfloat16" in low_latency_refusal(**{**ok, "dtype": torch.float32})
+    assert "hidden=1024: DeepEP's low-latency kernels are compiled for hidden sizes 2048" in \
+        low_latency_refusal(**{**ok, "hidden": 1024})
+    assert "top-k 12" in low_latency_refusal(**{**ok, "top_k": 12})
+    assert "NVSHMEM_QP_DEPTH" in low_latency_refusal(**{**ok, "max_decode_tokens": 600})
+
+
+def test_mode_backends_route_each_step_to_its_kind():
+    from tbo.comm import DispatchFormat, LocalBackend
+    from tbo.integrations.vllm.backend import ModeBackends, select_backend
+
+    decode, prefill = LocalBackend(8, DispatchFormat.MASKED, masked_capacity=4), LocalBackend(8, DispatchFormat.NORMAL)
+    both = ModeBackends(decode, prefill)
+    assert select_backend(both, "decode") is decode and both.format is DispatchFormat.MASKED
+    assert select_backend(both, "prefill") is prefill and both.format is DispatchFormat.NORMAL
+    assert select_backend(prefill, "decode") is prefill  # one backend: every step's
+    with pytest.raises(ValueError, match="differ in num_experts: 8 != 4"):
+        ModeBackends(decode, LocalBackend(4, DispatchFormat.NORMAL))

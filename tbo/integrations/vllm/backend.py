@@ -56,8 +56,8 @@ def low_latency_refusal(*, dtype: Any, hidden: int, top_k: int, num_ranks: int, 
 
 class ModeBackends:
     """DeepEP for an engine: the low-latency backend for decode steps, a NORMAL-layout one for steps with prefill.
-    Layers hold this; the layer loop `use`\\ s the step's mode before the layers run, and every dispatch and combine
-    of that step goes to that backend (a step runs one strategy, so its handles never cross backends)."""
+    Layers hold this; the layer loop calls `use` with the step's mode before the layers run, and every dispatch and
+    combine of that step goes to that backend (a step runs one strategy, so its handles never cross backends)."""
 
     def __init__(self, decode: Any, prefill: Any) -> None:
         for name in ("num_experts", "num_local_experts", "rank", "num_ranks"):
@@ -131,7 +131,10 @@ def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k:
     else:
         backend = _deepep(config, num_experts, hidden=hidden, top_k=top_k, max_tokens=max_tokens, platform=platform,
                           dtype=dtype, max_decode_tokens=max_decode_tokens, deep_ep=deep_ep)
-    if config.link is not None:
+    if config.link is not None:  # around each backend a step runs over
+        if isinstance(backend, ModeBackends):
+            return ModeBackends(EmulatedLink.from_spec(backend.decode, config.link),
+                                EmulatedLink.from_spec(backend.prefill, config.link))
         backend = EmulatedLink.from_spec(backend, config.link)
     return backend
 
@@ -142,20 +145,20 @@ def _deepep(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int,
     from tbo.integrations.vllm.ep import ep_group
 
     group = ep_group(platform)
+    ranks = group.size()
+    decode_tokens = max_tokens if max_decode_tokens is None else max_decode_tokens
+    why = None if config.deepep_decode == "normal" else low_latency_refusal(
+        dtype=dtype, hidden=hidden, top_k=top_k, num_ranks=ranks, max_decode_tokens=decode_tokens)
+    if why is not None and config.deepep_decode == "low_latency":
+        raise TboConfigError(f"additional_config['tbo'] with deepep_decode='low_latency': DeepEP's low-latency "
+                             f"kernels cannot carry this model's decode steps ({why}); accepted: "
+                             "deepep_decode='normal' or 'auto' (then normal mode for every step)")
     kind = config.deepep_kind  # "auto" in prefill mode: V2 when installed, else V1 normal; both NORMAL layout
     prefill = deepep_backend(group, num_experts, hidden=hidden, num_max_tokens_per_rank=max_tokens, num_topk=top_k,
                              kind=kind, mode="prefill", deep_ep=deep_ep)
     if config.deepep_decode == "normal":
         return prefill
-    ranks = prefill.num_ranks
-    decode_tokens = max_tokens if max_decode_tokens is None else max_decode_tokens
-    why = low_latency_refusal(dtype=dtype, hidden=hidden, top_k=top_k, num_ranks=ranks,
-                              max_decode_tokens=decode_tokens)
     if why is not None:
-        if config.deepep_decode == "low_latency":
-            raise TboConfigError(f"additional_config['tbo'] with deepep_decode='low_latency': DeepEP's low-latency "
-                                 f"kernels cannot carry this model's decode steps ({why}); accepted: "
-                                 "deepep_decode='normal' or 'auto' (normal mode for every step)")
         logger.info("tbo: DeepEP decode steps run normal mode, as prefill does: low-latency mode cannot carry them "
                     "(%s)", why)
         return prefill
