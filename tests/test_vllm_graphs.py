@@ -116,3 +116,15 @@ def test_cudagraph_modes_accepted_and_refused_by_name():
     with pytest.raises(TboConfigError, match=r"split='adaptive' and compilation_config.cudagraph_mode="
                                              r"'FULL_DECODE_ONLY': not supported"):
         check_cudagraph_mode(_compiled_config("FULL_DECODE_ONLY"), parse_config({"tbo": {"split": "adaptive"}}))
+
+
+def test_a_decode_backend_that_reads_the_host_is_refused_with_graphs():
+    from tbo.comm import DispatchFormat, LocalBackend
+    from tbo.comm.emulated import EmulatedLink
+    from tbo.integrations.vllm.graphs import check_graph_backend
+
+    check_graph_backend(LocalBackend(8, DispatchFormat.NORMAL))  # one rank: the identity route under no_host_reads
+    check_graph_backend(LocalBackend(8, DispatchFormat.MASKED, masked_capacity=16))
+    with pytest.raises(TboConfigError, match=r"the decode steps' backend EmulatedLink\(.*cannot be captured in a "
+                                             r"CUDA graph.*accepted: backend 'local' without a link"):
+        check_graph_backend(EmulatedLink.from_spec(LocalBackend(8, DispatchFormat.NORMAL), "5,10"))

@@ -133,8 +133,11 @@ class TboEngine:
         self.graphs = None
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         if mode is not None and mode.has_full_cudagraphs():
-            from tbo.integrations.vllm.graphs import SplitGraphs
+            from tbo.integrations.vllm.graphs import SplitGraphs, check_graph_backend
 
+            if self.backend is not None:  # what the captured decode steps dispatch through
+                check_graph_backend(self.backend.for_mode("decode") if isinstance(self.backend, ModeBackends)
+                                    else self.backend)
             self.graphs = self.patches.graphs = SplitGraphs(self.patches.policy, (step_stats, PROCESS_STATS))
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:

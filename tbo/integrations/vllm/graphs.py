@@ -32,8 +32,8 @@ its own split, inside vLLM's own machinery, adding no wrapper of its own:
 Supported ``cudagraph_mode``: FULL, FULL_DECODE_ONLY and FULL_AND_PIECEWISE (`check_cudagraph_mode`). PIECEWISE
 alone is refused: it pads every step up to a capture size, which tbo never splits, and its graphs are pieces of
 the compiled forward, which tbo's split step does not run. Also refused with a FULL mode: data parallelism (each
-step's padded size would have to be agreed across ranks first) and ``split: "adaptive"`` (it chooses per step; a
-graph fixes the split per size). Written against vLLM 0.32 and CUDA's semantics; no GPU ran it here (docs/vllm.md).
+step's padded size would have to be agreed across ranks first), ``split: "adaptive"`` (it chooses per step; a
+graph fixes the split per size), and a decode backend that reads the host (`check_graph_backend`). Written against vLLM 0.32 and CUDA's semantics; no GPU ran it here (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
 from tbo.integrations.vllm.step import Step
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 
-__all__ = ["GRAPH_MODES", "GraphKey", "SplitGraphs", "check_cudagraph_mode", "graph_key", "graph_plan", "settle"]
+__all__ = ["GRAPH_MODES", "GraphKey", "SplitGraphs", "check_cudagraph_mode", "check_graph_backend", "graph_key",
+           "graph_plan", "settle"]
 
 #: the ``cudagraph_mode`` names tbo runs split steps under (NONE aside): the ones with FULL graphs
 GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -78,6 +79,21 @@ def check_cudagraph_mode(vllm_config: Any, config: TboVllmConfig) -> None:
         raise TboConfigError(f"additional_config['tbo'] with split='adaptive' and compilation_config.cudagraph_mode="
                              f"{name!r}: not supported (adaptive splitting chooses per step; a CUDA graph fixes the "
                              "split per size); accepted: split='static', or cudagraph_mode NONE")
+
+
+def check_graph_backend(backend: Any) -> None:
+    """Refuse, naming it, a backend for decode steps that a CUDA graph cannot hold: tbo's local backend (one rank:
+    under `tbo.comm.devices.no_host_reads` its NORMAL route is the identity, fixed shapes) and DeepEP low-latency
+    (``capture_safe``) can be captured; DeepEP normal mode and V2 read their receive counts on the host, and an
+    emulated link times its transfers on the host."""
+    from tbo.comm.alltoall import LocalBackend
+
+    if type(backend) is LocalBackend or getattr(backend, "capture_safe", False):
+        return
+    raise TboConfigError(f"additional_config['tbo'] with a FULL compilation_config.cudagraph_mode: the decode steps' "
+                         f"backend {backend!r} cannot be captured in a CUDA graph (it reads the host inside a step); "
+                         "accepted: backend 'local' without a link, or backend 'deepep' with low-latency decode "
+                         "(deepep_decode 'low_latency'), or cudagraph_mode NONE")
 
 
 @dataclass(frozen=True)
