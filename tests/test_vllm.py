@@ -190,6 +190,7 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
 
     import torch
 
+    from tbo.comm.types import DispatchFormat, DispatchOutput
     from tbo.core.state import State
 
     def in_place_kernel(x, topk_weights, topk_ids):
@@ -201,8 +202,8 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
     mlp_in = torch.ones(3, 4)
     state = State()
     state.mlp_in = mlp_in
-    state.dispatched = SimpleNamespace(hidden=mlp_in, topk_idx=torch.zeros(3, 1, dtype=torch.int64),
-                                       topk_weights=torch.ones(3, 1), handle=None)
+    state.dispatched = DispatchOutput(DispatchFormat.NORMAL, mlp_in, torch.zeros(1), None,
+                                      topk_idx=torch.zeros(3, 1, dtype=torch.int64), topk_weights=torch.ones(3, 1))
     layer.op_experts(state)
     assert torch.equal(state.mlp_in, torch.ones(3, 4))  # what the shared expert will read is untouched
 
