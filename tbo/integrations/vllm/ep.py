@@ -103,17 +103,14 @@ class EpDecoderLayer(VllmDecoderLayer):
                 raise TboConfigError(f"{name}: vLLM's expert placement on rank {rank} is not linear (experts "
                                      f"{rank * local}..{(rank + 1) * local - 1}); set expert_placement_strategy="
                                      "'linear'")
-        kernel = getattr(experts.quant_method, "moe_kernel", None)
-        impl = getattr(kernel, "impl", None)
-        if impl is None or not hasattr(impl, "fused_experts") or not hasattr(impl, "prepare_finalize"):
-            raise TboConfigError(f"{name}: the MoE method {type(experts.quant_method).__name__} has no modular "
-                                 "experts kernel for tbo to call on the tokens it received")
-        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
-        from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+        from tbo.integrations.vllm.masked import standard_kernel
 
         # vLLM's experts kernel as it is, behind the prepare/finalize that moves nothing: its own (naive DP/EP:
         # all_gatherv, reduce_scatter) would move the tokens a second time, and does not run on a CPU
-        self._kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), impl.fused_experts)
+        try:
+            self._kernel = standard_kernel(experts)
+        except TboConfigError as e:
+            raise TboConfigError(f"{name}: {e}") from None
 
     def _dispatch_options(self, state: State) -> dict[str, Any]:
         """The dispatch goes by the rows every rank agreed for this microbatch (``rows_per_rank``, pinned by the
@@ -173,6 +170,8 @@ class EpDecoderLayer(VllmDecoderLayer):
         (token, slot) pairs only: a slot naming an expert on another rank (-1) never reaches the kernel
         (`run_local_experts`)."""
         d = state.pop("dispatched")
+        if d.format is DispatchFormat.MASKED:  # DeepEP low-latency decode: slabs, never empty
+            return self._masked_experts(state, d)
         if _empty(d.hidden):
             state.expert_out = (d.hidden, d.handle)
             return

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tbo.comm.types import DispatchFormat
 from tbo.core.state import State
 from tbo.integrations.vllm.config import TboConfigError
 from tbo.integrations.vllm.structure import layer_structure
@@ -89,6 +90,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         self.reduce_shared, self.reduce_final = (False, False) if self.runner is None else reduce_plan(
             self.runner, tp_size, self.has_shared_experts)
         self._all_reduce = None
+        self._masked: Any = None  #: `tbo.integrations.vllm.masked.MaskedExperts`, at the first MASKED dispatch
         if self.reduce_shared or self.reduce_final:
             from vllm.distributed import tensor_model_parallel_all_reduce
 
@@ -184,8 +186,10 @@ class VllmDecoderLayer(ExpertParallelOps):
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel on the tokens dispatched here: per token, the weighted sum over its local
         experts (the NORMAL layout's contract: combine only adds)."""
-        self._count_ffn()
         d = state.pop("dispatched")
+        if d.format is DispatchFormat.MASKED:  # DeepEP low-latency decode
+            return self._masked_experts(state, d)
+        self._count_ffn()
         ids = d.topk_idx.to(self._ids_dtype)
         x = d.hidden
         if "mlp_in" in state and x.data_ptr() == state.mlp_in.data_ptr():
@@ -195,6 +199,16 @@ class VllmDecoderLayer(ExpertParallelOps):
             x = x.clone()
         out = self.runner.routed_experts.forward_modular(x=x, topk_weights=d.topk_weights, topk_ids=ids)
         state.expert_out = (out, d.handle)
+
+    def _masked_experts(self, state: State, d: Any) -> None:
+        """vLLM's experts kernel on the MASKED slabs of a DeepEP low-latency dispatch: each valid row's expert
+        output, unweighted (the combine weighs and sums), `tbo.integrations.vllm.masked`."""
+        self._count_ffn()
+        if self._masked is None:
+            from tbo.integrations.vllm.masked import MaskedExperts
+
+            self._masked = MaskedExperts(self.runner.routed_experts)
+        state.expert_out = (self._masked(d.hidden, d.tokens_per_expert, self.runner.routed_experts.top_k), d.handle)
 
     # ---- output ------------------------------------------------------------------------------------------------
     def op_output(self, state: State) -> None:
