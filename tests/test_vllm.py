@@ -191,18 +191,20 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
     import torch
 
     from tbo.core.state import State
+    from tbo.integrations.vllm.quant import ExpertsCall
 
     def in_place_kernel(x, topk_weights, topk_ids):
         x.mul_(0)  # the worst a kernel may do
         return x
 
-    routed = SimpleNamespace(forward_modular=in_place_kernel)
-    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), _ids_dtype=torch.int32)
+    routed = SimpleNamespace(forward_modular=in_place_kernel, _ensure_moe_quant_config_init=lambda: None)
+    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), experts=ExpertsCall(routed),
+                        _ids_dtype=torch.int32)
     mlp_in = torch.ones(3, 4)
     state = State()
     state.mlp_in = mlp_in
     state.dispatched = SimpleNamespace(hidden=mlp_in, topk_idx=torch.zeros(3, 1, dtype=torch.int64),
-                                       topk_weights=torch.ones(3, 1), handle=None)
+                                       topk_weights=torch.ones(3, 1), handle=None, scales=None)
     layer.op_experts(state)
     assert torch.equal(state.mlp_in, torch.ones(3, 4))  # what the shared expert will read is untouched
 

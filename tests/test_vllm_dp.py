@@ -708,13 +708,15 @@ def _ep_layer_on_real_kernel(dtype, w13, w2):
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     from tbo.integrations.vllm.ep import EpDecoderLayer
+    from tbo.integrations.vllm.quant import ExpertsCall
     from tbo.integrations.vllm.stats import StepStats
 
     layer = object.__new__(EpDecoderLayer)  # the experts op alone: its kernel, its expert weights, its counters
-    layer._kernel, layer._ids_dtype, layer.counters = _CountingCpuKernel(), torch.int32, (StepStats(),)
+    layer._ids_dtype, layer.counters = torch.int32, (StepStats(),)
     layer.runner = SimpleNamespace(routed_experts=SimpleNamespace(
         w13_weight=cpu_prepack_moe_weight(w13.to(dtype), "vec"), w2_weight=cpu_prepack_moe_weight(w2.to(dtype), "vec"),
         activation=MoEActivation.SILU, local_num_experts=w13.shape[0], apply_router_weight_on_input=False))
+    layer.experts = ExpertsCall(layer.runner.routed_experts, kernel=_CountingCpuKernel())
     return layer
 
 
@@ -748,11 +750,12 @@ def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
         w13[0] *= 1e4
         w2[0] *= 1e4
     layer = _ep_layer_on_real_kernel(dt, w13, w2)
-    state = State(dispatched=SimpleNamespace(hidden=x.to(dt), topk_idx=ids, topk_weights=weights, handle="h"))
+    state = State(dispatched=SimpleNamespace(hidden=x.to(dt), topk_idx=ids, topk_weights=weights, handle="h",
+                                             scales=None))
     layer.op_experts(state)
     out, handle = state.pop("expert_out")
     assert handle == "h" and layer.counters[0].local_ffn_calls == 1
-    seen = torch.cat([i.flatten() for i in layer._kernel.ids]).long()
+    seen = torch.cat([i.flatten() for i in layer.experts.kernel.ids]).long()
     assert (seen >= 0).all(), "a remote slot reached the experts kernel"
     assert torch.equal(torch.bincount(seen, minlength=experts), torch.bincount(ids[ids >= 0], minlength=experts))
     # each row: vLLM's kernel on that row's local slots alone

