@@ -206,3 +206,130 @@ def test_int4_gptq_tokens_as_faithful_as_vllm_and_the_steps_split(int4_tbo, int4
     assert_as_faithful_as_vllm(judge, prompts, _tokens(out), want, [len(t) for t in want])
     regrets = fp32_regrets(judge, prompts, want)  # and vLLM's int4 kernel computes the model (module docstring)
     assert sum(map(sum, regrets)) / sum(map(len, regrets)) <= KERNEL_REGRET, regrets
+
+
+# ---- what stays refused, named ------------------------------------------------------------------------------------
+
+
+@needs_vllm
+@pytest.mark.parametrize("tbo, match", [
+    ({"fp8_dispatch": True}, r"fp8_dispatch=True and backend='local': not supported \(tbo's own all-to-all moves one "
+                             r"tensor per token and no scales.*accepted: backend 'deepep'"),
+    ({"fp8_dispatch": True, "backend": "deepep"}, None),  # the int4 checkpoint: its experts take no FP8 (at load)
+])
+def test_fp8_dispatch_a_backend_cannot_carry_is_refused_at_engine_start(checkpoints, tbo, match):
+    """FP8 rows with their scales travel over DeepEP only; on this CPU, DeepEP itself is refused next (CUDA only),
+    and on the unquantized judge checkpoint FP8 dispatch is refused before either: nothing would quantise."""
+    import gc
+
+    with pytest.raises(TboConfigError, match=match or r"backend='deepep': not supported \(DeepEP needs CUDA GPUs"):
+        _llm(checkpoints[0], tbo, dtype="bfloat16")
+    with pytest.raises(TboConfigError, match=r"fp8_dispatch=True: not supported \(the checkpoint is not quantized"):
+        _llm(checkpoints[1], {**tbo, "backend": "deepep"}, dtype="float32")
+    gc.collect()
+
+
+@contextmanager
+def _kernel_swapped(experts: Any, kernel: Any):
+    """``experts``' quant method (a loaded layer's real ``AutoGPTQMoEMethod``) with another of vLLM's experts
+    kernels: the one vLLM builds on a machine these tests do not have. Put back on leaving."""
+    method = experts.quant_method
+    saved = method.moe_kernel
+    method.moe_kernel = kernel
+    try:
+        yield method
+    finally:
+        method.moe_kernel = saved
+
+
+def _moe_layer(llm: Any) -> tuple[Any, Any]:
+    layer = _layers(llm)[0]
+    return layer, layer.mlp.experts.routed_experts
+
+
+@needs_vllm
+def test_a_monolithic_kernel_is_refused_at_load_naming_the_layer_and_the_method(int4_tbo):
+    """vLLM's int4 MoE on an Arm CPU is monolithic (``cpu_int4_moe.CPUExpertsInt4``: the router logits in, the
+    routing inside): tbo needs the top-k before the dispatch, so the layer is refused when the model loads."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_int4_moe import CPUExpertsInt4 as ArmInt4Experts
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPMonolithic
+
+    from tbo.integrations.vllm.structure import layer_structure
+
+    layer, experts = _moe_layer(int4_tbo)
+    assert layer_structure(layer, 0).runner is layer.mlp.experts  # admitted as loaded
+    quant = experts.quant_method.moe_kernel.fused_experts.quant_config
+    monolithic = FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPMonolithic(), ArmInt4Experts(experts.moe_config, quant))
+    with _kernel_swapped(experts, monolithic) as method:
+        assert method.is_monolithic
+        with pytest.raises(TboConfigError, match=r"layer 0 \(Qwen3MoeDecoderLayer\): tbo cannot run it: its MoE has a "
+                                                 r"monolithic MoE kernel \(AutoGPTQMoEMethod with "
+                                                 r"cpu_int4_moe.CPUExpertsInt4: it takes the router logits and "
+                                                 r"routes inside the kernel; tbo needs the top-k before the dispatch"):
+            layer_structure(layer, 0)
+
+
+@needs_vllm
+def test_a_batched_layout_kernel_is_refused_under_expert_parallelism(int4_tbo):
+    """vLLM builds batched-layout experts for its DeepEP low-latency all-to-all; tbo's data-parallel experts op
+    hands the kernel the standard layout (each token once with its top-k), so such a layer is refused, by name,
+    where it would be called that way (one rank calls the quant method's own kernel, whatever its layout)."""
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import BatchedTritonExperts
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize
+
+    from tbo.integrations.vllm.structure import layer_structure
+
+    layer, experts = _moe_layer(int4_tbo)
+    assert layer_structure(layer, 0, expert_parallel=True).runner is layer.mlp.experts
+    batched = FusedMoEKernel(BatchedPrepareAndFinalize(32, 8, 1, 0),  # DeepSeek's block FP8 under DeepEP LL
+                             BatchedTritonExperts(experts.moe_config, _fp8_quant(block_shape=[128, 128]),
+                                                  max_num_tokens=32, num_dispatchers=1))
+    with _kernel_swapped(experts, batched):
+        assert layer_structure(layer, 0).runner is layer.mlp.experts
+        with pytest.raises(TboConfigError, match=r"layer 0 \(Qwen3MoeDecoderLayer\): .* an experts kernel taking the "
+                                                 r"batched layout \(AutoGPTQMoEMethod with "
+                                                 r"fused_batched_moe.BatchedTritonExperts"):
+            layer_structure(layer, 0, expert_parallel=True)
+
+
+def _fp8_quant(**quant: Any) -> Any:
+    """vLLM's FP8 MoE quant config (``fp8_w8a8_moe_quant_config``: ``block_shape=[128, 128]`` is DeepSeek's)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    return fp8_w8a8_moe_quant_config(w1_scale=torch.ones(8, 1, 1), w2_scale=torch.ones(8, 1, 1), **quant)
+
+
+def _fp8_kernel(experts: Any, **quant: Any) -> Any:
+    """vLLM's Triton experts (what it runs DeepSeek's FP8 checkpoints with on GPUs, beside DeepGEMM) with an FP8
+    quant config, behind vLLM's no-communication prepare/finalize."""
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+    return FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), TritonExperts(experts.moe_config, _fp8_quant(**quant)))
+
+
+@needs_vllm
+def test_fp8_rows_go_over_the_wire_where_the_quant_method_takes_deepseek_s_block_fp8(int4_tbo):
+    """``fp8_dispatch``: 'auto' sends FP8 rows with their scales where every MoE layer's experts take FP8 in
+    per-token groups of 128 (DeepSeek's block FP8), True requires it and names the layer that does not; per-tensor
+    dynamic FP8 is admitted but not sent as FP8 (its one scale spans the call), and warned about."""
+    from tbo.integrations.vllm.quant import batch_dependent_scales, fp8_dispatch_for, fp8_refusal
+
+    _, experts = _moe_layer(int4_tbo)
+    assert "(AutoGPTQMoEMethod with cpu_moe.CPUExpertsInt4) takes unquantised rows and quantises them itself" in \
+        fp8_refusal(experts)
+    assert fp8_dispatch_for([(0, experts)], "auto") is False and not batch_dependent_scales(experts)
+    with pytest.raises(TboConfigError, match=r"fp8_dispatch=True: layer 0's experts do not take FP8 rows \(its kernel "
+                                             r"\(AutoGPTQMoEMethod with cpu_moe.CPUExpertsInt4\) takes unquantised"):
+        fp8_dispatch_for([(0, experts)], True)
+    with _kernel_swapped(experts, _fp8_kernel(experts, block_shape=[128, 128])):
+        assert fp8_refusal(experts) is None and not batch_dependent_scales(experts)
+        assert fp8_dispatch_for([(0, experts)], "auto") is True and fp8_dispatch_for([(0, experts)], True) is True
+        assert fp8_dispatch_for([(0, experts)], False) is False
+    with _kernel_swapped(experts, _fp8_kernel(experts)):  # per-tensor, dynamic: one scale per call
+        assert "not in per-token groups of 128" in fp8_refusal(experts)
+        assert batch_dependent_scales(experts) and fp8_dispatch_for([(0, experts)], "auto") is False

@@ -52,10 +52,13 @@ def _fused_experts(experts: Any) -> Any:
 
 
 def _kernel_name(experts: Any) -> str:
+    """The quant method and its experts class, module-qualified (vLLM has two ``CPUExpertsInt4``: Arm's monolithic
+    one in ``cpu_int4_moe``, x86's modular one in ``cpu_moe``)."""
     method = experts.quant_method
     kernel = getattr(method, "moe_kernel", None)
     cls = type(kernel.fused_experts) if kernel is not None else getattr(method, "experts_cls", None)
-    return f"{type(method).__name__}" + (f" with {cls.__name__}" if cls is not None else "")
+    return f"{type(method).__name__}" + (f" with {cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+                                         if cls is not None else "")
 
 
 def kernel_problems(experts: Any, expert_parallel: bool) -> list[str]:
