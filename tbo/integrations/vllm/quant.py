@@ -150,12 +150,12 @@ class ExpertsCall:
     docstring): ``local`` on one rank, ``received`` on the rows a data-parallel rank received, each with FP8 rows
     and their scales where ``fp8``."""
 
-    #: the quantiser of FP8 rows, vLLM's (a CUDA kernel: the CPU tests put a torch stand-in here)
-    quantizer: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
-
     def __init__(self, experts: Any, *, hidden_dim: int | None = None, unpadded_dim: int | None = None,
                  fp8: bool = False, kernel: Any = None) -> None:
         self.experts, self.fp8 = experts, fp8
+        #: the quantiser of FP8 rows; None: vLLM's ``moe_kernel_quantize_input`` (a Triton kernel: the CPU tests put
+        #: a torch stand-in with its signature here)
+        self.quantizer: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
         #: pad the rows to this width before the kernel (None: the kernel takes the model's width)
         self.pad_to = hidden_dim if hidden_dim is not None and hidden_dim != unpadded_dim else None
         self.unpadded_dim = unpadded_dim
