@@ -456,10 +456,11 @@ def _fp8_ep_layer_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
     for op in ("op_dispatch_a", "op_dispatch_b", "op_experts", "op_combine_a", "op_combine_b"):
         getattr(layer, op)(state)
     # FP8 tensors do not cross a process boundary intact (torch's pickling): their bytes do
-    handed = [(rows.dtype, rows.view(torch.uint8), row_scales, local_ids) for rows, row_scales, local_ids in fused.handed]
+    handed = [(rows.dtype, rows.view(torch.uint8), row_scales, local_ids)
+              for rows, row_scales, local_ids in fused.handed]
     return {"out": state.pop("routed_out"), "handed": handed,
-            "refusals": [payload_refusal(backend, torch.float8_e4m3fn, True), payload_refusal(plain, torch.float32, False),
-                         payload_refusal(plain, torch.bfloat16, False)]}
+            "refusals": [payload_refusal(backend, torch.float8_e4m3fn, True),
+                         payload_refusal(plain, torch.float32, False), payload_refusal(plain, torch.bfloat16, False)]}
 
 
 def _fp8_quant_with(w1_scale: Any, w2_scale: Any) -> Any:
@@ -541,3 +542,43 @@ def test_fp8_dispatch_hands_the_quant_method_s_experts_the_rows_and_scales_its_q
         want += weights[:, slot:slot + 1] * torch.einsum("ti,thi->th", torch.nn.functional.silu(gate) * up, w2d[e])
     got = torch.cat([r["out"] for r in per_rank]).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 partial sums, combined
+
+
+# ---- a kernel whose hidden size the quant method rounds up -------------------------------------------------------
+
+
+@needs_vllm
+def test_rows_padded_to_the_kernel_s_hidden_size_and_the_output_cut_back():
+    """MXFP4 backends round GPT-OSS's hidden size up (2880 to 3072: ``moe_config.hidden_dim``); vLLM's runner pads
+    the rows with zeros and cuts the output back, and so does tbo's experts call: on vLLM's CPU kernel with weights
+    zero-padded from 96 to 128 channels, the received rows' output equals the unpadded kernel's, bit for bit."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from test_vllm_dp import _CountingCpuKernel
+    from tbo.integrations.vllm.quant import ExpertsCall
+
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, padded, inter, rows = 4, 96, 128, 64, 7
+    w13, w2 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3, torch.randn(experts, hidden, inter,
+                                                                                       generator=g) * 0.3
+    x, weights = torch.randn(rows, hidden, generator=g), torch.rand(rows, 2, generator=g)
+    ids = torch.randint(0, experts, (rows, 2), generator=g, dtype=torch.int32)
+
+    def call(w13: Any, w2: Any, **dims: Any) -> Any:
+        routed = SimpleNamespace(w13_weight=cpu_prepack_moe_weight(w13, "vec"),
+                                 w2_weight=cpu_prepack_moe_weight(w2, "vec"), activation=MoEActivation.SILU,
+                                 local_num_experts=experts, apply_router_weight_on_input=False)
+        return ExpertsCall(routed, kernel=_CountingCpuKernel(), **dims)
+
+    plain = call(w13, w2)
+    pad = torch.nn.functional.pad
+    pads = call(pad(w13, (0, padded - hidden)), pad(w2, (0, 0, 0, padded - hidden)), hidden_dim=padded,
+                unpadded_dim=hidden)
+    assert plain.pad_to is None and pads.pad_to == padded
+    got = pads.received(x, ids, weights)
+    assert got.shape == (rows, hidden) and pads.kernel.ids  # the padded kernel ran, and its output was cut back
+    assert torch.equal(got, plain.received(x, ids, weights))

@@ -171,7 +171,8 @@ def agreement_config(engine: Any) -> dict[str, Any]:
     """Everything of ``engine`` (a `TboEngine`) that shapes its collectives, for the step agreement to compare over
     the ranks: the strategy each step kind runs (its name and bound op list), the microbatch count, the backend and
     its layout and payload (FP8 rows or not), ``agreed_rows``, the link, and the model's expert shapes and dtype
-    (the dispatches' sizes). A rank started otherwise gets `tbo.split.agree.AgreementMismatchError` naming the key, at warm-up."""
+    (the dispatches' sizes). A rank started otherwise gets `tbo.split.agree.AgreementMismatchError` naming the
+    key, at warm-up."""
     config, vllm_config = engine.config, engine.runner.vllm_config
     hf = vllm_config.model_config.hf_text_config
     backend = getattr(engine.backend, "inner", engine.backend)  # under an emulated link: the backend it wraps

@@ -10,8 +10,9 @@ block's own beside it) and the runner's ``select_experts`` for top-k, the runner
 the fused-MoE experts kernel through the layer's own quant method, quantized or not (`tbo.integrations.vllm.quant`).
 What tbo changes is where the tokens go between routing and the experts: through an `EPBackend` (dispatch,
 combine), in the NORMAL layout that kernel takes (each token once, with its top-k ids and weights; with FP8
-dispatch, as FP8 rows with their scales, quantised by the quant method's own quantiser). The routed output is then scaled, added to the shared expert's and all-reduced over tensor parallelism as
-vLLM's MoE runner does, in that order.
+dispatch, as FP8 rows with their scales, quantised by the quant method's own quantiser). The routed output is then
+scaled, added to the shared expert's and all-reduced over tensor parallelism as vLLM's MoE runner does, in that
+order.
 
 vLLM's pre-norm layers hand the residual on unadded (the next layer's input norm adds it), so a layer's output is
 ``{"hidden_states", "residual"}``: `model_forward_maybe_tbo` merges both, and the model's final norm adds them. A
