@@ -325,8 +325,10 @@ def _reference(model: Path, rounds: list[list[list[int]]], **kw) -> list:
         gc.collect()
 
 
-def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600, **kw) -> tuple:
-    """Run the DP ranks; returns (runs, stats per rank). Fails with both ranks' output unless both exit 0."""
+def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600,
+        env: dict | None = None, **kw) -> tuple:
+    """Run the DP ranks (``env``: added to their environment); returns (runs, stats per rank). Fails with both
+    ranks' output unless both exit 0."""
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp_path / "barrier"
@@ -335,7 +337,7 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
     specs = [dict(model=str(model), engine=_pinned(model, {**ENGINE, **kw, "enable_expert_parallel": True}),
                   tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
                   barrier_dir=str(barrier)) for rounds in rounds_per_rank]
-    runs = run_dp(specs, timeout_s=timeout_s)
+    runs = run_dp(specs, timeout_s=timeout_s, env=env)
     assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
     per_rank = []
     for rank in range(len(specs)):  # {rank} is the rank in vLLM's world: DP rank * TP size (1) + TP rank (0)

@@ -208,6 +208,43 @@ def test_int4_gptq_tokens_as_faithful_as_vllm_and_the_steps_split(int4_tbo, int4
     assert sum(map(sum, regrets)) / sum(map(len, regrets)) <= KERNEL_REGRET, regrets
 
 
+#: a vLLM general plugin for the data-parallel ranks' processes, which no test code reaches: `_int4_kernel`'s lift
+#: of the AMX check, for the life of the process (installed as a distribution: `test_vllm._vllm_plugin`)
+_INT4_KERNEL_PLUGIN = """
+def register():
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+
+        CPUExpertsInt4._supports_current_device = staticmethod(lambda: True)
+"""
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_int4_gptq_dp2_ep_as_faithful_as_vllm_and_both_ranks_split(checkpoints, judge, tmp_path):
+    """Data parallel 2 + expert parallel: each rank holds 4 of the 8 int4 experts, and tbo's EP experts op calls
+    the GPTQ method's own int4 kernel (its ``fused_experts``) on the rows it received, with local ids. Each rank's
+    tokens are as faithful to the fp32 dequantised model as plain vLLM's (DP = 1) on the same checkpoint; both ranks
+    split steps and sent rows to each other."""
+    import os
+
+    from test_vllm import _prompt, _vllm_plugin
+    from test_vllm_dp import _assert_both_split_and_sent, _dp, _reference
+
+    rounds = [[[_prompt(9, 7), _prompt(8, 8), _prompt(3, 9)]], [[_prompt(4, 10), _prompt(17, 11)]]]
+    plugins = _vllm_plugin(tmp_path / "plugins", "tbo_test_int4_kernel", _INT4_KERNEL_PLUGIN)
+    env = {"PYTHONPATH": os.pathsep.join([str(plugins)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    runs, per_rank = _dp(tmp_path, checkpoints[0], rounds, TBO, env=env, dtype="bfloat16")
+    _assert_both_split_and_sent(per_rank, 2)
+    for rank, (prompts,) in enumerate(rounds):
+        with _int4_kernel():
+            (want,) = _reference(checkpoints[0], [prompts], dtype="bfloat16")
+        want = [list(o.token_ids) for o in want]
+        assert_as_faithful_as_vllm(judge, prompts, runs[rank].result["tokens"][0], want, [len(t) for t in want])
+
+
 # ---- what stays refused, named ------------------------------------------------------------------------------------
 
 

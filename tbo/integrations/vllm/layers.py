@@ -22,6 +22,7 @@ and hands on ``{"hidden_states"}`` alone (`tbo.integrations.vllm.structure.Model
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from tbo.integrations.vllm.structure import layer_structure
 from tbo.models.layer_ops import ExpertParallelOps
 
 __all__ = ["VllmDecoderLayer", "reduce_plan"]
+
+logger = logging.getLogger("vllm.tbo")  # under vLLM's logger, as the engine's
 
 
 def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool]:
@@ -113,9 +116,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         if why is not None:
             raise TboConfigError(f"{name}: the backend cannot dispatch its {'FP8 rows' if fp8 else dtype} ({why})")
         if batch_dependent_scales(self.runner.routed_experts):
-            import logging
-
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "tbo: %s quantises its experts' input with one dynamic scale per call (per-tensor): each microbatch "
                 "of a split step gets its own scale, as under vLLM's DBO, so split and unsplit steps agree to that "
                 "rounding, not bit for bit", name)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.quant import kernel_problems
 
 __all__ = ["LayerStructure", "ModelEnds", "QUIRKS", "attention_and_ffn", "layer_structure", "model_ends",
            "moe_dims", "moe_runner_of", "moe_runners", "shared_expert_of"]
@@ -129,8 +130,6 @@ def _moe_problems(ffn: Any, runner: Any, gate: Any, shared: Any, expert_parallel
     if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
         problems.append("latent routed-input/output transforms")
     experts = runner.routed_experts
-    from tbo.integrations.vllm.quant import kernel_problems
-
     problems += kernel_problems(experts, expert_parallel)  # the quant method: monolithic kernels, batched layouts
     moe = runner.moe_config
     if moe.is_sequence_parallel or (moe.dp_size > 1 and not expert_parallel):
