@@ -29,9 +29,10 @@ from typing import Any
 
 import pytest
 
-from test_vllm import HAVE_VLLM, SCENARIOS, TBO, _free, _generate, _llm, _run, _tokens, needs_vllm
+from test_vllm import HAVE_VLLM, SCENARIOS, TBO, _free, _generate, _llm, _prompt, _run, _tokens, needs_vllm
 
 from bf16_oracle import assert_as_faithful_as_vllm, fp32_regrets
+from test_vllm_dp import MAX_TOKENS as DP_MAX_TOKENS
 
 from tbo.integrations.vllm.config import TboConfigError
 
@@ -125,14 +126,20 @@ def checkpoints(tmp_path_factory):
 
 
 INT4_SCENARIOS = ("decode", "prefill", "mixed", "cut")
+#: each data-parallel rank's prompts (`test_int4_gptq_dp2_ep_as_faithful_as_vllm_and_both_ranks_split`)
+DP_PROMPTS = [[_prompt(9, 7), _prompt(8, 8), _prompt(3, 9)], [_prompt(4, 10), _prompt(17, 11)]]
 
 
 @pytest.fixture(scope="module")
 def int4_reference(checkpoints):
-    """Plain vLLM's greedy tokens on the int4 checkpoint, for every scenario."""
+    """Plain vLLM's greedy tokens on the int4 checkpoint, for every scenario, and for each data-parallel rank's
+    prompts (one generate call each, as that rank's). Made before the judge starts: an in-process engine freed
+    takes vLLM's process-wide parallel groups with it, which a live engine still needs."""
     llm = _int4_llm(checkpoints[0])
     try:
-        return {name: _tokens(_generate(llm, SCENARIOS[name])) for name in INT4_SCENARIOS}
+        return {**{name: _tokens(_generate(llm, SCENARIOS[name])) for name in INT4_SCENARIOS},
+                **{f"dp{rank}": _tokens(_generate(llm, prompts, max_tokens=[DP_MAX_TOKENS] * len(prompts)))
+                   for rank, prompts in enumerate(DP_PROMPTS)}}
     finally:
         _free(llm)
 
@@ -223,25 +230,23 @@ def register():
 
 @needs_vllm
 @pytest.mark.dist
-def test_int4_gptq_dp2_ep_as_faithful_as_vllm_and_both_ranks_split(checkpoints, judge, tmp_path):
+def test_int4_gptq_dp2_ep_as_faithful_as_vllm_and_both_ranks_split(checkpoints, int4_reference, judge, tmp_path):
     """Data parallel 2 + expert parallel: each rank holds 4 of the 8 int4 experts, and tbo's EP experts op calls
     the GPTQ method's own int4 kernel (its ``fused_experts``) on the rows it received, with local ids. Each rank's
     tokens are as faithful to the fp32 dequantised model as plain vLLM's (DP = 1) on the same checkpoint; both ranks
     split steps and sent rows to each other."""
     import os
 
-    from test_vllm import _prompt, _vllm_plugin
-    from test_vllm_dp import _assert_both_split_and_sent, _dp, _reference
+    from test_vllm import _vllm_plugin
+    from test_vllm_dp import _assert_both_split_and_sent, _dp
 
-    rounds = [[[_prompt(9, 7), _prompt(8, 8), _prompt(3, 9)]], [[_prompt(4, 10), _prompt(17, 11)]]]
     plugins = _vllm_plugin(tmp_path / "plugins", "tbo_test_int4_kernel", _INT4_KERNEL_PLUGIN)
     env = {"PYTHONPATH": os.pathsep.join([str(plugins)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    runs, per_rank = _dp(tmp_path, checkpoints[0], rounds, TBO, env=env, dtype="bfloat16")
+    runs, per_rank = _dp(tmp_path, checkpoints[0], [[prompts] for prompts in DP_PROMPTS], TBO, env=env,
+                         dtype="bfloat16")
     _assert_both_split_and_sent(per_rank, 2)
-    for rank, (prompts,) in enumerate(rounds):
-        with _int4_kernel():
-            (want,) = _reference(checkpoints[0], [prompts], dtype="bfloat16")
-        want = [list(o.token_ids) for o in want]
+    for rank, prompts in enumerate(DP_PROMPTS):
+        want = int4_reference[f"dp{rank}"]
         assert_as_faithful_as_vllm(judge, prompts, runs[rank].result["tokens"][0], want, [len(t) for t in want])
 
 
