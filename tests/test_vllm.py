@@ -192,13 +192,15 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
 
     from tbo.comm.types import DispatchFormat, DispatchOutput
     from tbo.core.state import State
+    from tbo.integrations.vllm.quant import ExpertsCall
 
     def in_place_kernel(x, topk_weights, topk_ids):
         x.mul_(0)  # the worst a kernel may do
         return x
 
-    routed = SimpleNamespace(forward_modular=in_place_kernel)
-    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), _ids_dtype=torch.int32)
+    routed = SimpleNamespace(forward_modular=in_place_kernel, _ensure_moe_quant_config_init=lambda: None)
+    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), experts=ExpertsCall(routed),
+                        _ids_dtype=torch.int32)
     mlp_in = torch.ones(3, 4)
     state = State()
     state.mlp_in = mlp_in
@@ -977,15 +979,21 @@ _ROTARY_PLUGIN = textwrap.dedent("""
 """)
 
 
+def _vllm_plugin(root: Path, name: str, source: str) -> Path:
+    """A folder holding ``source`` (a module with ``register()``) as an installed distribution ``name`` with a
+    ``vllm.general_plugins`` entry point: put on a process's PYTHONPATH, vLLM loads it in that process."""
+    root.mkdir()
+    (root / f"{name}.py").write_text(source)
+    info = root / f"{name}-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {name}:register\n")
+    return root
+
+
 def _rotary_plugin(root: Path) -> Path:
     """A folder holding `_ROTARY_PLUGIN` as an installed distribution with a ``vllm.general_plugins`` entry point."""
-    root.mkdir()
-    (root / "tbo_test_rotary.py").write_text(_ROTARY_PLUGIN)
-    info = root / "tbo_test_rotary-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tbo-test-rotary\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\ntbo_test_rotary = tbo_test_rotary:register\n")
-    return root
+    return _vllm_plugin(root, "tbo_test_rotary", _ROTARY_PLUGIN)
 
 
 def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dict,

@@ -325,8 +325,10 @@ def _reference(model: Path, rounds: list[list[list[int]]], **kw) -> list:
         gc.collect()
 
 
-def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600, **kw) -> tuple:
-    """Run the DP ranks; returns (runs, stats per rank). Fails with both ranks' output unless both exit 0."""
+def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600,
+        env: dict | None = None, **kw) -> tuple:
+    """Run the DP ranks (``env``: added to their environment); returns (runs, stats per rank). Fails with both
+    ranks' output unless both exit 0."""
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp_path / "barrier"
@@ -335,7 +337,7 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
     specs = [dict(model=str(model), engine=_pinned(model, {**ENGINE, **kw, "enable_expert_parallel": True}),
                   tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
                   barrier_dir=str(barrier)) for rounds in rounds_per_rank]
-    runs = run_dp(specs, timeout_s=timeout_s)
+    runs = run_dp(specs, timeout_s=timeout_s, env=env)
     assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
     per_rank = []
     for rank in range(len(specs)):  # {rank} is the rank in vLLM's world: DP rank * TP size (1) + TP rank (0)
@@ -708,13 +710,15 @@ def _ep_layer_on_real_kernel(dtype, w13, w2):
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     from tbo.integrations.vllm.ep import EpDecoderLayer
+    from tbo.integrations.vllm.quant import ExpertsCall
     from tbo.integrations.vllm.stats import StepStats
 
     layer = object.__new__(EpDecoderLayer)  # the experts op alone: its kernel, its expert weights, its counters
-    layer._kernel, layer._ids_dtype, layer.counters = _CountingCpuKernel(), torch.int32, (StepStats(),)
+    layer._ids_dtype, layer.counters = torch.int32, (StepStats(),)
     layer.runner = SimpleNamespace(routed_experts=SimpleNamespace(
         w13_weight=cpu_prepack_moe_weight(w13.to(dtype), "vec"), w2_weight=cpu_prepack_moe_weight(w2.to(dtype), "vec"),
         activation=MoEActivation.SILU, local_num_experts=w13.shape[0], apply_router_weight_on_input=False))
+    layer.experts = ExpertsCall(layer.runner.routed_experts, kernel=_CountingCpuKernel())
     return layer
 
 
@@ -752,7 +756,7 @@ def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
     layer.op_experts(state)
     out, handle = state.pop("expert_out")
     assert handle == "h" and layer.counters[0].local_ffn_calls == 1
-    seen = torch.cat([i.flatten() for i in layer._kernel.ids]).long()
+    seen = torch.cat([i.flatten() for i in layer.experts.kernel.ids]).long()
     assert (seen >= 0).all(), "a remote slot reached the experts kernel"
     assert torch.equal(torch.bincount(seen, minlength=experts), torch.bincount(ids[ids >= 0], minlength=experts))
     # each row: vLLM's kernel on that row's local slots alone

@@ -83,6 +83,20 @@ class ModeBackends:
         return self.active.format
 
     @property
+    def carries_fp8(self) -> bool:
+        """Whether a dispatch carries FP8 rows with their scales whichever backend a step runs over."""
+        return bool(getattr(self.decode, "carries_fp8", False) and getattr(self.prefill, "carries_fp8", False))
+
+    @property
+    def hidden_dtypes(self) -> tuple[Any, ...] | None:
+        """The activation dtypes both backends move (None: any), for `tbo.comm.types.payload_refusal`."""
+        kinds = [d for d in (getattr(self.decode, "hidden_dtypes", None), getattr(self.prefill, "hidden_dtypes", None))
+                 if d is not None]
+        if not kinds:
+            return None
+        return tuple(d for d in kinds[0] if all(d in k for k in kinds))
+
+    @property
     def accepts_rows_per_rank(self) -> bool:
         return bool(getattr(self.active, "accepts_rows_per_rank", False))
 
@@ -117,11 +131,13 @@ def select_backend(backend: Any, mode: str) -> Any:
 
 def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int, max_tokens: int,
                  ep_size: int = 1, platform: str = "cpu", dtype: Any = None, max_decode_tokens: int | None = None,
-                 deep_ep: ModuleType | None = None) -> Any:
+                 fp8: bool = False, deep_ep: ModuleType | None = None) -> Any:
     """The `EPBackend` ``config`` asks for, routing ``num_experts`` experts with top-``top_k`` over tokens of
     ``hidden`` channels, at most ``max_tokens`` per step (``max_decode_tokens`` per decode step), over ``ep_size``
-    expert-parallel ranks, hidden states of ``dtype``. ``deep_ep``: the module to build DeepEP buffers with instead
-    of importing ``deep_ep`` (the CPU stand-in, `tbo.testing.deepep_standin`, in tests)."""
+    expert-parallel ranks, hidden states of ``dtype``. ``fp8``: its dispatches carry FP8 rows with their scales
+    (DeepEP's normal-mode buffers sized for them; decode steps then run normal mode too, `_deepep`). ``deep_ep``:
+    the module to build DeepEP buffers with instead of importing ``deep_ep`` (the CPU stand-in,
+    `tbo.testing.deepep_standin`, in tests)."""
     if config.backend == "local" and ep_size > 1:
         from tbo.integrations.vllm.ep import EpBackend, ep_group
 
@@ -130,7 +146,7 @@ def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k:
         backend = LocalBackend(num_experts, DispatchFormat.NORMAL)
     else:
         backend = _deepep(config, num_experts, hidden=hidden, top_k=top_k, max_tokens=max_tokens, platform=platform,
-                          dtype=dtype, max_decode_tokens=max_decode_tokens, deep_ep=deep_ep)
+                          dtype=dtype, max_decode_tokens=max_decode_tokens, fp8=fp8, deep_ep=deep_ep)
     if config.link is not None:  # around each backend a step runs over
         if isinstance(backend, ModeBackends):
             return ModeBackends(EmulatedLink.from_spec(backend.decode, config.link),
@@ -140,22 +156,29 @@ def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k:
 
 
 def _deepep(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int, max_tokens: int, platform: str,
-            dtype: Any, max_decode_tokens: int | None, deep_ep: ModuleType | None) -> Any:
+            dtype: Any, max_decode_tokens: int | None, fp8: bool, deep_ep: ModuleType | None) -> Any:
+    """DeepEP for steps with prefill (NORMAL layout), and behind a `ModeBackends` low-latency DeepEP for decode steps
+    where ``deepep_decode`` and the model allow it. FP8 dispatch (``fp8``) hands the experts rows the quant method's
+    own quantiser made before the dispatch, which normal mode carries as they are; low-latency mode quantises inside
+    its own kernel, so with FP8 dispatch decode steps run normal mode too ("auto"), or are refused by name
+    ("low_latency")."""
     from tbo.comm.deepep_select import deepep_backend
     from tbo.integrations.vllm.ep import ep_group
 
     group = ep_group(platform)
     ranks = group.size()
     decode_tokens = max_tokens if max_decode_tokens is None else max_decode_tokens
-    why = None if config.deepep_decode == "normal" else low_latency_refusal(
-        dtype=dtype, hidden=hidden, top_k=top_k, num_ranks=ranks, max_decode_tokens=decode_tokens)
+    why = None if config.deepep_decode == "normal" else (
+        "FP8 dispatch (fp8_dispatch) sends rows the quant method quantised, which only normal mode carries as they "
+        "are" if fp8 else low_latency_refusal(dtype=dtype, hidden=hidden, top_k=top_k, num_ranks=ranks,
+                                              max_decode_tokens=decode_tokens))
     if why is not None and config.deepep_decode == "low_latency":
         raise TboConfigError(f"additional_config['tbo'] with deepep_decode='low_latency': DeepEP's low-latency "
                              f"kernels cannot carry this model's decode steps ({why}); accepted: "
                              "deepep_decode='normal' or 'auto' (then normal mode for every step)")
     kind = config.deepep_kind  # "auto" in prefill mode: V2 when installed, else V1 normal; both NORMAL layout
     prefill = deepep_backend(group, num_experts, hidden=hidden, num_max_tokens_per_rank=max_tokens, num_topk=top_k,
-                             kind=kind, mode="prefill", deep_ep=deep_ep)
+                             kind=kind, mode="prefill", use_fp8=fp8, deep_ep=deep_ep)
     if config.deepep_decode == "normal":
         return prefill
     if why is not None:

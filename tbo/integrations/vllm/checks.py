@@ -90,9 +90,10 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
         check_speculative(vllm_config.speculative_config)
     if vllm_config.lora_config is not None:
         _refuse("lora", "enabled", "no LoRA", "LoRA's per-request adapters are not split per microbatch")
-    if getattr(model, "quantization", None):
-        _refuse("quantization", model.quantization, "unquantized weights", "tbo's expert op calls the unquantized "
-                "fused-MoE method")
+    from tbo.integrations.vllm.quant import check_quantization
+
+    # a quantized checkpoint is admitted by its layers' quant methods when it loads (quant.kernel_problems)
+    check_quantization(getattr(model, "quantization", None), config)
     if config.backend == "deepep" and par.tensor_parallel_size > 1:
         _refuse("backend", "deepep", "'local' with tensor_parallel_size > 1",
                 f"vLLM's expert-parallel group spans the {par.tensor_parallel_size} TP ranks of a MoE model even "

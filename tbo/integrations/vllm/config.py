@@ -81,6 +81,11 @@ class TboVllmConfig(BaseModel):
         default="auto", description="DeepEP for decode steps: 'low_latency' (V1 low-latency kernels, MASKED layout, "
                                     "vLLM's batched experts kernel; bf16 models of a hidden size they are compiled "
                                     "for), 'normal' (as prefill), 'auto' (low-latency where the model allows it)")
+    fp8_dispatch: bool | Literal["auto"] = Field(
+        default="auto", description="'auto': with backend 'deepep', the dispatch carries FP8 rows with their scales "
+                                    "where every MoE layer's quant method takes them (DeepSeek's block FP8, per-token "
+                                    "groups of 128), quantised by that method's own quantiser; True: required, "
+                                    "refused by name where not; False: the model's dtype always")
     link: str | None = Field(default=None, description="emulated link 'LATENCY_US,GBPS' around the backend "
                                                         "(tbo.comm.EmulatedLink): makes overlap visible on a CPU")
     afd: AFDVllmConfig | None = Field(default=None, description="attention-FFN disaggregation: {'ffn': "

@@ -29,8 +29,9 @@ from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches, check_metadata_builders
+from tbo.integrations.vllm.quant import fp8_dispatch_for
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
-from tbo.integrations.vllm.structure import moe_dims
+from tbo.integrations.vllm.structure import moe_dims, moe_runners
 
 __all__ = ["TboEngine"]
 
@@ -60,6 +61,7 @@ class TboEngine:
         scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
         self.afd = None
         self.ep_size = 1
+        self.fp8_dispatch = False
         if config.afd is not None:  # attention here, the FFN on `tbo afd-ffn` (tbo.integrations.vllm.afd)
             from tbo.integrations.vllm.afd.attention import AFDAttentionSide
             from tbo.integrations.vllm.afd.config import AFD_STRATEGY
@@ -77,17 +79,21 @@ class TboEngine:
             num_experts, top_k = moe_dims(model.layers)  # the runners' own, whatever the config calls them
             if vllm_config.parallel_config.enable_expert_parallel:
                 self.ep_size = expert_parallel_size()
+            #: FP8 rows with their scales on the wire, where the layers' quant methods take them (quant.py)
+            self.fp8_dispatch = config.backend == "deepep" and fp8_dispatch_for(
+                [(i, r.routed_experts) for i, r in moe_runners(model.layers)], config.fp8_dispatch)
             spec = vllm_config.speculative_config
             decode_tokens = vllm_config.scheduler_config.max_num_seqs * (1 + (spec.num_speculative_tokens or 0)
                                                                          if spec is not None else 1)
             self.backend = make_backend(config, num_experts, hidden=hf.hidden_size, top_k=top_k,
                                         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                         ep_size=self.ep_size, platform=current_platform.device_type,
-                                        dtype=vllm_config.model_config.dtype, max_decode_tokens=decode_tokens)
+                                        dtype=vllm_config.model_config.dtype, max_decode_tokens=decode_tokens,
+                                        fp8=self.fp8_dispatch)
             tp = get_tensor_model_parallel_world_size()
             layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
-            self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling)
-                           for i, layer in enumerate(model.layers)]
+            self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling,
+                                     fp8_dispatch=self.fp8_dispatch) for i, layer in enumerate(model.layers)]
             if isinstance(self.backend, ModeBackends):  # DeepEP low-latency decode: vLLM's batched experts kernel
                 from tbo.integrations.vllm.masked import check_masked_kernel
 
