@@ -128,6 +128,15 @@ def _rank(rank: int, world: int, path: str, seed: int) -> dict:
         fp32_refusal = ""
     except TboConfigError as e:
         fp32_refusal = str(e)
+    # FP8 dispatch: normal mode carries the rows the quant method quantised; low-latency mode quantises in its kernel
+    bf16 = {**fp32, "dtype": torch.bfloat16, "fp8": True}
+    fp8_auto = make_backend(parse_config({"tbo": {"backend": "deepep"}}), EXPERTS, **bf16)
+    assert not isinstance(fp8_auto, ModeBackends) and fp8_auto.carries_fp8, fp8_auto
+    try:
+        make_backend(config, EXPERTS, **bf16)
+        fp8_refusal = ""
+    except TboConfigError as e:
+        fp8_refusal = str(e)
     ep = EpDecoderLayer(layer, backend, 0, 1)
     ep.counters = (StepStats(),)
     # the one-un-received-call rule on the schedule: the decode strategy binds over low-latency, prefill's does not
@@ -142,7 +151,7 @@ def _rank(rank: int, world: int, path: str, seed: int) -> dict:
     masked = [_moe(ep, x, "decode") for x in mine]
     normal = [_moe(ep, x, "prefill") for x in mine]
     return {"masked": masked, "normal": normal, "refused": refused, "ffn_calls": ep.counters[0].local_ffn_calls,
-            "fp32_refusal": fp32_refusal,
+            "fp32_refusal": fp32_refusal, "fp8_refusal": fp8_refusal,
             "kernel": type(ep._masked).__name__, "pending": backend.decode.buffer.pending_hooks(),
             "ll_calls": backend.decode.buffer._calls.seq, "capacity": backend.decode.max_tokens * world}
 
@@ -183,6 +192,8 @@ def test_low_latency_decode_equals_tbos_one_process_masked_path_and_vllm_on_the_
         assert "deepep_decode='low_latency': DeepEP's low-latency kernels cannot carry this model's decode steps " \
                "(its dispatch takes bfloat16 hidden states and this model runs in torch.float32)" in \
                got["fp32_refusal"], got["fp32_refusal"]
+        assert "deepep_decode='low_latency': DeepEP's low-latency kernels cannot carry this model's decode steps " \
+               "(FP8 dispatch (fp8_dispatch)" in got["fp8_refusal"], got["fp8_refusal"]
     for mb in range(2):
         masked = torch.cat([per_rank[r]["masked"][mb] for r in range(2)])
         normal = torch.cat([per_rank[r]["normal"][mb] for r in range(2)])
