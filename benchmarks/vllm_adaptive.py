@@ -15,7 +15,10 @@ run it several times and report the range.
    sized as that benchmark sizes it: adaptive against never splitting and against the static split, each rank
    ``--dp-batch`` requests of ``--dp-decode-tokens`` tokens, the configurations' launches alternating
    (``--repeats`` each, the median reported). Every rank makes the same choice (the tables ride on the step
-   agreement), and each launch starts with an empty table, so a launch's exploration is part of its time.
+   agreement). Each launch starts with an empty table and generates the workload ``--dp-warmup-rounds`` + 1 times,
+   timed on its last wave: as in the single-rank regime, the earlier waves are the warm-up every configuration gets
+   (the adaptive one learns there; its later exploration stays in the timed wave). ``--dp-warmup-rounds 0`` times
+   the first wave, exploration from an empty table included.
 
     .venv-vllm/bin/python benchmarks/vllm_adaptive.py            # after make test-vllm
     .venv-vllm/bin/python benchmarks/vllm_adaptive.py --dp
@@ -80,12 +83,14 @@ def dp_regime(args) -> None:
         launches: dict[str, list] = {name: [] for name in configs}
         for k in range(args.repeats):
             for i, (name, tbo) in enumerate(configs.items()):
-                launches[name].append(dp.run(model, run_args, {**tbo, "link": link}, tmp, f"dp-{i}-{k}"))
+                launches[name].append(dp.run(model, run_args, {**tbo, "link": link}, tmp, f"dp-{i}-{k}",
+                                             warmup_rounds=args.dp_warmup_rounds))
     median = {name: sorted(got, key=lambda r: r[0])[len(got) // 2] for name, got in launches.items()}
     print(f"DP = 2 + EP, Qwen3-MoE hidden {args.dp_hidden}, {args.dp_layers} MoE layers, {args.experts} experts "
           f"top-2, float32; per rank {args.dp_batch} requests x {args.dp_decode_tokens} tokens; link {link}; "
-          f"median of {args.repeats} launch(es)")
-    print("| configuration | step | tokens/s (both ranks) | every launch's step | rank 0's forwards: all, split |\n"
+          f"median of {args.repeats} launch(es), each timed on its last of {args.dp_warmup_rounds + 1} wave(s)")
+    print("| configuration | step | tokens/s (both ranks) | every launch's step | rank 0's forwards (every wave): "
+          "all, split |\n"
           "|---|---|---|---|---|")
     for name, (sec, tps, stats) in median.items():
         every = ", ".join(f"{1e3 * r[0]:.0f}" for r in launches[name])
@@ -113,6 +118,8 @@ def main() -> None:
     p.add_argument("--dp-layers", type=int, default=8)
     p.add_argument("--dp-batch", type=int, default=32, help="requests per rank")
     p.add_argument("--dp-decode-tokens", type=int, default=48)
+    p.add_argument("--dp-warmup-rounds", type=int, default=1,
+                   help="waves each DP launch generates before the one it is timed on")
     args = p.parse_args()
     if args.dp:
         dp_regime(args)

@@ -58,8 +58,12 @@ def moe_bytes_per_step(tokens: int, hidden: int, top_k: int, moe_layers: int) ->
     return moe_layers * tokens * (2 * hidden * 4 + top_k * (8 + 4))
 
 
-def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) -> tuple[float, float, dict]:
-    """One DP=2 launch, one round: (seconds per step, tokens/s over both ranks, rank 0's stats with op times)."""
+def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str,
+        warmup_rounds: int = 0) -> tuple[float, float, dict]:
+    """One DP=2 launch: (seconds per step, tokens/s over both ranks, rank 0's stats with op times). The launch
+    generates the workload ``warmup_rounds`` + 1 times, one wave each, and is timed on the last wave only: the rounds
+    before it warm the engine up (an adaptive policy learns its table there, as a long-lived engine's first minutes
+    do), as `benchmarks/vllm_adaptive.py`'s unmeasured round 0 does for the single-rank engines."""
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp / f"barrier-{name}"
@@ -70,12 +74,12 @@ def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str) 
                   enable_expert_parallel=True)
     stats = tmp / f"stats-{name}-{{rank}}.json"
     spec = dict(model=str(model), engine=engine, tbo={**tbo, "stats_file": str(stats), "op_times": True},
-                rounds=[prompts], max_tokens=args.decode_tokens, barrier_dir=str(barrier))
-    runs = run_dp([spec, spec], timeout_s=1200)
+                rounds=[prompts] * (warmup_rounds + 1), max_tokens=args.decode_tokens, barrier_dir=str(barrier))
+    runs = run_dp([spec, spec], timeout_s=1200 * (warmup_rounds + 1))
     for r in runs:
         if r.returncode != 0 or not r.result:
             raise RuntimeError(f"{name}: DP rank {r.rank} failed\n{r.tail()}")
-    seconds = max(r.result["seconds"][0] for r in runs)
+    seconds = max(r.result["seconds"][-1] for r in runs)
     rank0 = json.loads(Path(str(stats).replace("{rank}", "0")).read_text())
     return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds, rank0
 

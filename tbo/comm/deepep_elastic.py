@@ -44,7 +44,8 @@ trades that for the sort's cost; results then agree to rounding, not bits), and 
 buffer in use does.
 
 V2 moves BF16 or FP8 only: ``hidden`` must be bfloat16 unless ``use_fp8`` (which quantises any float input; on SM100
-with power-of-two scales, ``round_scale``, as DeepGEMM's UE8M0 needs: `tbo.comm.fp8.ue8m0_wanted`).
+with power-of-two scales, ``round_scale``, as DeepGEMM's UE8M0 needs: `tbo.comm.fp8.ue8m0_wanted`), or an FP8
+``(rows, scales)`` pair the caller quantised, sent as is (`tbo.comm.deepep.dispatch_payload`).
 Written against DeepEP 2.0/2.1 (``deep_ep.ElasticBuffer``); keyword arguments the installed version does not accept
 are left out, detected by signature. ``deep_ep`` is imported only by `create`.
 """
@@ -59,8 +60,8 @@ import torch
 
 from tbo.util.optional import require
 from tbo.comm.sm_budget import deep_ep_elastic_num_sms
-from tbo.comm.deepep import _split_fp8, supported_kwargs
-from tbo.comm.fp8 import quantize_per_token_group, ue8m0_wanted
+from tbo.comm.deepep import _split_fp8, dispatch_payload, supported_kwargs
+from tbo.comm.fp8 import ue8m0_wanted
 from tbo.comm.layout import check_routing
 from tbo.comm.types import DispatchFormat, DispatchOutput
 
@@ -110,6 +111,9 @@ class _CombineState:
 class DeepEPElasticBackend:
     """DeepEP V2 dispatch/combine over an ``ElasticBuffer``; the output format is NORMAL or EXPANDED."""
 
+    #: ``dispatch_a`` takes pre-quantised FP8 ``(rows, scales)`` pairs (`tbo.comm.deepep.dispatch_payload`)
+    carries_fp8 = True
+
     def __init__(self, buffer: Any, num_experts: int, *, format: DispatchFormat = DispatchFormat.NORMAL,
                  num_max_tokens_per_rank: int | None = None, use_fp8: bool = False, expert_alignment: int = 1,
                  num_sms: int | None = None, round_scale: bool | None = None) -> None:
@@ -138,6 +142,11 @@ class DeepEPElasticBackend:
         self._num_sms = num_sms
         self._sms_by_topk: dict[int, int] = {}
         self._unwaited: dict[int, Any] = {}  # launched, not yet waited (kept alive until then): drain() waits them
+
+    @property
+    def hidden_dtypes(self) -> tuple[torch.dtype, ...] | None:
+        """What a tensor ``hidden`` may be: bfloat16, or (``use_fp8``, quantised here) any float."""
+        return None if self.use_fp8 else (torch.bfloat16,)
 
     @property
     def deterministic(self) -> bool:
@@ -198,10 +207,13 @@ class DeepEPElasticBackend:
         return self._sms_by_topk[num_topk]
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor, *,
-                   reuse: Any = None) -> _DispatchState:
+    def dispatch_a(self, hidden: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor | None,
+                   topk_weights: torch.Tensor, *, reuse: Any = None) -> _DispatchState:
         """Prepare (a fresh layout) or launch (``reuse``: the handle of an earlier dispatch with the same routing,
-        which must then be given as ``topk_idx=None``; every rank must reuse together)."""
+        which must then be given as ``topk_idx=None``; every rank must reuse together). ``hidden`` may be an FP8
+        ``(rows, scales)`` pair quantised by the caller, sent as is."""
+        x, rows, nbytes = dispatch_payload(hidden, self.use_fp8, self.round_scale)
+        pair, hidden = isinstance(hidden, tuple), rows
         cached = self._as_handle(reuse) if reuse is not None else None
         if cached is not None:
             if topk_idx is not None:
@@ -215,11 +227,9 @@ class DeepEPElasticBackend:
             check_routing(hidden, topk_idx, topk_weights, self.num_experts, "dispatch_a")
         if hidden.shape[0] > self.max_tokens:
             raise ValueError(f"dispatch_a: {hidden.shape[0]} tokens exceed num_max_tokens_per_rank={self.max_tokens}")
-        if not self.use_fp8 and hidden.dtype != torch.bfloat16:
+        if not (self.use_fp8 or pair) and hidden.dtype != torch.bfloat16:
             raise TypeError(f"dispatch_a: DeepEP V2 moves bfloat16 (or FP8) activations, got hidden {hidden.dtype}; "
                             "cast to bfloat16 or build the backend with use_fp8=True")
-        x = quantize_per_token_group(hidden, round_scale=self.round_scale) if self.use_fp8 else hidden
-        nbytes = x[0].nbytes + x[1].nbytes if self.use_fp8 else hidden.nbytes
         weights = topk_weights.float()
         if cached is None:
             return _DispatchState(x, topk_idx.long(), weights, self.buffer.capture(), None, None, nbytes)

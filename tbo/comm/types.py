@@ -13,7 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["BackendWrapper", "DispatchFormat", "DispatchOutput", "DispatchState", "CombineState", "EPBackend"]
+__all__ = ["BackendWrapper", "DispatchFormat", "DispatchOutput", "DispatchState", "CombineState", "EPBackend",
+           "payload_refusal"]
 
 
 class DispatchFormat(enum.Enum):
@@ -76,6 +77,12 @@ class EPBackend(Protocol):
     hold any number of transfers in flight across microbatches (DeepEP low-latency: one un-received call). Binding
     a strategy to layers over it checks the compiled schedule against that limit. (Not a protocol member: absent
     means no limit.)
+
+    What ``dispatch_a`` moves (`payload_refusal` reads it; absent means the defaults): ``carries_fp8`` (default
+    False), True when ``hidden`` may also be an FP8 ``(rows float8_e4m3fn [T, H], scales float32 [T, H // 128])``
+    pair quantised by the caller, sent as is and received as ``DispatchOutput.hidden`` and ``.scales`` (DeepEP's
+    FP8 dispatch); ``hidden_dtypes`` (default None: any), the dtypes a tensor ``hidden`` may have (DeepEP V2 and
+    low-latency: bfloat16 only).
     """
 
     rank: int
@@ -151,6 +158,16 @@ class BackendWrapper:
         see `tbo.comm.alltoall`)."""
         return bool(getattr(self.inner, "accepts_rows_per_rank", False))
 
+    @property
+    def carries_fp8(self) -> bool:
+        """Whether ``dispatch_a`` takes a pre-quantised FP8 ``(rows, scales)`` pair (the inner backend's)."""
+        return bool(getattr(self.inner, "carries_fp8", False))
+
+    @property
+    def hidden_dtypes(self) -> tuple[torch.dtype, ...] | None:
+        """The dtypes a tensor ``hidden`` may have (the inner backend's; None: any)."""
+        return getattr(self.inner, "hidden_dtypes", None)
+
     def drain(self) -> int:
         return self.inner.drain()
 
@@ -171,3 +188,18 @@ class BackendWrapper:
     def combine_b(self, state: Any) -> torch.Tensor:
         """The inner backend's `EPBackend.combine_b`."""
         return self.inner.combine_b(state)
+
+
+def payload_refusal(backend: Any, dtype: torch.dtype, fp8: bool) -> str | None:
+    """Why ``backend``'s ``dispatch_a`` cannot move this payload, or None when it can: FP8 ``(rows, scales)`` pairs
+    (``fp8``), or tensors of ``dtype`` (see `EPBackend`: ``carries_fp8``, ``hidden_dtypes``)."""
+    name = type(getattr(backend, "inner", backend)).__name__
+    if fp8:
+        if not getattr(backend, "carries_fp8", False):
+            return (f"{name} moves one tensor per token and no scales; FP8 rows with their scales travel over DeepEP "
+                    "only (backend 'deepep')")
+        return None
+    dtypes = getattr(backend, "hidden_dtypes", None)
+    if dtypes is not None and dtype not in dtypes:
+        return f"{name} moves {', '.join(str(d).replace('torch.', '') for d in dtypes)} activations, not {dtype}"
+    return None

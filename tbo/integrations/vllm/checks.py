@@ -44,14 +44,14 @@ def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
 def _check_compiled(vllm_config: Any, config: TboVllmConfig) -> None:
     """A compiled engine (``enforce_eager=False``, `tbo.integrations.vllm.compiled`): what is accepted today.
 
-    Data parallelism is: without CUDA graphs (``cudagraph_mode`` NONE) vLLM 0.32 pads a DP step only when its own
-    microbatching (DBO) runs (``vllm/v1/worker/dp_utils.py``, ``_synchronize_dp_ranks``: ``should_dp_pad =
-    synced_cudagraph_mode != 0 or should_ubatch``), and tbo's agreement answers that coordination with each rank's
-    own token count (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`), as in an eager engine."""
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is not None and str(getattr(mode, "name", mode)) != "NONE":
-        _refuse("compilation_config.cudagraph_mode", str(getattr(mode, "name", mode)), "NONE, or enforce_eager=True",
-                "tbo does not capture CUDA graphs of split steps in vLLM yet (docs/vllm.md, compiled mode)")
+    Data parallelism is, without CUDA graphs (``cudagraph_mode`` NONE; `tbo.integrations.vllm.graphs` refuses a
+    FULL mode with it): vLLM 0.32 then pads a DP step only when its own microbatching (DBO) runs
+    (``vllm/v1/worker/dp_utils.py``, ``_synchronize_dp_ranks``: ``should_dp_pad = synced_cudagraph_mode != 0 or
+    should_ubatch``), and tbo's agreement answers that coordination with each rank's own token count
+    (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`), as in an eager engine."""
+    from tbo.integrations.vllm.graphs import check_cudagraph_mode
+
+    check_cudagraph_mode(vllm_config, config)  # FULL graphs of split decode steps; PIECEWISE alone refused
     if config.afd is not None:
         _refuse("enforce_eager", False, "True with afd", "attention-FFN disaggregation runs eager only")
     if vllm_config.speculative_config is not None:
@@ -93,9 +93,10 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
         check_speculative(vllm_config.speculative_config)
     if vllm_config.lora_config is not None:
         _refuse("lora", "enabled", "no LoRA", "LoRA's per-request adapters are not split per microbatch")
-    if getattr(model, "quantization", None):
-        _refuse("quantization", model.quantization, "unquantized weights", "tbo's expert op calls the unquantized "
-                "fused-MoE method")
+    from tbo.integrations.vllm.quant import check_quantization
+
+    # a quantized checkpoint is admitted by its layers' quant methods when it loads (quant.kernel_problems)
+    check_quantization(getattr(model, "quantization", None), config)
     if config.backend == "deepep" and par.tensor_parallel_size > 1:
         _refuse("backend", "deepep", "'local' with tensor_parallel_size > 1",
                 f"vLLM's expert-parallel group spans the {par.tensor_parallel_size} TP ranks of a MoE model even "

@@ -86,10 +86,10 @@ def route(router: Any, hidden: torch.Tensor, logits: torch.Tensor,
     return router.select_experts(hidden_states=hidden, router_logits=logits, topk_indices_dtype=ids_dtype)
 
 
-def experts(routed: Any, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-            ids_dtype: torch.dtype) -> torch.Tensor:
-    """vLLM's fused-MoE experts kernel on NORMAL rows (each row's weighted sum over its top-k experts)."""
-    return routed.forward_modular(x=hidden, topk_weights=weights, topk_ids=ids.to(ids_dtype))
+def experts(call: Any, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """vLLM's fused-MoE experts kernel on NORMAL rows (each row's weighted sum over its top-k experts), through the
+    layer's quant method (``call``: its `tbo.integrations.vllm.quant.ExpertsCall`)."""
+    return call.local(hidden, ids, weights)
 
 
 def mlp(module: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,17 @@ class TboVllmConfig(BaseModel):
                                      "with data parallel + expert parallel, over vLLM's expert-parallel group: "
                                      "gloo on a CPU, NCCL on CUDA); 'deepep': DeepEP over that group (CUDA only)")
     deepep_kind: Literal["auto", "v2", "v1_normal"] = Field(
-        default="auto", description="which DeepEP (NORMAL layout: vLLM's experts kernel takes per-token top-k)")
+        default="auto", description="which DeepEP for steps with prefill (NORMAL layout: vLLM's experts kernel takes "
+                                    "per-token top-k)")
+    deepep_decode: Literal["auto", "low_latency", "normal"] = Field(
+        default="auto", description="DeepEP for decode steps: 'low_latency' (V1 low-latency kernels, MASKED layout, "
+                                    "vLLM's batched experts kernel; bf16 models of a hidden size they are compiled "
+                                    "for), 'normal' (as prefill), 'auto' (low-latency where the model allows it)")
+    fp8_dispatch: bool | Literal["auto"] = Field(
+        default="auto", description="'auto': with backend 'deepep', the dispatch carries FP8 rows with their scales "
+                                    "where every MoE layer's quant method takes them (DeepSeek's block FP8, per-token "
+                                    "groups of 128), quantised by that method's own quantiser; True: required, "
+                                    "refused by name where not; False: the model's dtype always")
     link: str | None = Field(default=None, description="emulated link 'LATENCY_US,GBPS' around the backend "
                                                         "(tbo.comm.EmulatedLink): makes overlap visible on a CPU")
     afd: AFDVllmConfig | None = Field(default=None, description="attention-FFN disaggregation: {'ffn': "

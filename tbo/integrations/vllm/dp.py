@@ -170,15 +170,18 @@ class StepAgreementHook:
 def agreement_config(engine: Any) -> dict[str, Any]:
     """Everything of ``engine`` (a `TboEngine`) that shapes its collectives, for the step agreement to compare over
     the ranks: the strategy each step kind runs (its name and bound op list), the microbatch count, the backend and
-    its layout, ``agreed_rows``, the link, and the model's expert shapes and dtype (the dispatches' sizes). A rank
-    started otherwise gets `tbo.split.agree.AgreementMismatchError` naming the key, at warm-up."""
+    its layout and payload (FP8 rows or not), ``agreed_rows``, the link, and the model's expert shapes and dtype
+    (the dispatches' sizes). A rank started otherwise gets `tbo.split.agree.AgreementMismatchError` naming the
+    key, at warm-up."""
     config, vllm_config = engine.config, engine.runner.vllm_config
     hf = vllm_config.model_config.hf_text_config
     backend = getattr(engine.backend, "inner", engine.backend)  # under an emulated link: the backend it wraps
     return {
         "strategy": config.strategy, "num_microbatches": config.num_microbatches, "agreed_rows": config.agreed_rows,
         "split": config.split, "adaptive": config.adaptive,
-        "backend": config.backend, "deepep_kind": config.deepep_kind, "link": config.link,
+        "backend": config.backend, "deepep_kind": config.deepep_kind, "deepep_decode": config.deepep_decode,
+        "link": config.link,
+        "fp8_dispatch": engine.fp8_dispatch,  # the dispatches' payload: FP8 rows with scales, or the model's dtype
         "cudagraph_mode": str(vllm_config.compilation_config.cudagraph_mode),  # whether `coordinate` merges
         **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
         "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "

@@ -4,7 +4,9 @@ Installing changes four attributes of this runner and its model, all on the inst
 reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.fixes`):
 the inner model's ``forward`` becomes the tbo `LayerLoop` (only for the steps tbo splits where vLLM's own forward
 runs the others: compiled engines, and eager ones on one rank with the local backend,
-`tbo.integrations.vllm.compiled`); the runner's ``execute_model`` runs inside the scoped `RunnerPatches`; its
+`tbo.integrations.vllm.compiled`); the runner's ``execute_model`` runs inside the scoped `RunnerPatches` (and, with
+a FULL ``cudagraph_mode``, its ``_warmup_and_capture`` captures tbo's split decode steps:
+`tbo.integrations.vllm.graphs`); its
 ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's own code, seeing
 microbatching on) and asserts it did (`check_metadata_builders`, a named `MetadataBuilderError`); its ``shutdown``
 first takes tbo off (the instance attributes are deleted, so vLLM's own methods are what remains), logs the one
@@ -20,7 +22,7 @@ from typing import Any
 
 from tbo import strategies
 from tbo.core.errors import StrategyError
-from tbo.integrations.vllm.backend import make_backend
+from tbo.integrations.vllm.backend import ModeBackends, make_backend
 from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_graph_off, vllm_runs_unsplit
 from tbo.integrations.vllm.compute import EAGER, CompiledCompute
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
@@ -28,8 +30,9 @@ from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches, check_metadata_builders
+from tbo.integrations.vllm.quant import fp8_dispatch_for
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
-from tbo.integrations.vllm.structure import moe_dims
+from tbo.integrations.vllm.structure import moe_dims, moe_runners
 
 __all__ = ["TboEngine"]
 
@@ -59,6 +62,7 @@ class TboEngine:
         scaling = getattr(hf, "llama_4_scaling", None)  # DeepSeek: a per-token factor on q, computed per microbatch
         self.afd = None
         self.ep_size = 1
+        self.fp8_dispatch = False
         if config.afd is not None:  # attention here, the FFN on `tbo afd-ffn` (tbo.integrations.vllm.afd)
             from tbo.integrations.vllm.afd.attention import AFDAttentionSide
             from tbo.integrations.vllm.afd.config import AFD_STRATEGY
@@ -76,15 +80,29 @@ class TboEngine:
             num_experts, top_k = moe_dims(model.layers)  # the runners' own, whatever the config calls them
             if vllm_config.parallel_config.enable_expert_parallel:
                 self.ep_size = expert_parallel_size()
+            #: FP8 rows with their scales on the wire, where the layers' quant methods take them (quant.py)
+            self.fp8_dispatch = config.backend == "deepep" and fp8_dispatch_for(
+                [(i, r.routed_experts) for i, r in moe_runners(model.layers)], config.fp8_dispatch)
+            spec = vllm_config.speculative_config
+            decode_tokens = vllm_config.scheduler_config.max_num_seqs * (1 + (spec.num_speculative_tokens or 0)
+                                                                         if spec is not None else 1)
             self.backend = make_backend(config, num_experts, hidden=hf.hidden_size, top_k=top_k,
                                         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                                        ep_size=self.ep_size, platform=current_platform.device_type)
+                                        ep_size=self.ep_size, platform=current_platform.device_type,
+                                        dtype=vllm_config.model_config.dtype, max_decode_tokens=decode_tokens,
+                                        fp8=self.fp8_dispatch)
             tp = get_tensor_model_parallel_world_size()
             layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
-            self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling)
-                           for i, layer in enumerate(model.layers)]
+            self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling,
+                                     fp8_dispatch=self.fp8_dispatch) for i, layer in enumerate(model.layers)]
+            if isinstance(self.backend, ModeBackends):  # DeepEP low-latency decode: vLLM's batched experts kernel
+                from tbo.integrations.vllm.masked import check_masked_kernel
+
+                for layer in self.layers:
+                    if layer.runner is not None:
+                        check_masked_kernel(layer.runner.routed_experts, repr(layer))
             names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
-            self.strategies = {mode: self._bind(getattr(names, mode), top_k)
+            self.strategies = {mode: self._bind(getattr(names, mode), top_k, mode)
                                for mode in ("decode", "prefill")}
         for layer in self.layers:
             layer.counters = (step_stats, PROCESS_STATS)
@@ -113,6 +131,8 @@ class TboEngine:
             self.loop.compute = self.compute
             for layer in self.layers:
                 layer.compute = self.compute
+                if layer.runner is not None:  # built now: a trace of the compiled experts call finds it built
+                    layer.runner.routed_experts._ensure_moe_quant_config_init()
             for s in (step_stats, PROCESS_STATS):  # the most graphs the compiled ops can make, beside their count
                 s.op_compile_bound += self.compute.bound
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
@@ -127,11 +147,25 @@ class TboEngine:
         #: a compiled engine whose every step runs the loop: vLLM's ``do_not_compile`` to put back (its graph of the
         #: whole model is never compiled: no step would run it)
         self._graph_off: Any = None
+        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        full_graphs = mode is not None and mode.has_full_cudagraphs()
+        # with a FULL cudagraph_mode (GPUs) unsplit steps are vLLM's graphs, whatever the backend (graphs.py)
         if vllm_runs_unsplit(backend=self.backend, afd=self.afd, op_times=config.op_times,
-                             data_parallel_size=vllm_config.parallel_config.data_parallel_size):
+                             data_parallel_size=vllm_config.parallel_config.data_parallel_size) or (
+                self.compute.compiled and full_graphs):
             self.forwards = StepForwards(model, self.loop, (step_stats, PROCESS_STATS))
         elif self.compute.compiled:
             self._graph_off = vllm_graph_off(model)
+        #: a FULL ``cudagraph_mode``: CUDA graphs of split decode steps, captured and replayed by vLLM's own
+        #: ``CUDAGraphWrapper`` (`tbo.integrations.vllm.graphs`); None otherwise (a CPU: vLLM's mode is NONE there)
+        self.graphs = None
+        if full_graphs:
+            from tbo.integrations.vllm.graphs import SplitGraphs, check_graph_backend
+
+            if self.backend is not None:  # what the captured decode steps dispatch through
+                check_graph_backend(self.backend.for_mode("decode") if isinstance(self.backend, ModeBackends)
+                                    else self.backend)
+            self.graphs = self.patches.graphs = SplitGraphs(self.patches.policy, (step_stats, PROCESS_STATS))
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.dp import install_data_parallel
@@ -141,10 +175,13 @@ class TboEngine:
                     sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
                     config.split_policy())
 
-    def _bind(self, name: str, top_k: int) -> Any:
+    def _bind(self, name: str, top_k: int, mode: str) -> Any:
+        """The ``mode`` strategy ``name`` bound to the layers, sized for and checked against the backend its steps
+        run over (DeepEP low-latency decode: one un-received call at a time)."""
+        backend = self.backend.for_mode(mode) if isinstance(self.backend, ModeBackends) else self.backend
         try:
-            return strategies.bind_layers(self.layers, strategies.sized_for(strategies.get(name), self.backend,
-                                                                            top_k))
+            return strategies.bind_layers(self.layers, strategies.sized_for(strategies.get(name), backend, top_k),
+                                          backend=backend)
         except StrategyError as e:
             raise TboConfigError(f"additional_config['tbo'] strategy {name!r} cannot run vLLM's {self.family} "
                                  f"layers: {e}") from None
@@ -200,6 +237,8 @@ class TboEngine:
         if self.adaptive is not None:
             runner.sample_tokens = sample_tokens
         runner.initialize_metadata_builders = initialize_metadata_builders
+        if self.graphs is not None:  # vLLM's capture of a size tbo splits runs with the size's plan
+            runner._warmup_and_capture = self.graphs.wrap(runner._warmup_and_capture, self.patches)
         runner.tbo = self
 
     def close(self) -> None:
@@ -210,6 +249,7 @@ class TboEngine:
         for obj, name in ((self._model, "forward"), (self.runner, "execute_model"), (self.runner, "shutdown"),
                           (self.runner, "sample_tokens"),
                           (self.runner, "initialize_metadata_builders"), (self.runner, "_dummy_run"),
+                          (self.runner, "_warmup_and_capture"),
                           (self.runner, "tbo")):
             obj.__dict__.pop(name, None)
         if self.forwards is not None:

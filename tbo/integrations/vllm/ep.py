@@ -103,17 +103,8 @@ class EpDecoderLayer(VllmDecoderLayer):
                 raise TboConfigError(f"{name}: vLLM's expert placement on rank {rank} is not linear (experts "
                                      f"{rank * local}..{(rank + 1) * local - 1}); set expert_placement_strategy="
                                      "'linear'")
-        kernel = getattr(experts.quant_method, "moe_kernel", None)
-        impl = getattr(kernel, "impl", None)
-        if impl is None or not hasattr(impl, "fused_experts") or not hasattr(impl, "prepare_finalize"):
-            raise TboConfigError(f"{name}: the MoE method {type(experts.quant_method).__name__} has no modular "
-                                 "experts kernel for tbo to call on the tokens it received")
-        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
-        from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
-
-        # vLLM's experts kernel as it is, behind the prepare/finalize that moves nothing: its own (naive DP/EP:
-        # all_gatherv, reduce_scatter) would move the tokens a second time, and does not run on a CPU
-        self._kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), impl.fused_experts)
+        # the kernel tbo calls on the rows it received (a modular one, in the standard layout: the structure check,
+        # `quant.kernel_problems`, refused any other by name) is `self.experts.kernel`
 
     def _dispatch_options(self, state: State) -> dict[str, Any]:
         """The dispatch goes by the rows every rank agreed for this microbatch (``rows_per_rank``, pinned by the
@@ -178,25 +169,29 @@ class EpDecoderLayer(VllmDecoderLayer):
         (token, slot) pairs only: a slot naming an expert on another rank (-1) never reaches the kernel
         (`run_local_experts`)."""
         d = state.pop("dispatched")
+        if d.format is DispatchFormat.MASKED:  # DeepEP low-latency decode: slabs, never empty
+            return self._masked_experts(state, d)
         if _empty(d.hidden):
-            state.expert_out = (d.hidden, d.handle)
+            state.expert_out = (d.hidden.new_empty((0, self.experts.unpadded_dim or d.hidden.shape[1]),
+                                                   dtype=self.runner.moe_config.in_dtype)
+                                if d.scales is not None else d.hidden, d.handle)
             return
         self._count_ffn()
-        experts = self.runner.routed_experts
+        call = self.experts
 
-        def apply(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            return self._kernel.apply(hidden_states=hidden, w1=experts.w13_weight, w2=experts.w2_weight,
-                                      topk_ids=ids.to(self._ids_dtype), topk_weights=weights,
-                                      activation=experts.activation, global_num_experts=experts.local_num_experts,
-                                      expert_map=None, apply_router_weight_on_input=experts.apply_router_weight_on_input)
+        def apply(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  scales: torch.Tensor | None) -> torch.Tensor:
+            return call.received(hidden, ids.to(self._ids_dtype), weights, scales)
 
-        state.expert_out = (run_local_experts(apply, d.hidden, d.topk_idx, d.topk_weights), d.handle)
+        state.expert_out = (run_local_experts(apply, d.hidden, d.topk_idx, d.topk_weights, d.scales), d.handle)
 
 
-def run_local_experts(apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                      hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Each row's weighted sum over its local experts, ``apply(hidden, ids, weights)`` (an experts kernel: per row,
-    the sum over its slots) seeing no slot of a remote expert (-1 in ``topk_idx``).
+def run_local_experts(apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+                      hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's weighted sum over its local experts, ``apply(hidden, ids, weights, scales)`` (an experts kernel:
+    per row, the sum over its slots; ``scales``: the FP8 rows' scales, or None) seeing no slot of a remote expert
+    (-1 in ``topk_idx``).
 
     A received row names 1 to top-k local experts. The rows are grouped by that count ``c``, each row's local slots
     moved first (in slot order), and the kernel runs once per count on ``[rows, c]`` ids: it computes exactly the
@@ -211,18 +206,19 @@ def run_local_experts(apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor]
     top_k = topk_idx.shape[1]
     present = counts.unique().tolist()
     if present == [top_k]:  # every slot of every row is local: the kernel as it is
-        return apply(hidden, topk_idx, topk_weights)
+        return apply(hidden, topk_idx, topk_weights, scales)
     order = torch.argsort((~local).to(torch.int8), dim=1, stable=True)  # local slots first, in slot order
     ids, weights = topk_idx.gather(1, order), topk_weights.gather(1, order)
     if len(present) == 1 and present[0] > 0:
         c = present[0]
-        return apply(hidden, ids[:, :c].contiguous(), weights[:, :c].contiguous())
+        return apply(hidden, ids[:, :c].contiguous(), weights[:, :c].contiguous(), scales)
     out = None
     for c in present:
         if c == 0:
             continue
         rows = torch.nonzero(counts == c).squeeze(1)
-        part = apply(hidden[rows], ids[rows, :c].contiguous(), weights[rows, :c].contiguous())
+        part = apply(hidden[rows], ids[rows, :c].contiguous(), weights[rows, :c].contiguous(),
+                     None if scales is None else scales[rows])
         if out is None:
             out = part.new_zeros((hidden.shape[0], part.shape[1]))
         out[rows] = part

@@ -23,6 +23,7 @@ import torch
 
 from tbo.comm.devices import no_host_reads
 from tbo.core.observer import as_observer
+from tbo.integrations.vllm.backend import select_backend
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
@@ -94,11 +95,12 @@ class LayerLoop:
                 values["rows_per_rank"] = dp.rows[0 if mb is None else mb.microbatch_idx]
             return values
 
-        strategy = self.strategies[step.strategy_mode if step is not None else "prefill"]
+        mode = step.strategy_mode if step is not None else "prefill"
+        strategy, backend = self.strategies[mode], select_backend(self.backend, mode)  # DeepEP: the mode's kind
         t0 = time.perf_counter() if timer is not None else 0.0
         with no_host_reads(_split_decode(step)):  # tbo's part of a split decode step reads nothing on the host
             out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
-                                          output_key=self.ends.outputs, backend=self.backend,
+                                          output_key=self.ends.outputs, backend=backend,
                                           observer=as_observer([observer, timer]))
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
         hidden = self.ends.end(out, self.compute)

@@ -7,10 +7,12 @@ module (Qwen3-MoE's as two ops: its projections, q/k norms and rotary in ``attn_
 with its KV cache and the output projection in ``attn_core``; any other, GPT-OSS's with sinks and sliding windows,
 Llama-4's NoPE and chunked layers, DeepSeek's MLA, whole in ``attn_core``), the router gate (the runner's, or the
 block's own beside it) and the runner's ``select_experts`` for top-k, the runner's shared expert (gated or not), and
-the fused-MoE experts kernel. What tbo changes is where the tokens go between routing and the experts: through an
-`EPBackend` (dispatch, combine), in the NORMAL layout that kernel takes (each token once, with its top-k ids and
-weights). The routed output is then scaled, added to the shared expert's and all-reduced over tensor parallelism as
-vLLM's MoE runner does, in that order.
+the fused-MoE experts kernel through the layer's own quant method, quantized or not (`tbo.integrations.vllm.quant`).
+What tbo changes is where the tokens go between routing and the experts: through an `EPBackend` (dispatch,
+combine), in the NORMAL layout that kernel takes (each token once, with its top-k ids and weights; with FP8
+dispatch, as FP8 rows with their scales, quantised by the quant method's own quantiser). The routed output is then
+scaled, added to the shared expert's and all-reduced over tensor parallelism as vLLM's MoE runner does, in that
+order.
 
 vLLM's pre-norm layers hand the residual on unadded (the next layer's input norm adds it), so a layer's output is
 ``{"hidden_states", "residual"}``: `model_forward_maybe_tbo` merges both, and the model's final norm adds them. A
@@ -20,17 +22,22 @@ and hands on ``{"hidden_states"}`` alone (`tbo.integrations.vllm.structure.Model
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from tbo.comm.types import DispatchFormat, payload_refusal
 from tbo.core.state import State
 from tbo.integrations.vllm.compute import EAGER, Compute
 from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.quant import ExpertsCall, batch_dependent_scales
 from tbo.integrations.vllm.structure import layer_structure
 from tbo.models.layer_ops import ExpertParallelOps
 
 __all__ = ["VllmDecoderLayer", "reduce_plan"]
+
+logger = logging.getLogger("vllm.tbo")  # under vLLM's logger, as the engine's
 
 
 def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool]:
@@ -61,7 +68,7 @@ class VllmDecoderLayer(ExpertParallelOps):
     expert_parallel = False
 
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
-                 llama_4_scaling: dict[str, Any] | None = None) -> None:
+                 llama_4_scaling: dict[str, Any] | None = None, fp8_dispatch: bool = False) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
         #: where this layer's pieces are (`tbo.integrations.vllm.structure`); refuses what tbo cannot reproduce
         self.structure = s = layer_structure(layer, layer_idx, self.expert_parallel)
@@ -86,6 +93,9 @@ class VllmDecoderLayer(ExpertParallelOps):
             self.scale = float(self.runner.routed_scaling_factor)
             self._topk_dtype = self.runner.routed_experts.quant_method.topk_indices_dtype
             self._ids_dtype = torch.int32
+            #: the experts through the quant method, with what each call needs (padding, FP8 rows and scales)
+            self.experts = ExpertsCall.of(self.runner, fp8=fp8_dispatch, expert_parallel=self.expert_parallel)
+            self._check_payload(fp8_dispatch)
         self.has_shared_experts = self.shared is not None
         #: ops a strategy must run on this layer (`tbo.strategies.bind_layers` refuses one without them)
         self.required_ops = ("shared_experts",) if self.has_shared_experts else ()
@@ -93,6 +103,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         self.reduce_shared, self.reduce_final = (False, False) if self.runner is None else reduce_plan(
             self.runner, tp_size, self.has_shared_experts)
         self._all_reduce = None
+        self._masked: Any = None  #: `tbo.integrations.vllm.masked.MaskedExperts`, at the first MASKED dispatch
         if self.reduce_shared or self.reduce_final:
             from vllm.distributed import tensor_model_parallel_all_reduce
 
@@ -112,9 +123,23 @@ class VllmDecoderLayer(ExpertParallelOps):
         keys.append(("norm" if self.residual_multiplier is not None else "add_norm", (layer.post_attention_layernorm,)))
         if self.runner is None:
             return keys + [("mlp", (self.ffn,))]
-        keys += [("route", (self.runner.router,)), ("experts", (self.runner.routed_experts,)),
+        keys += [("route", (self.runner.router,)), ("experts", (self.experts, self.runner.routed_experts)),
                  ("moe_output", (self.runner, self.scale, self.has_shared_experts))]
         return keys + ([("mlp", (self.shared,))] if self.has_shared_experts else [])
+
+    def _check_payload(self, fp8: bool) -> None:
+        """The backend must move what this layer dispatches (FP8 rows with scales, or the model's dtype); a quant
+        method whose activation scale spans the whole call is named in a warning (`quant.batch_dependent_scales`)."""
+        name = f"layer {self.layer_idx} ({type(self.layer).__name__})"
+        dtype = self.runner.moe_config.in_dtype
+        why = None if self.backend is None else payload_refusal(self.backend, dtype, fp8)
+        if why is not None:
+            raise TboConfigError(f"{name}: the backend cannot dispatch its {'FP8 rows' if fp8 else dtype} ({why})")
+        if batch_dependent_scales(self.runner.routed_experts):
+            logger.warning(
+                "tbo: %s quantises its experts' input with one dynamic scale per call (per-tensor): each microbatch "
+                "of a split step gets its own scale, as under vLLM's DBO, so split and unsplit steps agree to that "
+                "rounding, not bit for bit", name)
 
     # ---- attention ---------------------------------------------------------------------------------------------
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,
@@ -182,6 +207,8 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def op_dispatch_a(self, state: State) -> None:
         x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
+        if self.experts.fp8:  # FP8 rows and their scales, by the quant method's own quantiser
+            x = self.experts.quantize(x)
         state.dispatch = self.backend.dispatch_a(x, *state.pop("topk"), **self._dispatch_options(state))
 
     def _dispatch_options(self, state: State) -> dict[str, Any]:
@@ -194,18 +221,34 @@ class VllmDecoderLayer(ExpertParallelOps):
             state.shared_out = self.compute.mlp(self.shared, state.pop("mlp_in"))
 
     def op_experts(self, state: State) -> None:
-        """vLLM's fused-MoE kernel on the tokens dispatched here: per token, the weighted sum over its local
-        experts (the NORMAL layout's contract: combine only adds)."""
-        self._count_ffn()
+        """vLLM's fused-MoE kernel, through the layer's quant method, on the tokens dispatched here: per token, the
+        weighted sum over its local experts (the NORMAL layout's contract: combine only adds)."""
         d = state.pop("dispatched")
+        if d.format is DispatchFormat.MASKED:  # DeepEP low-latency decode
+            return self._masked_experts(state, d)
+        self._count_ffn()
+        ids = d.topk_idx.to(self._ids_dtype)
         x = d.hidden
         if "mlp_in" in state and x.data_ptr() == state.mlp_in.data_ptr():
             # the shared expert has not run yet and reads the same storage (the identity route dispatches the MLP
             # input itself): the experts get a copy, so that no kernel writing its input in place can change the
             # shared expert's input (vLLM 0.32's modular kernels allocate their output, but nothing promises it)
             x = x.clone()
-        out = self.compute.experts(self.runner.routed_experts, x, d.topk_weights, d.topk_idx, self._ids_dtype)
+        if d.scales is None:
+            out = self.compute.experts(self.experts, x, ids, d.topk_weights)
+        else:  # FP8 rows with their scales (DeepEP, GPUs): the quant method's kernel from its experts step on
+            out = self.experts.local(x, ids, d.topk_weights, d.scales)
         state.expert_out = (out, d.handle)
+
+    def _masked_experts(self, state: State, d: Any) -> None:
+        """vLLM's experts kernel on the MASKED slabs of a DeepEP low-latency dispatch: each valid row's expert
+        output, unweighted (the combine weighs and sums), `tbo.integrations.vllm.masked`."""
+        self._count_ffn()
+        if self._masked is None:
+            from tbo.integrations.vllm.masked import MaskedExperts
+
+            self._masked = MaskedExperts(self.runner.routed_experts)
+        state.expert_out = (self._masked(d.hidden, d.tokens_per_expert, self.runner.routed_experts.top_k), d.handle)
 
     # ---- output ------------------------------------------------------------------------------------------------
     def op_output(self, state: State) -> None:

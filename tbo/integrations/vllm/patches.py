@@ -150,6 +150,10 @@ class RunnerPatches:
         self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
         #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.adaptive`)
         self.adaptive = adaptive
+        #: a FULL ``cudagraph_mode``: the split graphs, which settle the steps vLLM dispatches to them
+        #: (`tbo.integrations.vllm.graphs.SplitGraphs`); None: no CUDA graphs of split steps
+        self.graphs: Any = None
+        self._fixed: Step | None = None  #: inside a split graph's capture (`fixed`): the step every decision returns
 
     def agree_with_peers(self, agree: Any) -> None:
         """Data parallel, the one place it plugs in here (`tbo.integrations.vllm.dp.install_data_parallel`): every
@@ -191,6 +195,17 @@ class RunnerPatches:
             self._dummy = None
 
     @contextmanager
+    def fixed(self, step: Step) -> Iterator[None]:
+        """Patch for one call of vLLM's (a CUDA graph's warm-ups and capture: `tbo.integrations.vllm.graphs`), every
+        step in it decided as ``step``."""
+        self._fixed = step
+        try:
+            with self.scope():
+                yield
+        finally:
+            self._fixed = None
+
+    @contextmanager
     def scope(self) -> Iterator[None]:
         """Patch for one ``execute_model`` call, and restore (the outermost scope of this runner restores)."""
         runner = self.runner
@@ -211,11 +226,29 @@ class RunnerPatches:
         if self.agree is not None:
             return self._determine_agreed(*args, **kwargs)
         cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(*args, **kwargs)
+        if self._fixed is not None:  # a split graph's warm-up or capture: the size's plan
+            self.step = self._fixed
+            return cudagraph_mode, batch_desc, self._fixed.runner_split, across_dp, cg_stats
         bound = self._signature.bind(*args, **kwargs).arguments
+        if self.graphs is not None and self.graphs.holds(getattr(cudagraph_mode, "name", "") == "FULL", batch_desc):
+            return self._determine_graph(bound, batch_desc, across_dp, cg_stats, cudagraph_mode)
         allowed = self._allowed(bound) and batch_desc.num_reqs in (None, int(bound["num_reqs"]))
         step = self._decide(bound, allowed, batch_desc.num_tokens)
         self.step = step if self.adaptive is None else self.adaptive.decide(step)  # one decision, told once
         return cudagraph_mode, batch_desc, self.step.runner_split, across_dp, cg_stats
+
+    def _determine_graph(self, bound: dict[str, Any], batch_desc: Any, across_dp: Any, cg_stats: Any,
+                         cudagraph_mode: Any) -> Any:
+        """A step vLLM dispatched to a FULL graph tbo captured split: replayed with the size's plan, or, where its
+        own decision (on its real tokens) differs, run eager by vLLM's own eager decision (`tbo.integrations.vllm.
+        graphs`)."""
+        own = self._decide(bound, self._allowed(bound), int(bound["num_tokens"]))
+        step = self.graphs.settle(own, batch_desc)
+        if step is None:  # its split differs from its graph's: eager, unpadded, split by its own plan or not
+            cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(**{**bound, "force_eager": True})
+            step = own
+        self.step = step
+        return cudagraph_mode, batch_desc, step.runner_split, across_dp, cg_stats
 
     def _allowed(self, bound: dict[str, Any]) -> bool:
         """vLLM's own prefix-cache veto, asked as if its microbatching were on."""

@@ -54,6 +54,12 @@ class StepStats:
     #: data parallel: forwards (profiling and warm-up included) whose vLLM DP batch coordination ran its own
     #: all-reduce beside tbo's agreement: 0 unless CUDA graphs pad the steps (`tbo.integrations.vllm.dp`)
     vllm_dp_all_reduces: int = 0
+    #: CUDA graphs of split decode steps (`tbo.integrations.vllm.graphs`): graphs captured split, steps replayed
+    #: from one (counted in ``steps`` and ``split_steps`` too), and steps run eager because their split differed
+    #: from their size's graph's
+    graph_captures: int = 0
+    graph_replays: int = 0
+    graph_eager_steps: int = 0
     #: ``op_times``: wall seconds and calls per op name (layers and microbatches summed), over the counted steps,
     #: and the wall seconds of their layer stacks (what the ops do not cover is the executor's and tbo's own time)
     op_seconds: dict[str, float] = field(default_factory=dict)
@@ -143,7 +149,9 @@ def stats() -> dict[str, Any]:
     ``remote_rows`` (token rows sent to other ranks), ``count_exchanges`` (dispatches that waited on a row-count
     exchange: none once the step agreed every rank's rows), ``peer_strategy_steps``, ``idle_skipped`` (idle steps
     every rank ran at once, at a wave's end: their layer stacks skipped) and ``vllm_dp_all_reduces`` (forwards whose
-    vLLM DP batch coordination all-reduced beside tbo's agreement: 0 without CUDA graphs); with ``op_times``,
+    vLLM DP batch coordination all-reduced beside tbo's agreement: 0 without CUDA graphs); with a FULL
+    ``cudagraph_mode``, ``graph_captures``, ``graph_replays`` and ``graph_eager_steps`` (CUDA graphs of split decode
+    steps: `tbo.integrations.vllm.graphs`); with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
     ``layers_seconds``; in a compiled engine ``op_compiles`` (graphs traced of tbo's compiled op functions),
     ``op_compile_bound`` (the most there can be) and ``compiled_op_calls``; with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,

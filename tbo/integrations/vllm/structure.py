@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.quant import kernel_problems
 
 __all__ = ["LayerStructure", "ModelEnds", "QUIRKS", "attention_and_ffn", "layer_structure", "model_ends",
-           "moe_dims", "moe_runner_of", "shared_expert_of"]
+           "moe_dims", "moe_runner_of", "moe_runners", "shared_expert_of"]
 
 #: the fused-residual pre-norms every admitted layer has (the norm adds the residual it is given)
 NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -129,16 +130,12 @@ def _moe_problems(ffn: Any, runner: Any, gate: Any, shared: Any, expert_parallel
     if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
         problems.append("latent routed-input/output transforms")
     experts = runner.routed_experts
-    if experts.quant_method.is_monolithic:
-        problems.append("a monolithic MoE kernel (it routes inside; tbo needs the top-k before dispatch)")
+    problems += kernel_problems(experts, expert_parallel)  # the quant method: monolithic kernels, batched layouts
     moe = runner.moe_config
     if moe.is_sequence_parallel or (moe.dp_size > 1 and not expert_parallel):
         problems.append("sequence-parallel or data-parallel MoE")
     if type(runner.router).__name__ == "ZeroExpertRouter":
         problems.append("zero experts")
-    hidden = getattr(moe, "hidden_dim_unpadded", None) or moe.hidden_dim
-    if moe.hidden_dim != hidden:
-        problems.append(f"a padded MoE hidden size ({hidden} padded to {moe.hidden_dim})")
     if expert_parallel and moe.has_bias:
         problems.append("expert biases under expert parallelism (tbo's data-parallel experts kernel passes none)")
     w = getattr(experts, "w13_weight", None)
@@ -246,11 +243,16 @@ def model_ends(model: Any, layers: list[Any]) -> ModelEnds:
     return ModelEnds(model, None if multiplier is None else float(multiplier), styles.pop())
 
 
+def moe_runners(layers: Any) -> list[tuple[int, Any]]:
+    """``(index, MoERunner)`` of each of vLLM decoder ``layers`` that has one (in its feed-forward module)."""
+    return [(i, r) for i, layer in enumerate(layers) for r in map(moe_runner_of, layer.children()) if r is not None]
+
+
 def moe_dims(layers: Any) -> tuple[int, int]:
     """``(num_experts, top_k)`` of vLLM decoder ``layers``' MoE runners (whatever the config calls them:
     ``num_experts``, ``n_routed_experts``, ``num_local_experts``); refuses a model without MoE layers, or whose MoE
     layers disagree."""
-    runners = [r for layer in layers for r in map(moe_runner_of, layer.children()) if r is not None]
+    runners = [r for _, r in moe_runners(layers)]
     dims = {(r.routed_experts.global_num_experts, r.routed_experts.top_k) for r in runners}
     if not dims:
         raise TboConfigError("tbo cannot run this model: none of its decoder layers has a MoE (a vLLM MoERunner); "
