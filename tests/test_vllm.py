@@ -884,22 +884,26 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
 
 
 def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
-    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with FULL CUDA graph
-    modes too (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, data parallelism, AFD or
+    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with data parallelism +
+    expert parallelism without CUDA graphs (tests/test_vllm_dp.py runs it), with FULL CUDA graph modes on one rank
+    (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, graphs with data parallelism, AFD or
     speculative decoding, each named."""
     from types import SimpleNamespace
 
     from tbo.integrations.vllm.checks import check_engine
 
     def compiled(cudagraph_mode="NONE", dp=1):
-        cfg = _engine_config()
+        cfg = _engine_config(expert_placement_strategy="linear")
+        cfg.parallel_config.data_parallel_size, cfg.parallel_config.enable_expert_parallel = dp, dp > 1
         cfg.model_config.enforce_eager = False
         cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name=cudagraph_mode))
-        cfg.parallel_config.data_parallel_size = dp
         return cfg
 
     tbo = parse_config({"tbo": {}})
     assert check_engine(compiled(), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
+    assert check_engine(compiled(dp=2), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"  # vLLM pads no DP step
+    with pytest.raises(TboConfigError, match=r"cudagraph_mode='FULL' and data_parallel_size=2: not supported"):
+        check_engine(compiled("FULL", dp=2), tbo, "0.32.0", "cuda")
     assert check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda") == "DeepseekV3ForCausalLM"
     with pytest.raises(TboConfigError, match=r"cudagraph_mode='PIECEWISE': not supported \(PIECEWISE alone pads "
                                              r"every step.*accepted: NONE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"):

@@ -208,6 +208,7 @@ class _Graph:
         self.owner, self.name = owner, name
         self.fn, self.dynamic = FUNCTIONS[name]
         self.ready = False
+        self.eager_calls = 0  #: calls that ran eagerly, before the graph was compiled (see the class docstring)
         fn = self.fn
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         self.compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=self._backend,
@@ -231,6 +232,10 @@ class _Graph:
     def __call__(self, *args: Any) -> Any:
         if not self.ready:
             if args[self.dynamic[0]].shape[0] < 2:  # not yet compiled, and too few tokens to compile it on
+                if not self.eager_calls:
+                    logger.warning("tbo: compiled op function %r called with fewer than 2 tokens before its graph was "
+                                   "compiled (no warm-up ran it): this call runs eagerly", self.name)
+                self.eager_calls += 1
                 return self.fn(*args)
             for i in self.dynamic:  # the token dimension, as vLLM marks its graph's inputs
                 arg = args[i]
