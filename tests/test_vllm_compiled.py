@@ -65,8 +65,8 @@ def compiled_tbo(models, compiled_reference):
 
 
 def _assert_compiled(llm, delta: dict) -> None:
-    """The engine compiles its ops (`CompiledCompute`), its split steps of ``delta`` called them, and it compiled
-    exactly one graph per graph key (all at vLLM's warm-up: ``delta`` compiled none)."""
+    """The engine compiles its ops (`CompiledCompute`), its split steps of ``delta`` called them, and it compiled one
+    graph per graph key, its bound (all at vLLM's warm-up: ``delta`` compiled none)."""
     engine = _runner(llm).tbo
     assert engine.compute.compiled and delta["compiled_op_calls"] > 0 and delta["op_compiles"] == 0, delta
     s = engine.loop.stats

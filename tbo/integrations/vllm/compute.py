@@ -9,17 +9,18 @@ MLPs, the MoE output's scale and sum, and the model's final norm) is a function 
 modules and its tensors, and a compiled engine runs these functions compiled (`CompiledCompute`), as vLLM compiles
 its graph of the whole model: torch.compile with vLLM's backend and inductor options (its
 ``inductor_compile_config``), ``fullgraph`` (a function that cannot be traced whole is an error, never a silent
-eager fallback), the token dimension marked dynamic and dynamo's guards dropped (vLLM's
-``TorchCompileWithNoGuardsWrapper`` does the same): one graph serves every token count, 1 included.
+eager fallback), the token dimension marked dynamic and dynamo's shape guards dropped (vLLM's
+``TorchCompileWithNoGuardsWrapper`` drops every guard): one graph serves every token count, 1 included.
 
 A graph key is what sets one graph apart: the function and the modules a layer gives it, by structure and
 constants, not by identity (`_module_key`: the module's type, its printed sizes and constants, its parameters'
 shapes; parameters are graph inputs, so one graph serves every layer alike, and a 60-layer model compiles as few
 graphs as a 3-layer one). vLLM's attention calls name their layer through vLLM's ``LayerName``, an opaque value
-torch lifts as a graph input, so the attention call is layer-agnostic too. Since no guard can fail, each key compiles
-exactly once: the engine's keys are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in
-`tbo.integrations.vllm.stats`, beside ``op_compiles``), fixed at engine start and independent of the plan shapes
-and the steps. vLLM's warm-up compiles them all, at the warm-up's full token count, as it compiles its own graph
+torch lifts as a graph input, so the attention call is layer-agnostic too. Each key compiles once: the engine's keys
+are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in `tbo.integrations.vllm.stats`, beside
+``op_compiles``), fixed at engine start and independent of the plan shapes and the steps. Dynamo's other guards stay
+(`_Graph`): a module constant the key does not see (a layer without rotary, say) compiles one graph more, counted
+and logged, never runs another layer's graph. vLLM's warm-up compiles them all, at the warm-up's full token count, as it compiles its own graph
 (`tbo.integrations.vllm.compiled.StepForwards.warming_up`; an engine whose every step runs the loop runs it in its
 warm-up anyway).
 
@@ -167,6 +168,8 @@ class CompiledCompute(Compute):
                 self._graphs[(name, id(objects[0]))] = graphs[key]
         #: the engine's graph keys, each compiled once: the most graphs it can make (``op_compile_bound``)
         self.keys = list(graphs)
+        #: per function, its keys: the graphs it may compile
+        self.bounds = {name: sum(k[0] == name for k in self.keys) for name in COMPILED}
         for name in COMPILED:
             setattr(self, name, self._dispatch(name))
 
@@ -196,11 +199,15 @@ class CompiledCompute(Compute):
 
 class _Graph:
     """One graph key's compiled function: a copy of the function (a fresh code object: dynamo keeps its graphs per
-    code object), compiled at its first call of two tokens or more with the token dimension dynamic, as vLLM's graph
-    is, and, as vLLM's, with dynamo's guards dropped: the key (`_module_key`) is what sets the graph apart, and one
-    graph serves every token count, 1 included, so that nothing ever recompiles. A call before then with fewer than
-    two tokens runs the function eagerly (a graph traced at one token would be specialized to it: the engine's
-    warm-up compiles every key at its full token count first, `tbo.integrations.vllm.compiled.StepForwards`)."""
+    code object, so an engine's graphs are its own), compiled at its first call of two tokens or more with the token
+    dimension dynamic, as vLLM's graph is. Dynamo's guards stay, but for two kinds, dropped as vLLM drops them (it
+    drops every guard): the shape guards, so that one graph serves every token count, 1 included (a graph of two
+    tokens or more would otherwise be guarded against one, and dynamo specializes a one-token graph), and the
+    torch-function-mode guard (no mode runs while serving; the host-read test runs one). Every other guard keeps its
+    check: a module whose constants differ where `_module_key` does not see it compiles another graph, counted and
+    logged past the bound, never a wrong one. A call with fewer than two tokens before the graph exists runs the
+    function eagerly (the engine's warm-up compiles every key at its full token count first:
+    `tbo.integrations.vllm.compiled.StepForwards.warming_up`)."""
 
     def __init__(self, owner: CompiledCompute, name: str) -> None:
         import torch._dynamo
@@ -212,22 +219,28 @@ class _Graph:
         fn = self.fn
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         self.compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=self._backend,
-                                      options={"guard_filter_fn": _no_guards})
+                                      options={"guard_filter_fn": _serving_guards}, recompile_limit=RECOMPILE_LIMIT)
         self._mark = torch._dynamo.mark_dynamic
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        owner = self.owner
-        owner.compiles[self.name] += 1  # every graph dynamo traces (one per key: no guard can fail)
+        owner, name = self.owner, self.name
+        owner.compiles[name] += 1  # every graph dynamo traces of this key's function, a recompilation included
         for s in owner.counters:
             s.op_compiles += 1
-        self.ready = True
+        if owner.compiles[name] == owner.bounds[name] + 1:
+            logger.warning("tbo: compiled op function %r traced graph %d, past its bound of %d (a module constant "
+                           "tbo's graph keys do not see): see op_compiles in stats()", name, owner.compiles[name],
+                           owner.bounds[name])
         if owner.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs, config_patches=dict(owner.options))
-        from torch._dynamo.backends.registry import lookup_backend
+            compiled = compile_fx(gm, example_inputs, config_patches=dict(owner.options))
+        else:
+            from torch._dynamo.backends.registry import lookup_backend
 
-        return lookup_backend(owner.backend)(gm, example_inputs)
+            compiled = lookup_backend(owner.backend)(gm, example_inputs)
+        self.ready = True
+        return compiled
 
     def __call__(self, *args: Any) -> Any:
         if not self.ready:
@@ -247,10 +260,16 @@ class _Graph:
         return self.compiled(*args)
 
 
-def _no_guards(guard_entries: list[Any]) -> list[bool]:
-    """Dynamo's ``guard_filter_fn`` dropping every guard, as vLLM's compiled graph does (its
-    ``TorchCompileWithNoGuardsWrapper``): the graph key is tbo's to check, once, at engine start."""
-    return [False for _ in guard_entries]
+#: dynamo's guard kinds `_Graph` drops (see its docstring)
+DROPPED_GUARDS = frozenset({"SHAPE_ENV", "TORCH_FUNCTION_STATE"})
+#: dynamo's recompile limit per compiled function: far above any bound, so that a graph past the bound still
+#: compiles (counted, logged) instead of dynamo running the function eagerly from then on
+RECOMPILE_LIMIT = 64
+
+
+def _serving_guards(guard_entries: list[Any]) -> list[bool]:
+    """Dynamo's ``guard_filter_fn``: every guard but the `DROPPED_GUARDS` kinds."""
+    return [entry.guard_type not in DROPPED_GUARDS for entry in guard_entries]
 
 
 def _module_key(module: Any) -> tuple[Any, ...]:
