@@ -20,10 +20,11 @@ downloaded. On 2 shared cores timing is noisy: run it several times and report t
     .venv-vllm/bin/python benchmarks/vllm.py            # after make test-vllm
 
 ``--compiled`` measures compiled engines (no ``enforce_eager``: vLLM's dynamo + inductor graph; issue 37) side by
-side in one run: compiled tbo unsplit against compiled vLLM (target: within 3%), compiled tbo split over the emulated
-link against tbo unsplit over it (target: at least the eager figure), and compiled against eager tbo split over that
-link. A compiled unsplit step runs vLLM's own graph, whose MoE dispatches nothing through tbo, so the link does not
-apply to it: tbo's unsplit step over the link runs eager. Each compiled engine warms up for about a minute on 2 cores.
+side in one run: compiled tbo unsplit against compiled vLLM (target: within 3%; without a link tbo's unsplit steps
+run vLLM's graph), compiled tbo split against compiled tbo unsplit over the emulated link (target: at least eager
+tbo's split-over-unsplit figure over the same link; over a link every step runs tbo's loop, its ops compiled:
+`tbo.integrations.vllm.compute`), and compiled against eager tbo. Each engine's compiled-op graphs are printed with
+their bound. A compiled engine warms up for about a minute on 2 cores (less from vLLM's compile cache).
 
 ``--speculative ngram`` measures verify steps instead: ngram speculative decoding over prompts that repeat n-grams
 (periods 2..7, so that k differs between requests), tbo split against tbo unsplit over a link sized as for decode,
@@ -301,8 +302,8 @@ def main() -> None:
 
 
 def compiled(args: argparse.Namespace) -> None:
-    """``--compiled``: compiled vLLM, compiled tbo unsplit, and over one link per mode (sized from the compiled
-    unsplit engine's compute) compiled tbo unsplit and split and eager tbo split."""
+    """``--compiled``: compiled vLLM, compiled tbo unsplit and split, and over one link (sized from the compiled
+    unsplit engine's decode compute) compiled and eager tbo, unsplit and split."""
     work = Workload(args.batch, args.prompt, args.decode_tokens)
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
     split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
@@ -311,34 +312,50 @@ def compiled(args: argparse.Namespace) -> None:
         model = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
         first = start_engine(model, None, work, args.dtype)  # started, kept, not measured (see main)
         engines = {"compiled vLLM": start_engine(model, None, work, args.dtype, eager=False),
-                   "compiled tbo unsplit": start_engine(model, never, work, args.dtype, eager=False)}
+                   "compiled tbo unsplit": start_engine(model, never, work, args.dtype, eager=False),
+                   "compiled tbo split": start_engine(model, split, work, args.dtype, eager=False)}
         rows = measure(engines, work, args.repeats)
         link = args.link or link_for(rows["compiled tbo unsplit"]["decode"],
                                      moe_bytes_per_step(tokens["decode"], args.hidden, 2, args.layers))
-        engines[f"compiled tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype,
-                                                                      eager=False)
-        engines[f"compiled tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype,
-                                                                    eager=False)
-        engines[f"eager tbo split, link {link}"] = start_engine(model, {**split, "link": link}, work, args.dtype)
-        engines[f"eager tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work, args.dtype)
+        strategies = args.strategies.split(",")
+        for kind, eager in (("compiled", False), ("eager", True)):
+            engines[f"{kind} tbo unsplit, link {link}"] = start_engine(model, {**never, "link": link}, work,
+                                                                        args.dtype, eager=eager)
+            for name in strategies:
+                engines[f"{kind} tbo split ({name}), link {link}"] = start_engine(
+                    model, {**split, "strategy": name, "link": link}, work, args.dtype, eager=eager)
         rows = measure(engines, work, args.repeats)
+        compiles = {name: _compiles(llm) for name, llm in engines.items()}
         close({**engines, "first": first})
     print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, {args.dtype}; "
           f"decode {args.batch} requests, prefill {args.batch} x {args.prompt} tokens; median over {args.repeats} "
           f"rounds; link sized for decode")
-    print(f"{'engine':46s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s}")
+    print(f"{'engine':60s} {'decode step':>12s} {'decode tok/s':>13s} {'prefill step':>13s} {'prefill tok/s':>14s} "
+          f"{'op graphs/bound':>16s}")
     for name, r in rows.items():
-        print(f"{name:46s} " + " ".join(f"{r[m] * 1e3:9.2f} ms {tokens[m] / r[m]:13.0f}" for m in tokens))
-    base, unsplit = rows["compiled vLLM"], rows["compiled tbo unsplit"]
-    cu, cs = rows[f"compiled tbo unsplit, link {link}"], rows[f"compiled tbo split, link {link}"]
-    es, eu = rows[f"eager tbo split, link {link}"], rows[f"eager tbo unsplit, link {link}"]
-    print("(a compiled unsplit step runs vLLM's own graph, whose MoE dispatches nothing through tbo: the link does not "
-          "apply to it; the split baseline over the link is tbo's unsplit step, which only eager runs)")
+        print(f"{name:60s} " + " ".join(f"{r[m] * 1e3:9.2f} ms {tokens[m] / r[m]:13.0f}" for m in tokens)
+              + f" {compiles[name]:>16s}")
+    base, unsplit, split_ = rows["compiled vLLM"], rows["compiled tbo unsplit"], rows["compiled tbo split"]
+    cu, eu = rows[f"compiled tbo unsplit, link {link}"], rows[f"eager tbo unsplit, link {link}"]
+    print("(without a link tbo's unsplit steps run vLLM's compiled graph; over the link every step runs tbo's loop, "
+          "its ops compiled in the compiled engines)")
     for m in tokens:
         print(f"{m}: compiled tbo unsplit {100 * (unsplit[m] / base[m] - 1):+.1f}% of compiled vLLM's step (target "
-              f"<= 3%); over the link compiled split is {eu[m] / cs[m]:.2f}x tbo unsplit (eager split: "
-              f"{eu[m] / es[m]:.2f}x); compiled split is {es[m] / cs[m]:.2f}x eager split; compiled unsplit (no link) "
-              f"is {cu[m] / cs[m]:.2f}x compiled split")
+              f"<= 3%); compiled split (no link) {base[m] / split_[m]:.2f}x compiled vLLM; over the link compiled "
+              f"unsplit is {eu[m] / cu[m]:.2f}x eager unsplit")
+        for name in strategies:
+            cs, es = rows[f"compiled tbo split ({name}), link {link}"], rows[f"eager tbo split ({name}), link {link}"]
+            print(f"  {name}: over the link compiled split is {cu[m] / cs[m]:.2f}x compiled unsplit (eager: split "
+                  f"{eu[m] / es[m]:.2f}x unsplit; target: at least that); compiled split is {es[m] / cs[m]:.2f}x "
+                  f"eager split")
+
+
+def _compiles(llm: Any) -> str:
+    """``"graphs/bound"`` of the engine's compiled tbo ops (``op_compiles``, ``op_compile_bound``), or ``-``."""
+    engine = getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "tbo", None)
+    if engine is None or not engine.compute.compiled:
+        return "-"
+    return f"{engine.loop.stats.op_compiles}/{engine.loop.stats.op_compile_bound}"
 
 
 if __name__ == "__main__":

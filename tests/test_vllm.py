@@ -426,11 +426,10 @@ def test_qwen3_moe_tokens_equal_vllm_and_the_steps_split(qwen_tbo, qwen_referenc
         assert delta["cut_requests"] > 0, delta  # a prefill chunk in two microbatches, still equal tokens
 
 
-@needs_vllm
-def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, qwen_reference, monkeypatch):
-    """Issue 37: every split decode step's layer stack runs inside `no_host_reads`, and under the host-read guard
-    (`tbo.testing.host_reads`) no tbo code reads a tensor's value there (vLLM's own kernels, called by tbo's ops, are
-    let through: ``allow=("vllm",)``). Tokens equal vLLM's; every split decode step was guarded."""
+def _guard_split_decode_steps(monkeypatch) -> tuple[list, list]:
+    """Every layer stack run inside `no_host_reads` (a split decode step) runs under the host-read guard
+    (`tbo.testing.host_reads`), vLLM's own kernels let through (``allow=("vllm",)``). Returns the lists that collect
+    the guarded steps' token counts and the reads the guard caught."""
     from tbo.comm.devices import host_reads_forbidden
     from tbo.integrations.vllm import forward
     from tbo.testing.host_reads import forbid_host_reads
@@ -448,6 +447,14 @@ def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, q
                 reads.extend(guard.reads)
 
     monkeypatch.setattr(forward, "model_forward_maybe_tbo", checked)
+    return guarded, reads
+
+
+@needs_vllm
+def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, qwen_reference, monkeypatch):
+    """Issue 37: every split decode step's layer stack runs inside `no_host_reads`, and under the host-read guard
+    no tbo code reads a tensor's value there. Tokens equal vLLM's; every split decode step was guarded."""
+    guarded, reads = _guard_split_decode_steps(monkeypatch)
     out, delta = _run(qwen_tbo, SCENARIOS["decode"])
     assert reads == [], reads
     assert _tokens(out) == qwen_reference["decode"]
@@ -877,22 +884,26 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
 
 
 def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
-    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with FULL CUDA graph
-    modes too (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, data parallelism, AFD or
+    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with data parallelism +
+    expert parallelism without CUDA graphs (tests/test_vllm_dp.py runs it), with FULL CUDA graph modes on one rank
+    (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, graphs with data parallelism, AFD or
     speculative decoding, each named."""
     from types import SimpleNamespace
 
     from tbo.integrations.vllm.checks import check_engine
 
     def compiled(cudagraph_mode="NONE", dp=1):
-        cfg = _engine_config()
+        cfg = _engine_config(expert_placement_strategy="linear")
+        cfg.parallel_config.data_parallel_size, cfg.parallel_config.enable_expert_parallel = dp, dp > 1
         cfg.model_config.enforce_eager = False
         cfg.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name=cudagraph_mode))
-        cfg.parallel_config.data_parallel_size = dp
         return cfg
 
     tbo = parse_config({"tbo": {}})
     assert check_engine(compiled(), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
+    assert check_engine(compiled(dp=2), tbo, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"  # vLLM pads no DP step
+    with pytest.raises(TboConfigError, match=r"cudagraph_mode='FULL' and data_parallel_size=2: not supported"):
+        check_engine(compiled("FULL", dp=2), tbo, "0.32.0", "cuda")
     assert check_engine(compiled("FULL_AND_PIECEWISE"), tbo, "0.32.0", "cuda") == "DeepseekV3ForCausalLM"
     with pytest.raises(TboConfigError, match=r"cudagraph_mode='PIECEWISE': not supported \(PIECEWISE alone pads "
                                              r"every step.*accepted: NONE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"):

@@ -384,6 +384,25 @@ def test_qwen3_moe_dp2_ep_uneven_load_tokens_equal_and_both_ranks_split(models, 
 
 @needs_vllm
 @pytest.mark.dist
+def test_compiled_qwen3_moe_dp2_ep_tokens_equal_compiled_vllm_and_both_ranks_split(models, tmp_path):
+    """Compiled engines (no ``enforce_eager``; issue 37): every step of a DP rank runs tbo's loop (the expert traffic
+    is tbo's) with its ops' tensor work compiled, vLLM's graph of the whole model never compiled. Without CUDA graphs
+    vLLM pads no step, so the agreement answers vLLM's DP coordination as in an eager engine. Tokens equal plain
+    compiled vLLM's at DP = 1; both ranks split, sent rows and ran compiled ops, within their compile bound."""
+    compiled = dict(dtype="float32", enforce_eager=False)
+    runs, per_rank = _dp(tmp_path, models["qwen3_moe"], UNEVEN, TBO, **compiled)
+    for rank, rounds in enumerate(UNEVEN):
+        want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, **compiled)]
+        assert runs[rank].result["tokens"] == want, rank
+    _assert_both_split_and_sent(per_rank, 2)
+    for rank, s in enumerate(per_rank):
+        # one graph per graph key, compiled at warm-up (its dummy runs run tbo's loop): the bound, exactly
+        assert s["compiled_op_calls"] > 0 and 0 < s["op_compiles"] == s["op_compile_bound"], (rank, s)
+    assert per_rank[0]["split_steps_by_mode"]["idle"] > 0, per_rank[0]  # the idle rank's dummy steps, split too
+
+
+@needs_vllm
+@pytest.mark.dist
 @pytest.mark.parametrize("agreed_rows", [True, False], ids=["agreed-rows", "count-exchange"])
 def test_qwen3_moe_dp2_ep_three_microbatches(models, tmp_path, agreed_rows):
     """Three microbatches, tokens equal; by the agreed rows, and (``agreed_rows: false``) with every dispatch

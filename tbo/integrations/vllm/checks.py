@@ -42,13 +42,16 @@ def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
 
 
 def _check_compiled(vllm_config: Any, config: TboVllmConfig) -> None:
-    """A compiled engine (``enforce_eager=False``, `tbo.integrations.vllm.compiled`): what is accepted today."""
+    """A compiled engine (``enforce_eager=False``, `tbo.integrations.vllm.compiled`): what is accepted today.
+
+    Data parallelism is, without CUDA graphs (``cudagraph_mode`` NONE; `tbo.integrations.vllm.graphs` refuses a
+    FULL mode with it): vLLM 0.32 then pads a DP step only when its own microbatching (DBO) runs
+    (``vllm/v1/worker/dp_utils.py``, ``_synchronize_dp_ranks``: ``should_dp_pad = synced_cudagraph_mode != 0 or
+    should_ubatch``), and tbo's agreement answers that coordination with each rank's own token count
+    (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`), as in an eager engine."""
     from tbo.integrations.vllm.graphs import check_cudagraph_mode
 
     check_cudagraph_mode(vllm_config, config)  # FULL graphs of split decode steps; PIECEWISE alone refused
-    if vllm_config.parallel_config.data_parallel_size != 1:
-        _refuse("enforce_eager", False, "True with data_parallel_size > 1",
-                "a compiled data-parallel engine pads its steps; tbo's agreement needs the runner's token counts")
     if config.afd is not None:
         _refuse("enforce_eager", False, "True with afd", "attention-FFN disaggregation runs eager only")
     if vllm_config.speculative_config is not None:

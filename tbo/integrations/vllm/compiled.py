@@ -1,4 +1,5 @@
-"""Compiled engines (no ``enforce_eager``): each step runs either vLLM's own compiled graph or tbo's schedule.
+"""Compiled engines (no ``enforce_eager``): each step runs either vLLM's own compiled graph or tbo's schedule with
+its ops compiled.
 
 vLLM's ``@support_torch_compile`` puts a ``__call__`` on the inner model's class that runs the compiled graph of
 the class's own ``forward`` (traced once, at the first call: ``CompilationMode.DYNAMO_TRACE_ONCE``), unless the
@@ -8,26 +9,29 @@ attributes only (nothing on the class):
 * a step tbo does not split runs vLLM's compiled graph, unchanged: no instance ``forward``, ``do_not_compile`` as
   vLLM set it. It costs what it costs without tbo (the plugin adds the split decision and a count);
 * a split step runs tbo's schedule: ``forward`` is the `LayerLoop` and ``do_not_compile`` is True for that step
-  only, and both are put back when the step's ``execute_model`` returns. Its ops run eagerly today (vLLM's own
-  modules, each a kernel call), and a split decode step reads nothing on the host (`tbo.comm.devices.no_host_reads`):
-  what a per-op or whole-schedule trace of fixed shapes would need.
+  only, and both are put back when the step's ``execute_model`` returns. The schedule (the executor, the transfers,
+  the forward-context switches) runs as Python; each op's tensor work runs compiled (`tbo.integrations.vllm.compute`,
+  one graph per graph key, compiled at vLLM's warm-up: `StepForwards.warming_up`), and a split decode step reads
+  nothing on the host (`tbo.comm.devices.no_host_reads`).
 
 An eager engine whose unsplit step vLLM's own forward computes exactly as tbo's layers would (one rank, tbo's
 local backend with no emulated link, no data parallelism, no AFD, no ``op_times``: `vllm_runs_unsplit`) takes the
 same per-step choice: its unsplit steps run vLLM's own eager forward, so that they cost what they cost without tbo
 (tbo's layer ops over the local backend route and permute in Python-driven kernels vLLM's fused MoE does not need:
-+15% of a 128-request decode step on 2 cores). Where tbo's dispatch is the point (a link, expert parallelism, AFD),
-every step runs the layer loop.
++15% of a 128-request decode step on 2 cores). Where tbo's dispatch is the point (a link, expert parallelism, AFD,
+``op_times``), every step runs the layer loop, and a compiled engine never compiles vLLM's graph of the whole model
+(`vllm_graph_off`): its steps run tbo's compiled ops.
 
-A graph key here is vLLM's: one trace of its forward with a dynamic token dimension, so tbo causes no compile at all;
-`compiles` reports vLLM's compilation counter, so that a test can see that no step recompiles after warm-up.
+`compiles` reports vLLM's and dynamo's compilation counters; tbo's own compiled ops are counted in ``op_compiles``
+(`tbo.integrations.vllm.stats`), so that a test can see that no step recompiles after warm-up.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
-__all__ = ["StepForwards", "compiles", "is_compiled", "vllm_runs_unsplit"]
+__all__ = ["StepForwards", "compiles", "is_compiled", "vllm_graph_off", "vllm_runs_unsplit"]
 
 
 def is_compiled(model: Any) -> bool:
@@ -57,6 +61,20 @@ def vllm_runs_unsplit(*, backend: Any, afd: Any, data_parallel_size: int, op_tim
     return type(backend) is LocalBackend and afd is None and data_parallel_size == 1 and not op_times
 
 
+def vllm_graph_off(model: Any) -> Callable[[], None]:
+    """A compiled engine whose every step runs tbo's loop (a link, data parallelism, ``op_times``: not
+    `vllm_runs_unsplit`): ``model``'s ``forward`` is the loop for good and vLLM's ``do_not_compile`` is set, so that
+    vLLM's graph of the whole model is never compiled (no step would run it; with expert parallelism its MoE would
+    move the tokens itself). Returns what puts vLLM's ``do_not_compile`` back (the engine deletes the forward)."""
+    saved = model.do_not_compile
+    model.do_not_compile = True
+
+    def restore() -> None:
+        model.do_not_compile = saved
+
+    return restore
+
+
 class StepForwards:
     """Per engine that lets vLLM run its unsplit steps (compiled engines, and eager ones where `vllm_runs_unsplit`):
     which forward the inner ``model`` runs in the step just decided (see the module docstring). ``counters``: the
@@ -84,6 +102,32 @@ class StepForwards:
             self.vllm_steps += 1
             for s in self.counters:
                 s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, 1, False)
+
+    @contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """For one of vLLM's dummy runs (its warm-up: the profile run, of the full token count), in a compiled
+        engine whose compiled ops (`tbo.integrations.vllm.compute`) are not all compiled yet: the run calls vLLM's
+        own forward (its compiled graph, compiled there as vLLM's warm-up always does) and then tbo's loop on the
+        same inputs, unsplit, so that every graph key of tbo's ops compiles at that token count, before any
+        request; vLLM's output is the run's. The loop runs no step (nothing is counted)."""
+        model, own = self.model, self._do_not_compile
+
+        def both(*args: Any, **kwargs: Any) -> Any:
+            del model.forward
+            model.do_not_compile = own
+            try:
+                out = model(*args, **kwargs)  # vLLM's __call__: its compiled graph
+            finally:
+                model.forward, model.do_not_compile = both, True
+            self.loop(*args, **kwargs)
+            return out
+
+        model.forward, model.do_not_compile = both, True
+        try:
+            yield
+        finally:
+            model.__dict__.pop("forward", None)
+            model.do_not_compile = own
 
     def close(self) -> None:
         self.on_step(None)

@@ -23,7 +23,8 @@ from typing import Any
 from tbo import strategies
 from tbo.core.errors import StrategyError
 from tbo.integrations.vllm.backend import ModeBackends, make_backend
-from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_runs_unsplit
+from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_graph_off, vllm_runs_unsplit
+from tbo.integrations.vllm.compute import EAGER, CompiledCompute
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.forward import LayerLoop
@@ -121,6 +122,19 @@ class TboEngine:
                               stats=step_stats, stats_file=stats_file, op_times=config.op_times,
                               agreed_rows=config.agreed_rows)
         self._model = model
+        #: the ops' tensor work and the final norm: compiled in a compiled engine (`tbo.integrations.vllm.compute`),
+        #: as they are otherwise
+        self.compute = EAGER
+        if is_compiled(model):
+            self.compute = CompiledCompute(vllm_config.compilation_config, [*self.layers, self.loop.ends],
+                                           (step_stats, PROCESS_STATS))
+            self.loop.compute = self.compute
+            for layer in self.layers:
+                layer.compute = self.compute
+                if layer.runner is not None:  # built now: a trace of the compiled experts call finds it built
+                    layer.runner.routed_experts._ensure_moe_quant_config_init()
+            for s in (step_stats, PROCESS_STATS):  # the most graphs the compiled ops can make, beside their count
+                s.op_compile_bound += self.compute.bound
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)
         if self.rotary_fix:
@@ -128,17 +142,24 @@ class TboEngine:
                            "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
                            "tbo.integrations.vllm.fixes", len(self.rotary_fix))
         #: which forward each step runs, where vLLM's own runs the unsplit ones (`tbo.integrations.vllm.compiled`):
-        #: compiled engines, and eager ones whose unsplit step vLLM's forward computes as tbo's loop would
+        #: engines, compiled or eager, whose unsplit step vLLM's forward computes as tbo's loop would
         self.forwards = None
-        if is_compiled(model) or vllm_runs_unsplit(
-                backend=self.backend, afd=self.afd, op_times=config.op_times,
-                data_parallel_size=vllm_config.parallel_config.data_parallel_size):
+        #: a compiled engine whose every step runs the loop: vLLM's ``do_not_compile`` to put back (its graph of the
+        #: whole model is never compiled: no step would run it)
+        self._graph_off: Any = None
+        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        full_graphs = mode is not None and mode.has_full_cudagraphs()
+        # with a FULL cudagraph_mode (GPUs) unsplit steps are vLLM's graphs, whatever the backend (graphs.py)
+        if vllm_runs_unsplit(backend=self.backend, afd=self.afd, op_times=config.op_times,
+                             data_parallel_size=vllm_config.parallel_config.data_parallel_size) or (
+                self.compute.compiled and full_graphs):
             self.forwards = StepForwards(model, self.loop, (step_stats, PROCESS_STATS))
+        elif self.compute.compiled:
+            self._graph_off = vllm_graph_off(model)
         #: a FULL ``cudagraph_mode``: CUDA graphs of split decode steps, captured and replayed by vLLM's own
         #: ``CUDAGraphWrapper`` (`tbo.integrations.vllm.graphs`); None otherwise (a CPU: vLLM's mode is NONE there)
         self.graphs = None
-        mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-        if mode is not None and mode.has_full_cudagraphs():
+        if full_graphs:
             from tbo.integrations.vllm.graphs import SplitGraphs, check_graph_backend
 
             if self.backend is not None:  # what the captured decode steps dispatch through
@@ -201,6 +222,17 @@ class TboEngine:
             self._model.forward = self.loop
         else:  # vLLM's forward (or graph) for unsplit steps, the loop for split ones, chosen per step
             self.patches.on_step = self.forwards.on_step
+            if self.compute.compiled:  # vLLM's warm-up compiles tbo's ops too (StepForwards.warming_up)
+                dummy_run = runner._dummy_run
+
+                @functools.wraps(dummy_run)
+                def _dummy_run(*args: Any, **kwargs: Any) -> Any:
+                    if self.compute.warm:
+                        return dummy_run(*args, **kwargs)
+                    with self.forwards.warming_up():
+                        return dummy_run(*args, **kwargs)
+
+                runner._dummy_run = _dummy_run
         runner.execute_model, runner.shutdown = execute_model, shutdown_
         if self.adaptive is not None:
             runner.sample_tokens = sample_tokens
@@ -223,6 +255,9 @@ class TboEngine:
         if self.forwards is not None:
             self.patches.on_step = None
             self.forwards.close()
+        if self._graph_off is not None:
+            self._graph_off()
+            self._graph_off = None
         try:
             if self.afd is not None:
                 self.afd.close()

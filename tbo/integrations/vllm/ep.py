@@ -159,6 +159,11 @@ class EpDecoderLayer(VllmDecoderLayer):
             return
         super().op_shared_experts(state)
 
+    def compute_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """As a `VllmDecoderLayer`'s, less the experts: they run eagerly here (`run_local_experts` groups the rows
+        it received by their local slot count, on the host)."""
+        return [key for key in super().compute_keys() if key[0] != "experts"]
+
     def op_experts(self, state: State) -> None:
         """vLLM's fused-experts kernel on the rows this rank received, with local expert ids, on this rank's
         (token, slot) pairs only: a slot naming an expert on another rank (-1) never reaches the kernel

@@ -56,6 +56,9 @@ class LayerLoop:
         self.patches, self.vllm_config = patches, vllm_config
         #: the model's own start and end around the layers (its embedding, its final norm; Granite's multipliers)
         self.ends = model_ends(model, layers)
+        #: a compiled engine's compiled functions (`tbo.integrations.vllm.compute`, set by the engine): the final norm
+        #: runs through them as the layers' ops do (None: vLLM's module as it is)
+        self.compute: Any = None
         self.stats = StepStats() if stats is None else stats
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`count_traffic`)
         self.stats_file = stats_file  #: ``stats_file``, written during the run
@@ -100,7 +103,7 @@ class LayerLoop:
                                           output_key=self.ends.outputs, backend=backend,
                                           observer=as_observer([observer, timer]))
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
-        hidden = self.ends.end(out)
+        hidden = self.ends.end(out, self.compute)
         if counted:
             parts = 1 if plan is None else plan.num_microbatches
             cut = plan is not None and plan.two_chunk

@@ -29,6 +29,7 @@ import torch
 
 from tbo.comm.types import DispatchFormat, payload_refusal
 from tbo.core.state import State
+from tbo.integrations.vllm.compute import EAGER, Compute
 from tbo.integrations.vllm.config import TboConfigError
 from tbo.integrations.vllm.quant import ExpertsCall, batch_dependent_scales
 from tbo.integrations.vllm.structure import layer_structure
@@ -60,6 +61,9 @@ class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
     counters: tuple[Any, ...] = ()  #: the `StepStats` that count local_ffn_calls (the engine sets them)
+    #: the ops' tensor work (`tbo.integrations.vllm.compute`): as it is, or compiled in a compiled engine (the engine
+    #: sets it)
+    compute: Compute = EAGER
     #: True for `tbo.integrations.vllm.ep.EpDecoderLayer`: the experts are spread over data-parallel ranks
     expert_parallel = False
 
@@ -108,6 +112,21 @@ class VllmDecoderLayer(ExpertParallelOps):
     def __repr__(self) -> str:
         return f"VllmDecoderLayer({self.layer_idx}, {type(self.layer).__name__}, {self.kind})"
 
+    def compute_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The functions of `tbo.integrations.vllm.compute` this layer's ops call, each with the modules it is given:
+        what `CompiledCompute.bound` counts the graph keys of."""
+        layer, first = self.layer, self.layer_idx == 0 or self.residual_multiplier is not None
+        keys: list[tuple[str, tuple[Any, ...]]] = [("norm" if first else "add_norm", (layer.input_layernorm,))]
+        keys.append(("qkv", (self.attn,)) if self.split_attention else ("attention", (self.attn,)))
+        if self.split_attention:
+            keys.append(("attention_core", (self.attn,)))
+        keys.append(("norm" if self.residual_multiplier is not None else "add_norm", (layer.post_attention_layernorm,)))
+        if self.runner is None:
+            return keys + [("mlp", (self.ffn,))]
+        keys += [("route", (self.runner.router,)), ("experts", (self.experts, self.runner.routed_experts)),
+                 ("moe_output", (self.runner, self.scale, self.has_shared_experts))]
+        return keys + ([("mlp", (self.shared,))] if self.has_shared_experts else [])
+
     def _check_payload(self, fp8: bool) -> None:
         """The backend must move what this layer dispatches (FP8 rows with scales, or the model's dtype); a quant
         method whose activation scale spans the whole call is named in a warning (`quant.batch_dependent_scales`)."""
@@ -127,9 +146,9 @@ class VllmDecoderLayer(ExpertParallelOps):
                              residual: torch.Tensor | None = None) -> None:
         if residual is None:  # the first layer (the embeddings are the residual), or Granite's: its input is
             state.residual = hidden_states
-            state.attn_in = self.layer.input_layernorm(hidden_states)
+            state.attn_in = self.compute.norm(self.layer.input_layernorm, hidden_states)
         else:
-            attn_in, state.residual = self.layer.input_layernorm(hidden_states, residual)
+            attn_in, state.residual = self.compute.add_norm(self.layer.input_layernorm, hidden_states, residual)
             state.attn_in = attn_in
 
     def op_attn_prepare(self, state: State) -> None:
@@ -137,21 +156,14 @@ class VllmDecoderLayer(ExpertParallelOps):
         the other microbatch's dispatch has that compute to hide behind). Other attention modules (DeepSeek's MLA)
         are one call: ``attn_core`` makes it."""
         if self.split_attention:
-            attn = self.attn
-            qkv, _ = attn.qkv_proj(state.pop("attn_in"))
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q = attn.q_norm(q.view(*q.shape[:-1], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
-            k = attn.k_norm(k.view(*k.shape[:-1], k.shape[-1] // attn.head_dim, attn.head_dim)).view(k.shape)
-            q, k = attn.rotary_emb(state.positions, q, k)
-            state.qkv = (q, k, v)
+            state.qkv = self.compute.qkv(self.attn, state.pop("attn_in"), state.positions)
 
     def op_attn_core(self, state: State) -> None:
-        attn = self.attn
         if self.split_attention:
-            state.attn_out, _ = attn.o_proj(attn.attn(*state.pop("qkv")))
-        else:  # by keyword: GPT-OSS's attention takes (hidden_states, positions), the others the other way round
+            state.attn_out = self.compute.attention_core(self.attn, *state.pop("qkv"))
+        else:
             extra = {"llama_4_scaling": self._scaling(state.positions)} if self._attn_takes_scaling else {}
-            state.attn_out = attn(positions=state.positions, hidden_states=state.pop("attn_in"), **extra)
+            state.attn_out = self.compute.attention(self.attn, state.positions, state.pop("attn_in"), extra)
 
     def _scaling(self, positions: torch.Tensor) -> torch.Tensor | None:
         """vLLM's ``_get_llama_4_scaling`` for these positions (elementwise per token: a microbatch's slice of the
@@ -167,15 +179,16 @@ class VllmDecoderLayer(ExpertParallelOps):
     def op_comm_prepare_mlp(self, state: State) -> None:
         if self.residual_multiplier is not None:  # Granite: the residual added here, the norm a plain one
             residual = state.pop("residual") + state.pop("attn_out") * self.residual_multiplier
-            state.update(mlp_in=self.layer.post_attention_layernorm(residual), residual=residual)
+            state.update(mlp_in=self.compute.norm(self.layer.post_attention_layernorm, residual), residual=residual)
             return
-        mlp_in, residual = self.layer.post_attention_layernorm(state.pop("attn_out"), state.pop("residual"))
+        mlp_in, residual = self.compute.add_norm(self.layer.post_attention_layernorm, state.pop("attn_out"),
+                                                 state.pop("residual"))
         state.update(mlp_in=mlp_in, residual=residual)
 
     # ---- dense layers ------------------------------------------------------------------------------------------
     def op_mlp(self, state: State) -> None:
         self._count_ffn()
-        state.mlp_out = self.ffn(state.pop("mlp_in"))  # its down projection all-reduces over TP
+        state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))  # its down projection all-reduces over TP
 
     def _count_ffn(self) -> None:
         for s in self.counters:
@@ -187,9 +200,8 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.router_logits = logits[0] if isinstance(logits, tuple) else logits
 
     def op_select_experts(self, state: State) -> None:
-        weights, ids = self.runner.router.select_experts(hidden_states=state.mlp_in,
-                                                         router_logits=state.pop("router_logits"),
-                                                         topk_indices_dtype=self._topk_dtype)
+        weights, ids = self.compute.route(self.runner.router, state.mlp_in, state.pop("router_logits"),
+                                          self._topk_dtype)
         self._ids_dtype = ids.dtype  # the experts kernel wants it back (the NORMAL layout carries int64)
         state.topk = (ids, weights)
 
@@ -206,7 +218,7 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def op_shared_experts(self, state: State) -> None:
         if self.has_shared_experts:
-            state.shared_out = self.shared(state.pop("mlp_in"))
+            state.shared_out = self.compute.mlp(self.shared, state.pop("mlp_in"))
 
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel, through the layer's quant method, on the tokens dispatched here: per token, the
@@ -222,7 +234,10 @@ class VllmDecoderLayer(ExpertParallelOps):
             # input itself): the experts get a copy, so that no kernel writing its input in place can change the
             # shared expert's input (vLLM 0.32's modular kernels allocate their output, but nothing promises it)
             x = x.clone()
-        out = self.experts.local(x, ids, d.topk_weights, d.scales)
+        if d.scales is None:
+            out = self.compute.experts(self.experts, x, ids, d.topk_weights)
+        else:  # FP8 rows with their scales (DeepEP, GPUs): the quant method's kernel from its experts step on
+            out = self.experts.local(x, ids, d.topk_weights, d.scales)
         state.expert_out = (out, d.handle)
 
     def _masked_experts(self, state: State, d: Any) -> None:
@@ -240,14 +255,11 @@ class VllmDecoderLayer(ExpertParallelOps):
         if self.kind == "dense":
             state.layer_out = state.pop("mlp_out")
             return
-        out = state.pop("routed_out")
-        if self.scale != 1.0:
-            out *= self.scale  # DeepSeek's routed_scaling_factor, on the routed part, as vLLM's runner applies it
-        if self.has_shared_experts:
-            shared = state.pop("shared_out")
-            if self.reduce_shared:  # the routed part came reduced from the kernel: reduce the shared part alone
-                shared = self._all_reduce(shared)
-            out = shared + out
+        shared = state.pop("shared_out") if self.has_shared_experts else None
+        if self.reduce_shared:  # the routed part came reduced from the kernel: reduce the shared part alone
+            shared = self._all_reduce(shared)
+        # DeepSeek's routed_scaling_factor on the routed part, then the shared part added, as vLLM's runner does
+        out = self.compute.moe_output(self.runner, state.pop("routed_out"), shared)
         if self.reduce_final:
             out = self._all_reduce(out)
         state.layer_out = out

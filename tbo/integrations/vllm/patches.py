@@ -273,7 +273,7 @@ class RunnerPatches:
         num_tokens = int(bound["num_tokens"])
         if self._dummy is not None:  # a dummy run: nothing of its own to split; it takes part in its peers' steps
             step, vetoed = Step(self._dummy, ForwardMode.DECODE, num_tokens, None), False
-        else:  # eager only (checks.py): vLLM pads no step, so the plan's token count is the runner's
+        else:  # no CUDA graphs (checks.py): vLLM pads no DP step, so the plan's token count is the runner's
             allowed = self._allowed(bound)
             step, vetoed = self._decide(bound, allowed, num_tokens), not allowed
         step = self.step = self.agree(step, vetoed)  # type: ignore[misc]

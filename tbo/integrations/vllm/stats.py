@@ -65,6 +65,12 @@ class StepStats:
     op_seconds: dict[str, float] = field(default_factory=dict)
     op_calls: dict[str, int] = field(default_factory=dict)
     layers_seconds: float = 0.0
+    #: a compiled engine (`tbo.integrations.vllm.compute`): graphs traced of tbo's compiled op functions (warm-up
+    #: included: a step that recompiled grows it), the most they can be (the engines' graph keys; 0 for an eager
+    #: engine), and the calls that ran compiled
+    op_compiles: int = 0
+    op_compile_bound: int = 0
+    compiled_op_calls: int = 0
 
     def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
         """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
@@ -147,7 +153,8 @@ def stats() -> dict[str, Any]:
     ``cudagraph_mode``, ``graph_captures``, ``graph_replays`` and ``graph_eager_steps`` (CUDA graphs of split decode
     steps: `tbo.integrations.vllm.graphs`); with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
-    ``layers_seconds``; with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
+    ``layers_seconds``; in a compiled engine ``op_compiles`` (graphs traced of tbo's compiled op functions),
+    ``op_compile_bound`` (the most there can be) and ``compiled_op_calls``; with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
     choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
     out = PROCESS_STATS.as_dict()
     from tbo.integrations.vllm.adaptive import LIVE
@@ -159,7 +166,8 @@ def stats() -> dict[str, Any]:
 
 def reset_stats() -> None:
     """Zero this process's counters (the engines' own, behind their shutdown lines, are kept)."""
-    fresh = StepStats(ep_size=PROCESS_STATS.ep_size)  # a property of the engine, not a counter
+    # properties of the engines, not counters
+    fresh = StepStats(ep_size=PROCESS_STATS.ep_size, op_compile_bound=PROCESS_STATS.op_compile_bound)
     for name, value in vars(fresh).items():
         setattr(PROCESS_STATS, name, value)
 

@@ -213,10 +213,20 @@ class ModelEnds:
         hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_input_ids(input_ids)
         return hidden if self.embedding_multiplier is None else hidden * self.embedding_multiplier
 
-    def end(self, out: dict[str, Any]) -> Any:
+    def compute_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The compiled function the final norm runs through, with its module (`tbo.integrations.vllm.compute`)."""
+        return [("add_norm" if self.hands_on_residual else "norm", (self.model.norm,))]
+
+    def end(self, out: dict[str, Any], compute: Any = None) -> Any:
+        """The final norm; through ``compute``'s functions where given (a compiled engine's: compiled as vLLM's graph
+        computes it, `tbo.integrations.vllm.compute`), else the module called as it is."""
+        if compute is None:
+            if self.hands_on_residual:
+                return self.model.norm(out["hidden_states"], out["residual"])[0]
+            return self.model.norm(out["hidden_states"])
         if self.hands_on_residual:
-            return self.model.norm(out["hidden_states"], out["residual"])[0]
-        return self.model.norm(out["hidden_states"])
+            return compute.add_norm(self.model.norm, out["hidden_states"], out["residual"])[0]
+        return compute.norm(self.model.norm, out["hidden_states"])
 
 
 def model_ends(model: Any, layers: list[Any]) -> ModelEnds:
