@@ -103,7 +103,8 @@ class DraftPass:
 
         drafter = self.drafter
         for group in drafter.draft_attn_groups:
-            group.create_metadata_builders(drafter.vllm_config, drafter.device, kernel_block_size=group.kernel_block_size,
+            group.create_metadata_builders(drafter.vllm_config, drafter.device,
+                                           kernel_block_size=group.kernel_block_size,
                                            num_metadata_builders=1 + num_microbatches)
         check_metadata_builders([drafter.draft_attn_groups], 1 + num_microbatches)
 

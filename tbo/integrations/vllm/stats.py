@@ -173,5 +173,6 @@ def reset_stats() -> None:
 def summary_line(s: StepStats) -> str:
     """``"tbo: 37 of 52 forward steps overlapped (...)"``: what the engine logs when it shuts down."""
     by_mode = ", ".join(f"{m} {s.split_steps_by_mode[m]}/{s.steps_by_mode[m]}" for m in MODES if s.steps_by_mode[m])
+    draft = f"; draft forwards {s.split_draft_steps}/{s.draft_steps}" if s.draft_steps else ""
     return (f"tbo: {s.split_steps} of {s.steps} forward steps overlapped ({s.microbatches} microbatches"
-            f"{'; ' + by_mode if by_mode else ''})")
+            f"{'; ' + by_mode if by_mode else ''}{draft})")
