@@ -242,7 +242,8 @@ def speculative(args: argparse.Namespace) -> None:
         link = args.link or link_for(compute, nbytes)
         # one engine alive at a time: vLLM's in-process metrics show only the last engine started (its Prometheus
         # logger unregisters the earlier ones'), and the acceptance comes from them; two turns each, alternating
-        configs = {"tbo unsplit": {**never, "link": link}, "tbo split": {**split, "link": link}}
+        configs = {"tbo unsplit": {**never, "link": link},
+                   "tbo split": {**split, "link": link, "strategy": args.strategy}}
         samples: dict[str, list[float]] = {name: [] for name in configs}
         counts: dict[str, dict[str, float]] = {name: {} for name in configs}
         passes: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in configs}
@@ -262,8 +263,9 @@ def speculative(args: argparse.Namespace) -> None:
     what = (f"ngram speculative decoding (k <= 3), Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers"
             if method == "ngram" else f"DeepSeek MTP (k = 2), DeepSeek-V3 hidden {args.hidden}, {args.layers} layers "
                                       f"({moe_layers} MoE) + 1 MTP layer")
-    print(f"{what}, {args.experts} experts, {args.batch} requests x {args.decode_tokens} tokens, link {link}; median "
-          f"step over 2 x {args.repeats} rounds (warm-up included in the split counts)")
+    print(f"{what}, {args.experts} experts, {args.batch} requests x {args.decode_tokens} tokens, link {link}, "
+          f"strategy {args.strategy}; median step over 2 x {args.repeats} rounds (warm-up included in the split "
+          "counts)")
     rows: dict[str, dict[str, float]] = {}
     for name, times in samples.items():
         c = counts[name]
@@ -288,6 +290,8 @@ def main() -> None:
             p.add_argument(name, type=int, default=default)
         p.add_argument("--dtype", default="float32")
         p.add_argument("--link", default=None)
+        p.add_argument("--strategy", default="auto", help="the split engine's strategy key: auto (the family's "
+                       "decode strategy for verify steps and draft forwards) or a registered name for every step")
         speculative(p.parse_args())
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -10,7 +10,7 @@ last saved layer becomes its MTP layer's block.
 With random weights an MTP layer's drafts are as good as random, and no draft would ever be accepted. So
 ``frequent_tokens`` get their ``lm_head`` rows scaled by ``boost``, as real vocabularies have frequent tokens: the
 target emits them often, and so does the MTP layer, whose head is the target's; drafts and targets then agree on
-some of them (a few percent of the drafts on the tests' model), while which token wins where still depends on every
+some of them (about one draft in ten on the tests' model), while which token wins where still depends on every
 layer's math.
 """
 

@@ -13,6 +13,9 @@ that best balances tokens, `tbo.split.index.verify_cuts`). In a step that also p
 a drafted request moves to that request's nearer boundary. vLLM's rejection sampling and spec-decode metadata see the
 whole step, as without tbo: only the layers run in microbatches.
 
+A forward of vLLM's MTP drafter (`tbo.integrations.vllm.draft`) is decided alone (`decide_draft`): decode-like, cut
+between requests only.
+
 A step does not split when the policy says no, when vLLM's prefix-cache rule forbids it (a request reading blocks
 another request of the same step is writing now), when it uses cascade attention, or when the runner padded it.
 """
