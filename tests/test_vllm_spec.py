@@ -370,6 +370,9 @@ def test_mtp_tokens_and_drafts_equal_vllm_and_verify_and_draft_passes_split(mtp_
     split_modes = {s.forward_mode for s in decided if s.plan is not None}
     assert split_modes == {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}, decided  # first and later forwards
     assert all(not s.plan.two_chunk for s in decided if s.plan is not None)  # never inside a request
+    # a split forward with a prompt in it (after a prefill) runs the prefill strategy, the others the decode one
+    prompts = [s for s in decided if s.plan is not None and max(s.plan.extend_lens) > 1 + MTP["num_speculative_tokens"]]
+    assert prompts and len(prompts) < delta["split_draft_steps"], decided
     assert delta["split_verify_steps"] > 0 and delta["split mixed"] > 0, delta
     assert delta["verified_draft_tokens"] == spec["vllm:spec_decode_num_draft_tokens"], (delta, spec)
 

@@ -11,8 +11,12 @@ one-layer stack of `VllmDecoderLayer` ops through `model_forward_maybe_tbo`, wit
 
 Each forward is decided alone (`tbo.integrations.vllm.step.decide_draft`: decode-like, cut between requests), from
 the requests' token counts of the ``CommonAttentionMetadata`` the proposer builds its attention metadata from just
-before that forward: `DraftPass` wraps the proposer's ``build_per_group_and_layer_attn_metadata`` to keep it. vLLM's
-V1 runner never microbatches the drafter ("DBO ubatching not implemented for EAGLE" in the proposer's
+before that forward. It runs the engine's decode strategy, over the decode backend (DeepEP low-latency, where the
+engine has it), unless a request brings more than 1 + k tokens (a prompt, in the first forward after a prefill):
+then the prefill strategy and backend, as a target step with a prefill. `DraftPass` keeps the proposer's metadata
+by wrapping its ``build_per_group_and_layer_attn_metadata``.
+
+vLLM's V1 runner never microbatches the drafter ("DBO ubatching not implemented for EAGLE" in the proposer's
 ``_determine_batch_execution_and_padding``): the proposer builds one metadata for the whole pass, with one builder
 per attention group, and its forward context holds no lists. So a split pass gets its microbatches' metadata here,
 the smallest way vLLM's own code allows: vLLM's ``split_attn_metadata`` (what its runner's DBO uses) cuts the common
@@ -51,27 +55,35 @@ def mtp_blocks(model: Any) -> list[tuple[int, Any]]:
 class DraftPass:
     """tbo on ``runner.drafter`` (an MTP proposer): its blocks' forwards through tbo, each split by its own plan.
 
-    ``bind(layers, mode)`` binds the engine's strategy of ``mode`` ("decode") to a one-layer stack; ``counters`` are
-    the `StepStats` that count ``draft_steps``; ``vllm_unsplit``: a pass that does not split runs vLLM's own block (as
+    ``bind(layers, mode)`` binds the engine's strategy of ``mode`` to a one-layer stack; ``counters`` are the
+    `StepStats` that count ``draft_steps``; ``vllm_unsplit``: a pass that does not split runs vLLM's own block (as
     the engine's unsplit target steps run vLLM's forward); ``after`` runs after each counted forward (the engine's
-    ``stats_file`` write).
+    ``stats_file`` write); ``fp8_dispatch``: the engine's dispatches carry FP8 rows (`tbo.integrations.vllm.quant`).
     """
 
     def __init__(self, runner: Any, backend: Any, tp_size: int, bind: Callable[[list[Any], str], Any], policy: Any,
-                 counters: Sequence[Any], *, vllm_unsplit: bool, after: Callable[[], None] | None = None) -> None:
+                 counters: Sequence[Any], *, vllm_unsplit: bool, after: Callable[[], None] | None = None,
+                 fp8_dispatch: bool = False) -> None:
+        from tbo.integrations.vllm.backend import ModeBackends
         from tbo.integrations.vllm.layers import VllmDecoderLayer
 
         self.runner, self.drafter, self.backend, self.policy = runner, runner.drafter, backend, policy
         self.counters, self.vllm_unsplit, self.after = tuple(counters), vllm_unsplit, after
-        self.blocks = []  #: (block, its VllmDecoderLayer, its bound decode strategy)
+        #: a forward whose requests bring at most this many tokens each runs the decode strategy (1 + k)
+        self.decode_len = 1 + int(runner.vllm_config.speculative_config.num_speculative_tokens or 0)
+        self.blocks = []  #: (block, its VllmDecoderLayer, its bound strategy per mode)
         for idx, block in mtp_blocks(self.drafter.model):
             # vLLM's MTP layer calls its block without DeepSeek's llama_4_scaling: neither does tbo's
-            layer = VllmDecoderLayer(block, backend, idx, tp_size, llama_4_scaling=None)
+            layer = VllmDecoderLayer(block, backend, idx, tp_size, llama_4_scaling=None, fp8_dispatch=fp8_dispatch)
             if layer.residual_multiplier is not None:
                 raise TboConfigError(f"MTP layer {idx}: its block adds its residual itself; tbo's MTP pass hands "
                                      "vLLM's MTP layer the (hidden_states, residual) pair its blocks return")
+            if isinstance(backend, ModeBackends) and layer.runner is not None:  # DeepEP low-latency decode
+                from tbo.integrations.vllm.masked import check_masked_kernel
+
+                check_masked_kernel(layer.runner.routed_experts, repr(layer))
             layer.counters = self.counters
-            self.blocks.append((block, layer, bind([layer], "decode")))
+            self.blocks.append((block, layer, {mode: bind([layer], mode) for mode in ("decode", "prefill")}))
         self.layers = [layer for _, layer, _ in self.blocks]
         #: the drafter's rotary modules, rerouted where vLLM's CPU kernel is shape dependent, as the target's are
         #: (`tbo.integrations.vllm.fixes`; vLLM may share them with the target's, and the fix counts references)
@@ -92,8 +104,8 @@ class DraftPass:
             return build(common_attn_metadata, draft_index)
 
         drafter.build_per_group_and_layer_attn_metadata = build_per_group_and_layer_attn_metadata
-        for block, layer, strategy in self.blocks:
-            block.forward = functools.partial(self._forward, block, layer, strategy)
+        for block, layer, bound in self.blocks:
+            block.forward = functools.partial(self._forward, block, layer, bound)
 
     def make_builders(self, num_microbatches: int) -> None:
         """Give each of the drafter's attention groups ``1 + num_microbatches`` metadata builders, made by vLLM's
@@ -117,7 +129,7 @@ class DraftPass:
         self.rotary_fix.restore()
 
     # ---- one forward -----------------------------------------------------------------------------------------------
-    def _forward(self, block: Any, layer: Any, strategy: Any, positions: Any, hidden_states: Any,
+    def _forward(self, block: Any, layer: Any, bound: dict[str, Any], positions: Any, hidden_states: Any,
                  residual: Any = None, llama_4_scaling: Any = None) -> Any:
         from vllm.forward_context import get_forward_context
 
@@ -133,13 +145,14 @@ class DraftPass:
         cad, draft_index = pending
         num_reqs = int(cad.num_reqs)
         starts = cad.query_start_loc_cpu[:num_reqs + 1].tolist()
-        step = decide_draft(self.policy, [b - a for a, b in zip(starts, starts[1:])],
-                            padded_tokens=int(hidden_states.shape[0]))
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        step = decide_draft(self.policy, lens, padded_tokens=int(hidden_states.shape[0]))
         plan = step.plan
         if plan is None and self.vllm_unsplit:
             out = type(block).forward(block, positions, hidden_states, residual)
         else:
-            out = self._run(layer, strategy, positions, hidden_states, residual, plan,
+            mode = "decode" if max(lens, default=1) <= self.decode_len else "prefill"  # a prompt: prefill's
+            out = self._run(layer, bound[mode], mode, positions, hidden_states, residual, plan,
                             None if plan is None else self._contexts(ctx, cad, draft_index, plan))
         for s in self.counters:
             s.record_draft(plan is not None)
@@ -147,11 +160,12 @@ class DraftPass:
             self.after()
         return out
 
-    def _run(self, layer: Any, strategy: Any, positions: Any, hidden_states: Any, residual: Any, plan: Any,
-             contexts: list[Any] | None) -> tuple[Any, Any]:
-        """The block as a one-layer stack through tbo's loop: split over ``plan`` (each microbatch's stages in its
-        context of ``contexts``), or whole."""
+    def _run(self, layer: Any, strategy: Any, mode: str, positions: Any, hidden_states: Any, residual: Any,
+             plan: Any, contexts: list[Any] | None) -> tuple[Any, Any]:
+        """The block as a one-layer stack through tbo's loop with the ``mode`` strategy and backend: split over
+        ``plan`` (each microbatch's stages in its context of ``contexts``), or whole."""
         from tbo.comm.devices import no_host_reads
+        from tbo.integrations.vllm.backend import select_backend
         from tbo.integrations.vllm.contexts import ContextSwitcher
         from tbo.runtime.forward import model_forward_maybe_tbo
 
@@ -162,9 +176,10 @@ class DraftPass:
         def pinned(mb: Any) -> dict[str, Any]:
             return {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
 
-        with no_host_reads(plan is not None):  # a split draft pass runs the decode strategy: fixed shapes
+        backend = select_backend(self.backend, mode)  # DeepEP: the mode's kind
+        with no_host_reads(plan is not None and mode == "decode"):  # a split decode forward: fixed shapes
             out = model_forward_maybe_tbo([layer], inputs, strategy, plan, pinned=pinned,
-                                          output_key=("hidden_states", "residual"), backend=self.backend,
+                                          output_key=("hidden_states", "residual"), backend=backend,
                                           observer=None if contexts is None else ContextSwitcher(contexts))
         return out["hidden_states"], out["residual"]
 
