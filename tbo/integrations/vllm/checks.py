@@ -90,7 +90,7 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
     if vllm_config.speculative_config is not None:
         from tbo.integrations.vllm.spec import check_speculative
 
-        check_speculative(vllm_config.speculative_config)
+        check_speculative(vllm_config.speculative_config, par, afd=config.afd is not None)
     if vllm_config.lora_config is not None:
         _refuse("lora", "enabled", "no LoRA", "LoRA's per-request adapters are not split per microbatch")
     from tbo.integrations.vllm.quant import check_quantization

@@ -15,13 +15,11 @@ from typing import Any, Sequence
 from tbo.core.observer import Observer
 from tbo.split.plan import SplitPlan
 
-__all__ = ["ContextSwitcher", "microbatch_contexts"]
+__all__ = ["ContextSwitcher", "microbatch_context", "microbatch_contexts"]
 
 
 def microbatch_contexts(step: Any, plan: SplitPlan, vllm_config: Any) -> list[Any]:
     """One forward context per microbatch of ``plan``, from the step's context ``step`` (which holds lists)."""
-    from vllm.forward_context import create_forward_context
-
     slices = step.ubatch_slices
     got = [(s.token_slice.start, s.token_slice.stop) for s in slices or ()]
     want = [(mb.tokens_start, mb.tokens_end) for mb in plan.microbatches]
@@ -29,12 +27,20 @@ def microbatch_contexts(step: Any, plan: SplitPlan, vllm_config: Any) -> list[An
         raise RuntimeError(f"tbo planned microbatches over tokens {want}, but vLLM's model runner built the step "
                            f"for {got or 'no microbatches'}: the runner's split is not the one tbo decided")
     slot_mapping = step.slot_mapping if isinstance(step.slot_mapping, list) else [None] * len(slices)
-    return [create_forward_context(step.attn_metadata[k], vllm_config, dp_metadata=None,
-                                   cudagraph_runtime_mode=step.cudagraph_runtime_mode,
-                                   batch_descriptor=step.batch_descriptor, slot_mapping=slot_mapping[k],
-                                   additional_kwargs=step.additional_kwargs, skip_compiled=step.skip_compiled,
-                                   is_padding=None if step.is_padding is None else step.is_padding[s.token_slice])
+    return [microbatch_context(step, step.attn_metadata[k], vllm_config, slot_mapping[k], s.token_slice)
             for k, s in enumerate(slices)]
+
+
+def microbatch_context(step: Any, attn_metadata: Any, vllm_config: Any, slot_mapping: Any, tokens: slice) -> Any:
+    """vLLM's forward context for the microbatch of ``step``'s context over ``tokens``, with its own
+    ``attn_metadata`` and ``slot_mapping``; the rest is the step's (no DP metadata: a microbatch is no DP batch)."""
+    from vllm.forward_context import create_forward_context
+
+    return create_forward_context(attn_metadata, vllm_config, dp_metadata=None,
+                                  cudagraph_runtime_mode=step.cudagraph_runtime_mode,
+                                  batch_descriptor=step.batch_descriptor, slot_mapping=slot_mapping,
+                                  additional_kwargs=step.additional_kwargs, skip_compiled=step.skip_compiled,
+                                  is_padding=None if step.is_padding is None else step.is_padding[tokens])
 
 
 class ContextSwitcher(Observer):

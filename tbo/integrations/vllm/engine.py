@@ -31,6 +31,7 @@ from tbo.integrations.vllm.forward import LayerLoop
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 from tbo.integrations.vllm.patches import RunnerPatches, check_metadata_builders
 from tbo.integrations.vllm.quant import fp8_dispatch_for
+from tbo.integrations.vllm.spec import runs_draft_pass
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
 from tbo.integrations.vllm.structure import moe_dims, moe_runners
 
@@ -166,6 +167,16 @@ class TboEngine:
                 check_graph_backend(self.backend.for_mode("decode") if isinstance(self.backend, ModeBackends)
                                     else self.backend)
             self.graphs = self.patches.graphs = SplitGraphs(self.patches.policy, (step_stats, PROCESS_STATS))
+        #: speculative decoding with MTP: the drafter's forwards through tbo too (`tbo.integrations.vllm.draft`)
+        self.draft = None
+        if runs_draft_pass(vllm_config.speculative_config):
+            from tbo.integrations.vllm.draft import DraftPass
+
+            self.draft = DraftPass(runner, self.backend, tp,
+                                   lambda layers, mode: self._bind(getattr(names, mode), top_k, mode, layers),
+                                   config.split_policy(), (step_stats, PROCESS_STATS),
+                                   vllm_unsplit=self.forwards is not None, after=self.loop.write_stats,
+                                   fp8_dispatch=self.fp8_dispatch)
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.dp import install_data_parallel
@@ -175,13 +186,14 @@ class TboEngine:
                     sum(layer.kind == "moe" for layer in self.layers), names.decode, names.prefill, self.backend,
                     config.split_policy())
 
-    def _bind(self, name: str, top_k: int, mode: str) -> Any:
-        """The ``mode`` strategy ``name`` bound to the layers, sized for and checked against the backend its steps
-        run over (DeepEP low-latency decode: one un-received call at a time)."""
+    def _bind(self, name: str, top_k: int, mode: str, layers: list[Any] | None = None) -> Any:
+        """The ``mode`` strategy ``name`` bound to the layers (``layers``: others, the MTP drafter's), sized for and
+        checked against the backend its steps run over (DeepEP low-latency decode: one un-received call at a
+        time)."""
         backend = self.backend.for_mode(mode) if isinstance(self.backend, ModeBackends) else self.backend
         try:
-            return strategies.bind_layers(self.layers, strategies.sized_for(strategies.get(name), backend, top_k),
-                                          backend=backend)
+            return strategies.bind_layers(self.layers if layers is None else layers,
+                                          strategies.sized_for(strategies.get(name), backend, top_k), backend=backend)
         except StrategyError as e:
             raise TboConfigError(f"additional_config['tbo'] strategy {name!r} cannot run vLLM's {self.family} "
                                  f"layers: {e}") from None
@@ -196,6 +208,8 @@ class TboEngine:
             with self.patches.microbatching():  # one attention metadata builder per microbatch
                 result = init_builders(*args, **kwargs)
             check_metadata_builders(runner.attn_groups, self.patches.policy.num_microbatches)
+            if self.draft is not None:  # the drafter's attention groups: a builder per microbatch too
+                self.draft.make_builders(self.patches.policy.num_microbatches)
             return result
 
         @functools.wraps(execute)
@@ -258,6 +272,8 @@ class TboEngine:
         if self._graph_off is not None:
             self._graph_off()
             self._graph_off = None
+        if self.draft is not None:
+            self.draft.close()
         try:
             if self.afd is not None:
                 self.afd.close()

@@ -35,8 +35,9 @@ class StepStats:
     split_verify_steps: int = 0
     split_verify_steps_varying_k: int = 0
     verified_draft_tokens: int = 0
-    #: speculative decoding with a drafter that runs a model (MTP, a draft model): its forward passes through tbo,
-    #: and those split
+    #: speculative decoding with a drafter that runs a model (MTP): the forwards of its model that ran through tbo
+    #: (each draft pass is 1 + (k - 1) of them: one over the target step's tokens, one per further draft token), and
+    #: those split (decode-like, between requests: `tbo.integrations.vllm.step.decide_draft`)
     draft_steps: int = 0
     split_draft_steps: int = 0
     #: AFD: stages (one layer of one microbatch) sent to the FFN server; this and the next count every forward
@@ -91,6 +92,11 @@ class StepStats:
         self.split_verify_steps += int(split)
         self.split_verify_steps_varying_k += int(split and varying)
 
+    def record_draft(self, split: bool) -> None:
+        """Count one forward of the drafter's model (not a target step: `record` does not count it)."""
+        self.draft_steps += 1
+        self.split_draft_steps += int(split)
+
     def add_op_times(self, seconds: dict[str, float], calls: dict[str, int], layers_seconds: float) -> None:
         """Add one step's `tbo.runtime.op_times.OpTimes` figures and its layer stack's wall time."""
         self.layers_seconds += layers_seconds
@@ -143,8 +149,8 @@ def stats() -> dict[str, Any]:
     ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``; ``idle``: a
     data-parallel rank's dummy steps while its peers work), ``cut_requests``; with speculative decoding
     ``verify_steps``, ``split_verify_steps``, ``split_verify_steps_varying_k`` (split verify steps whose requests
-    brought different draft counts), ``verified_draft_tokens``, and for a drafter that runs a model ``draft_steps``
-    and ``split_draft_steps``; ``afd_stages_sent`` and
+    brought different draft counts), ``verified_draft_tokens``, and for a drafter that runs a model (MTP)
+    ``draft_steps`` (its model's forwards, each draft token's) and ``split_draft_steps``; ``afd_stages_sent`` and
     ``local_ffn_calls`` (attention-FFN disaggregation), and with data parallel + expert parallel ``ep_size``,
     ``remote_rows`` (token rows sent to other ranks), ``count_exchanges`` (dispatches that waited on a row-count
     exchange: none once the step agreed every rank's rows), ``peer_strategy_steps``, ``idle_skipped`` (idle steps
@@ -175,5 +181,6 @@ def reset_stats() -> None:
 def summary_line(s: StepStats) -> str:
     """``"tbo: 37 of 52 forward steps overlapped (...)"``: what the engine logs when it shuts down."""
     by_mode = ", ".join(f"{m} {s.split_steps_by_mode[m]}/{s.steps_by_mode[m]}" for m in MODES if s.steps_by_mode[m])
+    draft = f"; draft forwards {s.split_draft_steps}/{s.draft_steps}" if s.draft_steps else ""
     return (f"tbo: {s.split_steps} of {s.steps} forward steps overlapped ({s.microbatches} microbatches"
-            f"{'; ' + by_mode if by_mode else ''})")
+            f"{'; ' + by_mode if by_mode else ''}{draft})")

@@ -13,6 +13,9 @@ that best balances tokens, `tbo.split.index.verify_cuts`). In a step that also p
 a drafted request moves to that request's nearer boundary. vLLM's rejection sampling and spec-decode metadata see the
 whole step, as without tbo: only the layers run in microbatches.
 
+A forward of vLLM's MTP drafter (`tbo.integrations.vllm.draft`) is decided alone (`decide_draft`): decode-like, cut
+between requests only.
+
 A step does not split when the policy says no, when vLLM's prefix-cache rule forbids it (a request reading blocks
 another request of the same step is writing now), when it uses cascade attention, or when the runner padded it.
 """
@@ -27,14 +30,16 @@ from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 from tbo.split.index import Cut
 from tbo.split.plan import plan_from_cuts
 
-__all__ = ["Step", "decide", "microbatch_rows", "ubatch_slices"]
+__all__ = ["Step", "decide", "decide_draft", "microbatch_rows", "ubatch_slices"]
 
 
 @dataclass(frozen=True)
 class Step:
     """One engine step as tbo sees it."""
 
-    mode: str  #: "decode", "prefill" or "mixed"; with data parallelism also "idle" (a dummy step) or "warmup"
+    #: "decode", "prefill" or "mixed"; with data parallelism also "idle" (a dummy step) or "warmup"; "draft": one
+    #: forward of a drafter's model (`decide_draft`)
+    mode: str
     forward_mode: ForwardMode
     num_tokens: int
     plan: SplitPlan | None  #: None: the step runs unsplit
@@ -92,14 +97,34 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
         fmode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.EXTEND
     plan = None
     if allowed and not cascade and padded_tokens == num_tokens and len(lens) > 0:
-        if fmode is ForwardMode.TARGET_VERIFY and len(set(lens)) == 1:
-            plan = policy.plan(fmode, num_tokens, None, lens[0])  # uniform k: token_num_per_seq
-        else:
-            plan = policy.plan(fmode, num_tokens, None if fmode is ForwardMode.DECODE else lens)
+        plan = _plan(policy, fmode, lens)
         if plan is not None and draft_tokens and plan.two_chunk:
             plan = _keep_drafts_whole(policy, plan, lens, k)
     varying = draft_tokens > 0 and len({d for d, p in zip(k, past_prompt) if p}) > 1
     return Step(mode, fmode, num_tokens, plan, draft_tokens=draft_tokens, varying_drafts=varying)
+
+
+def decide_draft(policy: SplitPolicy, query_lens: Sequence[int], *, padded_tokens: int) -> Step:
+    """The `Step` of one forward of a drafter's model (MTP), whose requests bring ``query_lens`` tokens each.
+
+    A draft pass is decode-like and cut between requests only: its first forward runs over the target step's tokens
+    (a verify step's 1 + k per request, a prefill's prompts), each later one over one token per request. So it is
+    DECODE when every request brings one token, else TARGET_VERIFY with each request's own count (the boundary that
+    best balances tokens, `tbo.split.index.verify_cuts`; ``token_num_per_seq`` when they are all equal). A pass the
+    drafter padded (``padded_tokens`` differs from the requests' tokens) is not split."""
+    lens = [int(n) for n in query_lens]
+    num_tokens = sum(lens)
+    fmode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.TARGET_VERIFY
+    plan = _plan(policy, fmode, lens) if lens and padded_tokens == num_tokens else None
+    return Step("draft", fmode, num_tokens, plan)
+
+
+def _plan(policy: SplitPolicy, fmode: ForwardMode, lens: list[int]) -> SplitPlan | None:
+    """The policy's plan for requests of ``lens`` tokens in mode ``fmode``."""
+    num_tokens = sum(lens)
+    if fmode is ForwardMode.TARGET_VERIFY and len(set(lens)) == 1:
+        return policy.plan(fmode, num_tokens, None, lens[0])  # uniform k: token_num_per_seq
+    return policy.plan(fmode, num_tokens, None if fmode is ForwardMode.DECODE else lens)
 
 
 def _keep_drafts_whole(policy: SplitPolicy, plan: SplitPlan, lens: list[int], drafts: list[int]) -> SplitPlan | None:
