@@ -65,14 +65,58 @@ def test_converges_to_the_cheaper_choice_per_bucket():
 
 
 def test_exploration_stays_within_its_bound():
+    """After warm-up at most ``explore_share`` of the steps explore, and each challenger as often as what it costs
+    allows: here the incumbent is the prefill-shaped split, the decode one is 25% slower and unsplit 67% slower, so
+    with ``explore_cost`` 1% they run every 2 x 0.25 / 0.01 = 50 and every 2 x 0.667 / 0.01 = 133 steps (the even
+    share, 2 / 0.05 = 40 steps each, would spend 1.6% of the time exploring them)."""
     cfg = AdaptiveConfig(explore_share=0.05, warmup_samples=2)
     policy = AdaptiveSplit(CHOICES, cfg)
-    run(policy, 4000, lambda s: 48 + s % 16)  # one bucket: 32-63 tokens
+    chosen = run(policy, 4000, lambda s: 48 + s % 16)  # one bucket: 32-63 tokens
     (row,) = policy.stats()
     k = len(policy.choices["decode"])
-    assert row["steps"] == 4000
-    assert 0 < row["explored"] <= cfg.warmup_samples * (k - 1) + cfg.explore_share * row["steps"]
-    assert row["explored"] >= 0.9 * cfg.explore_share * row["steps"]  # and it does keep exploring, slowly
+    assert row["steps"] == 4000 and row["choice"] == str(PREFILL)
+    warmup = cfg.warmup_samples * (k - 1)
+    assert 0 < row["explored"] <= warmup + cfg.explore_share * row["steps"]
+    # after the warm-up rounds: the challengers as often as their cost allows, within the 10% that per-token costs
+    # of steps of 48 to 63 tokens move their estimates
+    later = chosen[2 * k:]
+    assert 0.9 * len(later) / 50 <= later.count(DECODE) <= 1.1 * len(later) / 50
+    assert 0.9 * len(later) / 133 <= later.count(UNSPLIT) <= 1.1 * len(later) / 133
+
+
+@pytest.mark.parametrize("slower", [0.3, 1.0, 1.5, 3.0])
+def test_what_exploring_costs_stays_within_explore_cost(slower):
+    """Splitting never pays (no link): every split costs ``1 + slower`` times unsplit. After warm-up the exploring
+    steps' extra time is at most ``explore_cost`` (1%) of the time never splitting would take (the 5% of steps an
+    even share would explore would cost 1.5%, 5%, 7.5% and 15%), and each split is still revisited at least every
+    eight even intervals (320 steps): for a split more than 1.6 times slower that floor is what exploring costs
+    (3.0: 2 x 3 / 320 = 1.9%)."""
+    cfg = AdaptiveConfig()
+    policy = AdaptiveSplit(CHOICES, cfg)
+    cost = lambda choice, tokens: 1e-3 * tokens * (1 + slower if choice.split else 1)  # noqa: E731
+    steps = 6000
+    chosen = run(policy, steps, lambda s: 100, cost)
+    later = chosen[6:]  # after the two warm-up rounds of three choices
+    extra = sum(slower for c in later if c.split)
+    assert extra <= max(cfg.explore_cost, 2 * slower / 320) * len(later), (extra, len(later))
+    for split in (DECODE, PREFILL):
+        assert later.count(split) >= len(later) // (8 * 2 / cfg.explore_share)
+
+
+def test_a_far_slower_split_that_starts_paying_is_taken_within_its_bound():
+    """A split that cost three times unsplit (explored every eighth even interval: 320 steps) halves the step from
+    step 2000 on: it is the choice within three of its explorations (its lower median of five turns)."""
+
+    def cost(choice: Choice, tokens: int, step: int) -> float:
+        if not choice.split:
+            return 1e-3 * tokens
+        return 1e-3 * tokens * (3 if step < 2000 else 0.5)
+
+    policy = AdaptiveSplit(CHOICES)
+    chosen = run(policy, 4000, lambda s: 100, cost)
+    assert chosen[1000:2000].count(UNSPLIT) >= 990
+    assert chosen[2000 + 3 * 320 + 40:].count(PREFILL) + chosen[2000 + 3 * 320 + 40:].count(DECODE) >= 0.95 * (
+        4000 - 3000)
 
 
 def test_the_warm_up_runs_in_rounds_so_a_winner_runs_from_the_third_step():
@@ -200,6 +244,7 @@ def test_a_choice_needs_a_token_per_microbatch():
 @pytest.mark.parametrize("make, match", [
     (lambda: AdaptiveConfig(explore_share=0.7), r"explore_share must be in \[0, 0.5\], got 0.7"),
     (lambda: AdaptiveConfig(window=0), r"window must be >= 1, got 0"),
+    (lambda: AdaptiveConfig(explore_cost=-0.1), r"explore_cost must be in \[0, 1\], got -0.1"),
     (lambda: AdaptiveConfig(hysteresis=1), r"hysteresis must be in \[0, 1\), got 1"),
     (lambda: AdaptiveConfig(warmup_samples=-1), r"warmup_samples must be >= 0"),
     (lambda: Choice("x", 1), r"Choice\('x'\) splits: num_microbatches must be >= 2"),

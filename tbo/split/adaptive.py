@@ -13,7 +13,8 @@ twentieth step or so, so one outlier in its average would stand for a hundred st
 it caused (an engine test over an emulated link kept splitting 2-token decode steps at 0.98x that way). The lower
 median of five ignores two such outliers, and a cost that really changes shows in it after three samples.
 
-It runs the cheapest choice of the bucket (the incumbent), explores the others a bounded share of the steps, and
+It runs the cheapest choice of the bucket (the incumbent), explores the others a bounded share of the steps (a
+challenger measured much slower less often, so that exploring costs a bounded share of the time), and
 lets a challenger take over only when it is cheaper by a margin (hysteresis), so that near-ties do not flap and a
 cost that changes mid-run is followed within a bounded number of steps. The margin is one-sided toward not
 splitting: a split must beat unsplit by it to be taken, and gives way as soon as unsplit is measured no slower, so
@@ -69,6 +70,9 @@ class Choice:
 
 UNSPLIT = Choice()
 
+#: a challenger is explored at least every this many times its even interval (`AdaptiveSplit._interval`)
+_MAX_BACKOFF = 8
+
 
 def bucket_of(num_tokens: int) -> int:
     """The bucket of a step of ``num_tokens`` tokens: ``b`` holds ``2**b`` to ``2**(b + 1) - 1`` tokens (0 for one
@@ -90,6 +94,11 @@ class AdaptiveConfig(BaseModel):
                                                        "is rationed by explore_share")
     explore_share: float = Field(default=0.05, description="after warm-up, at most this share of a bucket's steps "
                                                            "run a choice other than its incumbent")
+    explore_cost: float = Field(default=0.01, description="after warm-up, exploring a challenger may cost at most "
+                                                          "this share of the bucket's time: one measured slower than "
+                                                          "the incumbent by a share x runs at most explore_cost / x "
+                                                          "of the steps (its even part of explore_share at most, "
+                                                          "an eighth of it at least)")
     hysteresis: float = Field(default=0.05, description="a challenger replaces the incumbent only when its time per "
                                                         "token is lower by this share")
     window: int = Field(default=5, description="a choice's cost is the lower median of its last `window` times per "
@@ -101,6 +110,8 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"warmup_samples must be >= 0, got {self.warmup_samples}")
         if not 0 <= self.explore_share <= 0.5:
             raise ValueError(f"explore_share must be in [0, 0.5], got {self.explore_share}")
+        if not 0 <= self.explore_cost <= 1:
+            raise ValueError(f"explore_cost must be in [0, 1], got {self.explore_cost}")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
         if self.window < 1:
@@ -202,12 +213,31 @@ class AdaptiveSplit:
         if warming:
             pick = min(warming, key=lambda i: (table.tried[i], i != pick, i))
         elif challengers and rationed + 1 <= cfg.explore_share * steps:
-            pick, rationed = min(challengers, key=lambda i: (table.last[i], i)), rationed + 1
+            due = [i for i in challengers if steps - table.last[i] >= self._interval(table, i, pick, len(challengers))]
+            if due:
+                pick, rationed = min(due, key=lambda i: (table.last[i], i)), rationed + 1
         table.incumbent, table.steps, table.rationed = inc, steps, rationed
         table.explored += pick != inc
         table.tried[pick] += 1
         table.last[pick] = steps
         return pick
+
+    def _interval(self, table: _Table, i: int, inc: int, challengers: int) -> float:
+        """Steps between two explorations of challenger ``i`` (against incumbent ``inc``): ``challengers`` share the
+        ``explore_share`` of steps evenly, and one measured slower than the incumbent by a share ``x`` runs at most
+        ``explore_cost / x`` of them, so that what exploring costs stays within ``explore_cost`` of the time
+        (exploring a split that doubles a step every twentieth step would cost 5%). It is revisited at least every
+        eight times the even interval, so that a cost that changes is still followed within a bounded number of
+        steps (three samples turn the lower median of five)."""
+        cfg = self.config
+        even = challengers / cfg.explore_share
+        mine, theirs = table.cost[i], table.cost[inc]
+        if mine is None or not theirs or mine <= theirs:  # unmeasured, or not slower: the even share
+            return even
+        slower = mine / theirs - 1
+        if slower * cfg.explore_share <= cfg.explore_cost:
+            return even
+        return min(_MAX_BACKOFF * even, challengers * slower / cfg.explore_cost if cfg.explore_cost else float("inf"))
 
     def _settled(self, table: _Table) -> int:
         """The incumbent after this table's measurements: the cheapest measured choice when it beats the incumbent
