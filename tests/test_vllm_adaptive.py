@@ -32,7 +32,7 @@ STEPS = 24  # decode tokens per request: enough steps per bucket for warm-up and
 @pytest.mark.parametrize("raw, match", [
     ({"adaptive": {"explore_share": 0.1}}, r"'adaptive' settings are read only with split='adaptive'"),
     ({"split": "adaptive", "adaptive": {"explore": 1}}, r"unknown key 'adaptive.explore'; accepted keys: "
-                                                         r"warmup_samples, explore_share, hysteresis, window"),
+                                                         r"warmup_samples, explore_share, explore_cost, hysteresis, window"),
     ({"split": "adaptive", "adaptive": {"explore_share": 0.9}}, r"explore_share must be in \[0, 0.5\], got 0.9"),
     ({"split": "learned"}, r"split='learned': Input should be 'static' or 'adaptive'"),
 ])
