@@ -8,8 +8,8 @@
 
 Throughput is tokens over the wall time of the engine's own steps (`benchmarks/vllm.py`'s `Workload`: scheduling,
 model, sampling). The engines take turns over ``--repeats`` rounds after one warm-up round (where the adaptive engine
-also does most of its exploring; later rounds still explore its 5% share). On 2 shared cores timing is noisy:
-run it several times and report the range.
+also does most of its exploring; later rounds still explore, within 5% of the steps and 1% of the time). On 2
+shared cores timing is noisy: run it several times and report the range.
 
 3. ``--dp``: instead, DP = 2 + EP (two rank processes, `benchmarks/vllm_dp.py`'s launches and model) over the link
    sized as that benchmark sizes it: adaptive against never splitting and against the static split, each rank
