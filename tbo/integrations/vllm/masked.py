@@ -31,23 +31,9 @@ from typing import Any
 import torch
 
 from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.quant import fused_experts_of, standard_kernel
 
-__all__ = ["MaskedExperts", "check_masked_kernel", "standard_kernel"]
-
-
-def standard_kernel(experts: Any) -> Any:
-    """vLLM's experts kernel of the MoE ``experts`` (a ``RoutedExperts``) behind the prepare/finalize that moves
-    nothing (``MoEPrepareAndFinalizeNoDPEPModular``): the NORMAL-layout kernel tbo calls on tokens it already moved.
-    Raises `TboConfigError` when the layer's MoE method has no modular kernel."""
-    kernel = getattr(experts.quant_method, "moe_kernel", None)
-    impl = getattr(kernel, "impl", None)
-    if impl is None or not hasattr(impl, "fused_experts") or not hasattr(impl, "prepare_finalize"):
-        raise TboConfigError(f"the MoE method {type(experts.quant_method).__name__} has no modular experts kernel "
-                             "for tbo to call on the tokens it received")
-    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
-    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
-
-    return FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), impl.fused_experts)
+__all__ = ["MaskedExperts", "check_masked_kernel"]
 
 
 def _on_cuda() -> bool:
@@ -63,8 +49,7 @@ def check_masked_kernel(experts: Any, name: str) -> None:
         return
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
-    impl = getattr(getattr(experts.quant_method, "moe_kernel", None), "impl", None)
-    fused = getattr(impl, "fused_experts", None)
+    fused = fused_experts_of(experts)
     if not isinstance(fused, TritonExperts):
         raise TboConfigError(f"{name}: DeepEP low-latency decode runs vLLM's BatchedTritonExperts on the standard "
                              f"expert weights, but this layer's kernel is {type(fused).__name__}, whose weights vLLM "

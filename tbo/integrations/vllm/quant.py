@@ -37,18 +37,33 @@ import torch
 from tbo.integrations.vllm.config import TboConfigError
 
 __all__ = ["ExpertsCall", "batch_dependent_scales", "check_quantization", "fp8_dispatch_for", "fp8_refusal",
-           "kernel_problems"]
+           "fused_experts_of", "kernel_problems", "standard_kernel"]
 
 #: the activation group DeepEP's FP8 dispatch carries one float32 scale for (DeepSeek's block FP8: [128, 128])
 FP8_GROUP = 128
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
-def _fused_experts(experts: Any) -> Any:
-    """The quant method's modular ``fused_experts`` (None: it has no modular kernel)."""
+def fused_experts_of(experts: Any) -> Any:
+    """The quant method's modular ``fused_experts`` (None: it has no modular kernel): where every check of this room
+    reads the kernel tbo calls."""
     impl = getattr(getattr(experts.quant_method, "moe_kernel", None), "impl", None)
     fused = getattr(impl, "fused_experts", None)
     return fused if fused is not None and hasattr(impl, "prepare_finalize") else None
+
+
+def standard_kernel(experts: Any) -> Any:
+    """vLLM's experts kernel of the MoE ``experts`` (a ``RoutedExperts``) behind the prepare/finalize that moves
+    nothing (``MoEPrepareAndFinalizeNoDPEPModular``): the NORMAL-layout kernel tbo calls on tokens it already moved.
+    Raises `TboConfigError` when the layer's MoE method has no modular kernel."""
+    fused = fused_experts_of(experts)
+    if fused is None:
+        raise TboConfigError(f"the MoE method {type(experts.quant_method).__name__} has no modular experts kernel "
+                             "for tbo to call on the tokens it received")
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+    return FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), fused)
 
 
 def _kernel_name(experts: Any) -> str:
@@ -69,7 +84,7 @@ def kernel_problems(experts: Any, expert_parallel: bool) -> list[str]:
                 "the kernel; tbo needs the top-k before the dispatch)"]
     if not expert_parallel:
         return []
-    fused = _fused_experts(experts)
+    fused = fused_experts_of(experts)
     if fused is None:
         return [f"no modular experts kernel ({type(method).__name__} has no moe_kernel for tbo to call on the "
                 "tokens it received)"]
@@ -85,7 +100,7 @@ def kernel_problems(experts: Any, expert_parallel: bool) -> list[str]:
 def fp8_refusal(experts: Any) -> str | None:
     """None when this layer's experts take FP8 rows in per-token groups of 128 with their float32 scales (the block
     FP8 of DeepSeek's checkpoints: what DeepEP's FP8 dispatch carries, `ExpertsCall.quantize`); else why not."""
-    fused = _fused_experts(experts)
+    fused = fused_experts_of(experts)
     if fused is None:
         return f"{type(experts.quant_method).__name__} has no modular experts kernel to hand FP8 rows"
     if fused.expects_unquantized_inputs:
@@ -122,7 +137,7 @@ def fp8_dispatch_for(layers: list[tuple[int, Any]], setting: bool | str) -> bool
 def batch_dependent_scales(experts: Any) -> bool:
     """Whether the quant method's prepare step quantises the activations with one dynamic scale per call (per-tensor
     FP8 or INT8): a row's quantised bits then depend on the other rows of the call (see the module docstring)."""
-    fused = _fused_experts(experts)
+    fused = fused_experts_of(experts)
     if fused is None or fused.expects_unquantized_inputs:
         return False
     qc = fused.quant_config
@@ -170,8 +185,6 @@ class ExpertsCall:
         pads = moe.hidden_dim != unpadded and not experts.quant_method.skip_forward_padding
         kernel = None
         if fp8 or expert_parallel:
-            from tbo.integrations.vllm.masked import standard_kernel
-
             # vLLM's experts kernel as it is, behind the prepare/finalize that moves nothing: its own (naive DP/EP:
             # all_gatherv, reduce_scatter) would move the tokens a second time, and does not run on a CPU
             kernel = standard_kernel(experts)
@@ -189,7 +202,7 @@ class ExpertsCall:
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` (padded) as FP8 rows and their scales, by the quant method's own quantiser and ``quant_config``."""
-        qc = _fused_experts(self.experts).quant_config
+        qc = fused_experts_of(self.experts).quant_config
         x = self.pad(x)
         if x.shape[0] == 0:  # a data-parallel rank's empty microbatch still dispatches: no kernel runs on no rows
             return (torch.empty(x.shape, dtype=qc.quant_dtype, device=x.device),
