@@ -25,7 +25,8 @@ from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
 from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
 
-__all__ = ["ModeBackends", "low_latency_refusal", "low_latency_tokens", "make_backend", "select_backend"]
+__all__ = ["ModeBackends", "backend_for", "low_latency_refusal", "low_latency_tokens", "make_backend",
+           "select_backend"]
 
 logger = logging.getLogger("vllm.tbo")
 
@@ -121,6 +122,12 @@ class ModeBackends:
 
     def __repr__(self) -> str:
         return f"ModeBackends(decode={self.decode!r}, prefill={self.prefill!r})"
+
+
+def backend_for(backend: Any, mode: str) -> Any:
+    """The backend a step of the ``mode`` strategy runs over: the mode's own behind a `ModeBackends`, ``backend``
+    itself otherwise (nothing is made active: `select_backend` does that)."""
+    return backend.for_mode(mode) if isinstance(backend, ModeBackends) else backend
 
 
 def select_backend(backend: Any, mode: str) -> Any:

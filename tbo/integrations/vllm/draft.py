@@ -64,7 +64,6 @@ class DraftPass:
     def __init__(self, runner: Any, backend: Any, tp_size: int, bind: Callable[[list[Any], str], Any], policy: Any,
                  counters: Sequence[Any], *, vllm_unsplit: bool, after: Callable[[], None] | None = None,
                  fp8_dispatch: bool = False) -> None:
-        from tbo.integrations.vllm.backend import ModeBackends
         from tbo.integrations.vllm.layers import VllmDecoderLayer
 
         self.runner, self.drafter, self.backend, self.policy = runner, runner.drafter, backend, policy
@@ -78,10 +77,6 @@ class DraftPass:
             if layer.residual_multiplier is not None:
                 raise TboConfigError(f"MTP layer {idx}: its block adds its residual itself; tbo's MTP pass hands "
                                      "vLLM's MTP layer the (hidden_states, residual) pair its blocks return")
-            if isinstance(backend, ModeBackends) and layer.runner is not None:  # DeepEP low-latency decode
-                from tbo.integrations.vllm.masked import check_masked_kernel
-
-                check_masked_kernel(layer.runner.routed_experts, repr(layer))
             layer.counters = self.counters
             self.blocks.append((block, layer, {mode: bind([layer], mode) for mode in ("decode", "prefill")}))
         self.layers = [layer for _, layer, _ in self.blocks]

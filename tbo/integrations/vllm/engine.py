@@ -22,7 +22,7 @@ from typing import Any
 
 from tbo import strategies
 from tbo.core.errors import StrategyError
-from tbo.integrations.vllm.backend import ModeBackends, make_backend
+from tbo.integrations.vllm.backend import backend_for, make_backend
 from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_graph_off, vllm_runs_unsplit
 from tbo.integrations.vllm.compute import EAGER, CompiledCompute
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
@@ -96,12 +96,6 @@ class TboEngine:
             layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
             self.layers = [layer_cls(layer, self.backend, i, tp, llama_4_scaling=scaling,
                                      fp8_dispatch=self.fp8_dispatch) for i, layer in enumerate(model.layers)]
-            if isinstance(self.backend, ModeBackends):  # DeepEP low-latency decode: vLLM's batched experts kernel
-                from tbo.integrations.vllm.masked import check_masked_kernel
-
-                for layer in self.layers:
-                    if layer.runner is not None:
-                        check_masked_kernel(layer.runner.routed_experts, repr(layer))
             names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
             self.strategies = {mode: self._bind(getattr(names, mode), top_k, mode)
                                for mode in ("decode", "prefill")}
@@ -164,8 +158,7 @@ class TboEngine:
             from tbo.integrations.vllm.graphs import SplitGraphs, check_graph_backend
 
             if self.backend is not None:  # what the captured decode steps dispatch through
-                check_graph_backend(self.backend.for_mode("decode") if isinstance(self.backend, ModeBackends)
-                                    else self.backend)
+                check_graph_backend(backend_for(self.backend, "decode"))
             self.graphs = self.patches.graphs = SplitGraphs(self.patches.policy, (step_stats, PROCESS_STATS))
         #: speculative decoding with MTP: the drafter's forwards through tbo too (`tbo.integrations.vllm.draft`)
         self.draft = None
@@ -190,7 +183,7 @@ class TboEngine:
         """The ``mode`` strategy ``name`` bound to the layers (``layers``: others, the MTP drafter's), sized for and
         checked against the backend its steps run over (DeepEP low-latency decode: one un-received call at a
         time)."""
-        backend = self.backend.for_mode(mode) if isinstance(self.backend, ModeBackends) else self.backend
+        backend = backend_for(self.backend, mode)
         try:
             return strategies.bind_layers(self.layers if layers is None else layers,
                                           strategies.sized_for(strategies.get(name), backend, top_k), backend=backend)

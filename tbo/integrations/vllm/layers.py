@@ -29,6 +29,7 @@ import torch
 
 from tbo.comm.types import DispatchFormat, payload_refusal
 from tbo.core.state import State
+from tbo.integrations.vllm.backend import ModeBackends
 from tbo.integrations.vllm.compute import EAGER, Compute
 from tbo.integrations.vllm.config import TboConfigError
 from tbo.integrations.vllm.quant import ExpertsCall, batch_dependent_scales
@@ -128,13 +129,19 @@ class VllmDecoderLayer(ExpertParallelOps):
         return keys + ([("mlp", (self.shared,))] if self.has_shared_experts else [])
 
     def _check_payload(self, fp8: bool) -> None:
-        """The backend must move what this layer dispatches (FP8 rows with scales, or the model's dtype); a quant
+        """The backend must move what this layer dispatches (FP8 rows with scales, or the model's dtype), and, where
+        its decode steps run DeepEP low-latency (`tbo.integrations.vllm.backend.ModeBackends`), vLLM's batched
+        kernel must read this layer's expert weights (`tbo.integrations.vllm.masked.check_masked_kernel`); a quant
         method whose activation scale spans the whole call is named in a warning (`quant.batch_dependent_scales`)."""
         name = f"layer {self.layer_idx} ({type(self.layer).__name__})"
         dtype = self.runner.moe_config.in_dtype
         why = None if self.backend is None else payload_refusal(self.backend, dtype, fp8)
         if why is not None:
             raise TboConfigError(f"{name}: the backend cannot dispatch its {'FP8 rows' if fp8 else dtype} ({why})")
+        if isinstance(self.backend, ModeBackends):
+            from tbo.integrations.vllm.masked import check_masked_kernel
+
+            check_masked_kernel(self.runner.routed_experts, repr(self))
         if batch_dependent_scales(self.runner.routed_experts):
             logger.warning(
                 "tbo: %s quantises its experts' input with one dynamic scale per call (per-tensor): each microbatch "
