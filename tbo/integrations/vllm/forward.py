@@ -24,6 +24,7 @@ import torch
 from tbo.comm.devices import no_host_reads
 from tbo.core.observer import as_observer
 from tbo.integrations.vllm.backend import select_backend
+from tbo.integrations.vllm.compute import EAGER, Compute
 from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.patches import RunnerPatches
 from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
@@ -56,9 +57,9 @@ class LayerLoop:
         self.patches, self.vllm_config = patches, vllm_config
         #: the model's own start and end around the layers (its embedding, its final norm; Granite's multipliers)
         self.ends = model_ends(model, layers)
-        #: a compiled engine's compiled functions (`tbo.integrations.vllm.compute`, set by the engine): the final norm
-        #: runs through them as the layers' ops do (None: vLLM's module as it is)
-        self.compute: Any = None
+        #: the functions the final norm runs through, as the layers' ops do (`tbo.integrations.vllm.compute`): the
+        #: modules as they are, or a compiled engine's compiled functions (set by the engine)
+        self.compute: Compute = EAGER
         self.stats = StepStats() if stats is None else stats
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`count_traffic`)
         self.stats_file = stats_file  #: ``stats_file``, written during the run

@@ -17,6 +17,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from tbo.integrations.vllm.compute import EAGER, Compute
 from tbo.integrations.vllm.config import TboConfigError
 from tbo.integrations.vllm.quant import kernel_problems
 
@@ -217,13 +218,9 @@ class ModelEnds:
         """The compiled function the final norm runs through, with its module (`tbo.integrations.vllm.compute`)."""
         return [("add_norm" if self.hands_on_residual else "norm", (self.model.norm,))]
 
-    def end(self, out: dict[str, Any], compute: Any = None) -> Any:
-        """The final norm; through ``compute``'s functions where given (a compiled engine's: compiled as vLLM's graph
-        computes it, `tbo.integrations.vllm.compute`), else the module called as it is."""
-        if compute is None:
-            if self.hands_on_residual:
-                return self.model.norm(out["hidden_states"], out["residual"])[0]
-            return self.model.norm(out["hidden_states"])
+    def end(self, out: dict[str, Any], compute: Compute = EAGER) -> Any:
+        """The final norm, through ``compute``'s functions (`tbo.integrations.vllm.compute`: the module called as it
+        is, or, in a compiled engine, compiled as vLLM's graph computes it)."""
         if self.hands_on_residual:
             return compute.add_norm(self.model.norm, out["hidden_states"], out["residual"])[0]
         return compute.norm(self.model.norm, out["hidden_states"])
