@@ -14,6 +14,7 @@ more Qwen3-MoE tbo engine for the bit-for-bit test (it compiles tbo's ops only: 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from test_vllm import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, HAVE_VLLM, SCENARIOS, _free, _generate,
                        _guard_split_decode_steps, _llm, _prompt, _reference_llm, _run, _runner, _save_moe_models,
@@ -69,6 +70,9 @@ def _assert_compiled(llm, delta: dict) -> None:
     graph per graph key, its bound (all at vLLM's warm-up: ``delta`` compiled none)."""
     engine = _runner(llm).tbo
     assert engine.compute.compiled and delta["compiled_op_calls"] > 0 and delta["op_compiles"] == 0, delta
+    # every call ran its caller's graph directly (dynamo's transformed code), none through dynamo's guards: each
+    # caller's one guarded call was at warm-up
+    assert delta["guarded_op_calls"] == 0, delta
     s = engine.loop.stats
     assert 0 < s.op_compiles == s.op_compile_bound == len(engine.compute.keys), (s.op_compiles, s.op_compile_bound,
                                                                                engine.compute.compiles)
@@ -138,9 +142,66 @@ def test_the_compiled_ops_compute_vllm_s_compiled_graph_bit_for_bit(models, comp
         assert engine.forwards is None and engine._graph_off is not None  # vLLM's graph never runs here
         out, delta = _run(llm, CASES["decode"] + CASES["prefill"], logprobs=5)
         assert delta["steps"] > 0 and delta["split_steps"] == 0 and delta["compiled_op_calls"] > 0, delta
+        assert delta["guarded_op_calls"] == 0, delta  # the graphs ran directly, as they do in serving
         assert _logprobs(out) == compiled_reference["logprobs"]
     finally:
         _free(llm)
+
+
+class _Scaled(torch.nn.Module):
+    """A module with a constant its printed form hides (``scale``): `_module_key` cannot tell two of them apart, so
+    they share one graph key, and dynamo's guards on the constant are what keep each on a graph of its own scale."""
+
+    def __init__(self, scale: float, width: int = 8) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(1.0, width + 1.0))
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight * self.scale
+
+
+class _Caller:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def compute_keys(self) -> list:
+        return [("mlp", (self.module,))]
+
+
+def test_a_compiled_op_settles_on_its_caller_s_graph_and_keeps_the_guards_where_it_cannot_tell():
+    """`CompiledCompute`'s dispatch: a caller's first call goes through dynamo's guards, later calls run the graph it
+    settled on (dynamo's transformed code, no guards), and a caller whose graph cannot be told keeps the guards.
+    Three modules of one graph key whose constant differs where the key does not see it: ``a`` compiles the graph of
+    scale 2, ``b`` fails its guard and compiles one of scale 3 (past the bound, counted), ``c`` (scale 2) passes the
+    first graph's guards with two graphs there, so it stays guarded; ``d``, of another width, has a key (and graph)
+    of its own and settles on it. Every call computes its own module's output, 1 and 0 rows included; the "eager"
+    backend, as inductor's options do not matter here."""
+    from types import SimpleNamespace
+
+    from tbo.integrations.vllm.compute import CompiledCompute
+    from tbo.integrations.vllm.stats import StepStats
+
+    a, b, c, d = _Scaled(2.0), _Scaled(3.0), _Scaled(2.0), _Scaled(2.0, width=6)
+    stats = StepStats()
+    compute = CompiledCompute(SimpleNamespace(backend="eager", inductor_compile_config={}),
+                              [_Caller(m) for m in (a, b, c, d)], (stats,))
+    assert compute.bound == 2  # one key for the first three, one for d
+    x = {8: torch.arange(40.0).reshape(5, 8), 6: torch.arange(30.0).reshape(5, 6)}
+    with torch.inference_mode():
+        for m in (a, b, c, d):  # each caller's first call: guarded
+            assert torch.equal(compute.mlp(m, x[m.weight.numel()]), m(x[m.weight.numel()]))
+        assert compute.compiles["mlp"] == 3 and stats.op_compiles == 3 and stats.guarded_op_calls == 4
+        graph, other = compute._graphs[("mlp", id(a))], compute._graphs[("mlp", id(d))]
+        assert len(graph.codes) == 2 and len(other.codes) == 1  # each graph key's transformed code filed with it
+        assert graph._direct[id(a)] is not None and graph._direct[id(b)] is not None and graph._direct[id(c)] is None
+        assert other._direct[id(d)] is not None
+        for rows in (5, 3, 1, 0):
+            for m in (a, b, c, d):
+                xs = x[m.weight.numel()][:rows]
+                assert torch.equal(compute.mlp(m, xs), m(xs)), (rows, m.scale)
+    assert compute.compiles["mlp"] == 3 and stats.compiled_op_calls == 20
+    assert stats.guarded_op_calls == 4 + 4  # c's four calls only
 
 
 # ---- DeepSeek-V3: MLA (its attention module whole, eager), grouped routing, a shared expert, a dense first layer --

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -220,6 +221,13 @@ class _Graph:
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         self.compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=self._backend,
                                       options={"guard_filter_fn": _serving_guards}, recompile_limit=RECOMPILE_LIMIT)
+        self._own = own
+        #: dynamo's transformed code of ``own``, one per graph traced, in order (`_on_bytecode`)
+        self.codes: list[types.CodeType] = []
+        #: per caller (the id of the object that names the key: one layer's module), the transformed code its first
+        #: compiled call ran, as a function; None: which graph it ran is not known, so its calls keep dynamo's guards
+        self._direct: dict[int, Callable[..., Any] | None] = {}
+        _transformed_by_hook(own.__code__, self)
         self._mark = torch._dynamo.mark_dynamic
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -243,21 +251,78 @@ class _Graph:
         return compiled
 
     def __call__(self, *args: Any) -> Any:
+        run = self._direct.get(id(args[0]))
+        if run is None:  # this caller's first call, or a caller whose graph is not known: dynamo's guards
+            if not self.ready and args[self.dynamic[0]].shape[0] < 2:
+                return self._eager(args)
+            run = self._guarded
+        for s in self.owner.counters:
+            s.compiled_op_calls += 1
+        return run(*args)
+
+    def _eager(self, args: tuple[Any, ...]) -> Any:
+        """A call before the graph exists with too few tokens to compile it on (see the class docstring)."""
+        if not self.eager_calls:
+            logger.warning("tbo: compiled op function %r called with fewer than 2 tokens before its graph was "
+                           "compiled (no warm-up ran it): this call runs eagerly", self.name)
+        self.eager_calls += 1
+        return self.fn(*args)
+
+    def _guarded(self, *args: Any) -> Any:
+        """The call through torch.compile: dynamo checks the guards of the graphs it has and runs the one that
+        passes, or traces and compiles one (the first call of a key, or a module constant the key does not see).
+        A caller's first call settles which graph its later calls run (`_settle`)."""
+        for s in self.owner.counters:
+            s.guarded_op_calls += 1
         if not self.ready:
-            if args[self.dynamic[0]].shape[0] < 2:  # not yet compiled, and too few tokens to compile it on
-                if not self.eager_calls:
-                    logger.warning("tbo: compiled op function %r called with fewer than 2 tokens before its graph was "
-                                   "compiled (no warm-up ran it): this call runs eagerly", self.name)
-                self.eager_calls += 1
-                return self.fn(*args)
             for i in self.dynamic:  # the token dimension, as vLLM marks its graph's inputs
                 arg = args[i]
                 for t in arg.values() if isinstance(arg, dict) else (arg,):
                     if isinstance(t, torch.Tensor):
                         self._mark(t, 0)
-        for s in self.owner.counters:
-            s.compiled_op_calls += 1
-        return self.compiled(*args)
+        traced = len(self.codes)
+        out = self.compiled(*args)
+        if id(args[0]) not in self._direct:
+            self._direct[id(args[0])] = self._settle(traced)
+        return out
+
+    def _settle(self, traced: int) -> Callable[..., Any] | None:
+        """After a caller's first guarded call, which had seen ``traced`` graphs: the graph it ran, as a function of
+        dynamo's transformed code (the code dynamo runs when that graph's guards pass: it takes the function's own
+        arguments, reads the dynamic sizes off them and calls the compiled graph). The call traced a graph: that
+        one, whose guards were built from this caller's arguments. Else, with one graph: the one whose guards just
+        passed. Else (past the bound, more than one graph and none traced now): None, and the caller keeps
+        dynamo's guards on every call."""
+        codes = self.codes
+        code = codes[-1] if len(codes) > traced else codes[0] if len(codes) == 1 else None
+        if code is None:
+            return None
+        own = self._own
+        return types.FunctionType(code, own.__globals__, own.__name__, own.__defaults__, own.__closure__)
+
+
+#: the ids of `_Graph`'s own functions' code objects -> their graph: where `_on_bytecode` files dynamo's transformed
+#: code. By id: the copies of one function's code compare equal (code objects compare by value), and each graph's
+#: copy is its own (it keeps it alive)
+_BY_CODE: "weakref.WeakValueDictionary[int, _Graph]" = weakref.WeakValueDictionary()
+_hook: list[Any] = []  #: the handle of `_on_bytecode`, registered with dynamo at the first `_Graph`
+
+
+def _transformed_by_hook(code: types.CodeType, graph: _Graph) -> None:
+    """Have dynamo's transformed code of ``code`` filed in ``graph.codes`` at each graph dynamo traces of it."""
+    if not _hook:
+        from torch._dynamo.convert_frame import register_bytecode_hook
+
+        _hook.append(register_bytecode_hook(_on_bytecode))
+    _BY_CODE[id(code)] = graph
+
+
+def _on_bytecode(old: types.CodeType, new: types.CodeType) -> None:
+    """Dynamo's bytecode hook (vLLM's ``TorchCompileWithNoGuardsWrapper`` uses the same): ``new`` is the code dynamo
+    made of ``old`` for the graph it just traced; filed for `_Graph`'s own functions, ignored for any other code."""
+    graph = _BY_CODE.get(id(old))
+    if graph is not None and graph._own.__code__ is old:
+        graph.codes.append(new)
 
 
 #: dynamo's guard kinds `_Graph` drops (see its docstring)

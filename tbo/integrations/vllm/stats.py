@@ -68,10 +68,12 @@ class StepStats:
     layers_seconds: float = 0.0
     #: a compiled engine (`tbo.integrations.vllm.compute`): graphs traced of tbo's compiled op functions (warm-up
     #: included: a step that recompiled grows it), the most they can be (the engines' graph keys; 0 for an eager
-    #: engine), and the calls that ran compiled
+    #: engine), the calls that ran compiled, and those of them that went through dynamo's guards (each caller's
+    #: first call, at warm-up; a serving step makes none: its calls run the graph their caller settled on)
     op_compiles: int = 0
     op_compile_bound: int = 0
     compiled_op_calls: int = 0
+    guarded_op_calls: int = 0
 
     def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
         """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
@@ -160,7 +162,8 @@ def stats() -> dict[str, Any]:
     steps: `tbo.integrations.vllm.graphs`); with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
     ``layers_seconds``; in a compiled engine ``op_compiles`` (graphs traced of tbo's compiled op functions),
-    ``op_compile_bound`` (the most there can be) and ``compiled_op_calls``; with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
+    ``op_compile_bound`` (the most there can be), ``compiled_op_calls`` and ``guarded_op_calls`` (those through
+    dynamo's guards); with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
     choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
     out = PROCESS_STATS.as_dict()
     from tbo.integrations.vllm.adaptive import LIVE
