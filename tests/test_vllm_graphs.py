@@ -76,14 +76,14 @@ def test_a_step_replays_its_sizes_graph_only_when_its_split_is_the_graphs(own, r
 
 @needs_vllm
 def test_split_graphs_count_replays_as_split_steps_and_eager_steps_apart():
-    from tbo.integrations.vllm.graphs import SplitGraphs, graph_key
+    from tbo.integrations.vllm.graphs import SplitGraphs, graph_key, graph_plan
 
     stats = StepStats()
     graphs = SplitGraphs(POLICY, (stats,))
     desc, small = _desc(8), _desc(2)
-    assert graphs.key_for(True, desc) == graph_key(POLICY, desc) and graphs.key_for(False, desc) is None
-    assert graphs.key_for(True, small) is None  # vLLM captures that size itself, unsplit
-    graphs.captured[desc] = graphs.key_for(True, desc)  # what wrap() records once vLLM captured it
+    assert graph_key(POLICY, desc) is not None and graph_key(POLICY, small) is None  # vLLM captures 2 unsplit
+    graphs.record(desc, graph_plan(POLICY, desc))  # what wrap() records once vLLM captured it
+    assert graphs.captured[desc][0] == graph_key(POLICY, desc)
     assert graphs.holds(True, desc) and not graphs.holds(False, desc) and not graphs.holds(True, small)
     assert graphs.settle(_decode(7), desc).plan.num_tokens == 8
     assert graphs.settle(_decode(3), desc) is None

@@ -121,8 +121,10 @@ def graph_plan(policy: SplitPolicy, desc: Any) -> SplitPlan | None:
 def graph_key(policy: SplitPolicy, desc: Any) -> GraphKey | None:
     """The `GraphKey` of ``desc``'s split graph, or None where vLLM's own graph serves it (`graph_plan`)."""
     plan = graph_plan(policy, desc)
-    if plan is None:
-        return None
+    return None if plan is None else _key(desc, plan)
+
+
+def _key(desc: Any, plan: SplitPlan) -> GraphKey:
     return GraphKey(int(desc.num_tokens), int(desc.num_reqs), bool(desc.uniform),
                     tuple((mb.tokens_start, mb.tokens_end) for mb in plan.microbatches))
 
@@ -148,12 +150,9 @@ class SplitGraphs:
 
     def __init__(self, policy: SplitPolicy, counters: tuple[Any, ...]) -> None:
         self.policy, self.counters = policy, counters
-        self.captured: dict[Any, GraphKey] = {}  #: vLLM batch descriptor -> the key of the split graph captured
+        #: vLLM batch descriptor -> the key of the split graph captured and the plan fixed in it
+        self.captured: dict[Any, tuple[GraphKey, SplitPlan]] = {}
         self.replays = self.eager_steps = 0
-
-    def key_for(self, full: bool, desc: Any) -> GraphKey | None:
-        """The split graph a FULL dispatch to ``desc`` would capture or replay; None for any other dispatch."""
-        return graph_key(self.policy, desc) if full else None
 
     def holds(self, full: bool, desc: Any) -> bool:
         """Whether a step dispatched to ``desc`` (FULL when ``full``) meets one of tbo's split graphs."""
@@ -162,10 +161,7 @@ class SplitGraphs:
     def settle(self, own: Step, desc: Any) -> Step | None:
         """A step dispatched FULL to ``desc``, which tbo captured split: the step to replay (counted here, as no
         Python of tbo's runs in a replay), or None: it runs eager (counted)."""
-        key = self.captured[desc]
-        plan = graph_plan(self.policy, desc)
-        assert plan is not None and key.microbatches == tuple((mb.tokens_start, mb.tokens_end)
-                                                               for mb in plan.microbatches)
+        plan = self.captured[desc][1]
         step = settle(own, plan)
         if step is None:
             self.eager_steps += 1
@@ -178,20 +174,23 @@ class SplitGraphs:
             s.graph_replays += 1
         return step
 
+    def record(self, desc: Any, plan: SplitPlan) -> None:
+        """``desc``'s FULL graph was captured split by ``plan``: its steps replay that plan (`settle`)."""
+        self.captured[desc] = (_key(desc, plan), plan)
+
     def wrap(self, warmup_and_capture: Callable[..., Any], patches: Any) -> Callable[..., Any]:
         """vLLM's ``_warmup_and_capture(desc, cudagraph_runtime_mode, ...)`` for this runner: a FULL capture of a
         descriptor tbo splits runs, warm-ups and capture alike, with the step fixed to the size's plan."""
 
         @functools.wraps(warmup_and_capture)
         def _warmup_and_capture(desc: Any, cudagraph_runtime_mode: Any, *args: Any, **kwargs: Any) -> Any:
-            key = self.key_for(_mode_name(cudagraph_runtime_mode) == "FULL", desc)
-            if key is None:
+            plan = graph_plan(self.policy, desc) if _mode_name(cudagraph_runtime_mode) == "FULL" else None
+            if plan is None:  # not a split graph: vLLM's own
                 return warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kwargs)
-            plan = graph_plan(self.policy, desc)
             step = Step("warmup", ForwardMode.DECODE, int(desc.num_tokens), plan)  # uncounted, as vLLM's warm-ups
             with patches.fixed(step):
                 out = warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kwargs)
-            self.captured[desc] = key
+            self.record(desc, plan)
             for s in self.counters:
                 s.graph_captures += 1
             return out
