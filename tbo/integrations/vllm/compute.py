@@ -19,10 +19,14 @@ graphs as a 3-layer one). vLLM's attention calls name their layer through vLLM's
 torch lifts as a graph input, so the attention call is layer-agnostic too. Each key compiles once: the engine's keys
 are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in `tbo.integrations.vllm.stats`, beside
 ``op_compiles``), fixed at engine start and independent of the plan shapes and the steps. Dynamo's other guards stay
-(`_Graph`): a module constant the key does not see (a layer without rotary, say) compiles one graph more, counted
-and logged, never runs another layer's graph. vLLM's warm-up compiles them all, at the warm-up's full token count, as it compiles its own graph
-(`tbo.integrations.vllm.compiled.StepForwards.warming_up`; an engine whose every step runs the loop runs it in its
-warm-up anyway).
+(`_Graph`) for each caller's first call: a module constant the key does not see (a layer without rotary, say)
+compiles one graph more, counted and logged, never runs another layer's graph. That first call settles which graph
+the caller runs, and its later calls run it directly: dynamo's transformed code of that graph, called as a plain
+function (vLLM runs its own graph so, through dynamo's bytecode hook), without torch.compile's per-call wrapper and
+guard checks, which cost about 10 µs a call here, some 60 calls per 4-layer split step (``guarded_op_calls`` counts
+the calls that went through the guards: none in serving). vLLM's warm-up compiles them all, at the warm-up's full
+token count, as it compiles its own graph (`tbo.integrations.vllm.compiled.StepForwards.warming_up`; an engine
+whose every step runs the loop runs it in its warm-up anyway), and so settles every caller.
 
 What stays eager: the router's gate GEMM (one GEMM, nothing to fuse), the transfers, and everything tbo does between
 ops (the executor, the observers). With data parallelism the experts op too: `run_local_experts` groups the received
@@ -205,10 +209,12 @@ class _Graph:
     drops every guard): the shape guards, so that one graph serves every token count, 1 included (a graph of two
     tokens or more would otherwise be guarded against one, and dynamo specializes a one-token graph), and the
     torch-function-mode guard (no mode runs while serving; the host-read test runs one). Every other guard keeps its
-    check: a module whose constants differ where `_module_key` does not see it compiles another graph, counted and
-    logged past the bound, never a wrong one. A call with fewer than two tokens before the graph exists runs the
-    function eagerly (the engine's warm-up compiles every key at its full token count first:
-    `tbo.integrations.vllm.compiled.StepForwards.warming_up`)."""
+    check on a caller's first call: a module whose constants differ where `_module_key` does not see it compiles
+    another graph, counted and logged past the bound, never a wrong one. Later calls of a caller run the graph its
+    first call ran, directly (`_settle`); a caller's modules and the kinds of its arguments do not change between
+    its calls (only their token counts, which no guard checks), so its first call's guards hold for them all. A call
+    with fewer than two tokens before the graph exists runs the function eagerly (the engine's warm-up compiles
+    every key at its full token count first: `tbo.integrations.vllm.compiled.StepForwards.warming_up`)."""
 
     def __init__(self, owner: CompiledCompute, name: str) -> None:
         import torch._dynamo
