@@ -356,8 +356,8 @@ def main() -> None:
 
 
 def compiled(args: argparse.Namespace) -> None:
-    """``--compiled``: compiled vLLM, compiled tbo unsplit and split, and over one link (sized from the compiled
-    unsplit engine's decode compute) compiled and eager tbo, unsplit and split."""
+    """``--compiled``: compiled vLLM, compiled tbo unsplit and split, eager tbo split, and over one link (sized from
+    the compiled unsplit engine's decode compute) compiled and eager tbo, unsplit and split."""
     work = Workload(args.batch, args.prompt, args.decode_tokens)
     never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
     split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
@@ -367,7 +367,8 @@ def compiled(args: argparse.Namespace) -> None:
         first = start_engine(model, None, work, args.dtype)  # started, kept, not measured (see main)
         engines = {"compiled vLLM": start_engine(model, None, work, args.dtype, eager=False),
                    "compiled tbo unsplit": start_engine(model, never, work, args.dtype, eager=False),
-                   "compiled tbo split": start_engine(model, split, work, args.dtype, eager=False)}
+                   "compiled tbo split": start_engine(model, split, work, args.dtype, eager=False),
+                   "eager tbo split": start_engine(model, split, work, args.dtype)}
         rows = measure(engines, work, args.repeats)
         link = args.link or link_for(rows["compiled tbo unsplit"]["decode"],
                                      moe_bytes_per_step(tokens["decode"], args.hidden, 2, args.layers))
@@ -390,13 +391,15 @@ def compiled(args: argparse.Namespace) -> None:
         print(f"{name:60s} " + " ".join(f"{r[m] * 1e3:9.2f} ms {tokens[m] / r[m]:13.0f}" for m in tokens)
               + f" {compiles[name]:>16s}")
     base, unsplit, split_ = rows["compiled vLLM"], rows["compiled tbo unsplit"], rows["compiled tbo split"]
+    eager_split = rows["eager tbo split"]
     cu, eu = rows[f"compiled tbo unsplit, link {link}"], rows[f"eager tbo unsplit, link {link}"]
     print("(without a link tbo's unsplit steps run vLLM's compiled graph; over the link every step runs tbo's loop, "
           "its ops compiled in the compiled engines)")
     for m in tokens:
         print(f"{m}: compiled tbo unsplit {100 * (unsplit[m] / base[m] - 1):+.1f}% of compiled vLLM's step (target "
-              f"<= 3%); compiled split (no link) {base[m] / split_[m]:.2f}x compiled vLLM; over the link compiled "
-              f"unsplit is {eu[m] / cu[m]:.2f}x eager unsplit")
+              f"<= 3%); compiled split (no link) {base[m] / split_[m]:.2f}x compiled vLLM and "
+              f"{eager_split[m] / split_[m]:.2f}x eager split; over the link compiled unsplit is {eu[m] / cu[m]:.2f}x "
+              f"eager unsplit")
         for name in strategies:
             cs, es = rows[f"compiled tbo split ({name}), link {link}"], rows[f"eager tbo split ({name}), link {link}"]
             print(f"  {name}: over the link compiled split is {cu[m] / cs[m]:.2f}x compiled unsplit (eager: split "
