@@ -315,11 +315,17 @@ _hook: list[Any] = []  #: the handle of `_on_bytecode`, registered with dynamo a
 
 
 def _transformed_by_hook(code: types.CodeType, graph: _Graph) -> None:
-    """Have dynamo's transformed code of ``code`` filed in ``graph.codes`` at each graph dynamo traces of it."""
+    """Have dynamo's transformed code of ``code`` filed in ``graph.codes`` at each graph dynamo traces of it. A torch
+    without dynamo's bytecode hook files nothing: every call then keeps the guards (`_Graph._settle`), logged once."""
     if not _hook:
-        from torch._dynamo.convert_frame import register_bytecode_hook
-
-        _hook.append(register_bytecode_hook(_on_bytecode))
+        try:
+            from torch._dynamo.convert_frame import register_bytecode_hook
+        except ImportError:
+            logger.warning("tbo: this torch has no dynamo bytecode hook: compiled op calls go through torch.compile's "
+                           "guards on every call (slower, the same graphs)")
+            _hook.append(None)
+        else:
+            _hook.append(register_bytecode_hook(_on_bytecode))
     _BY_CODE[id(code)] = graph
 
 
