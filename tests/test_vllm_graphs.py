@@ -83,7 +83,8 @@ def test_split_graphs_count_replays_as_split_steps_and_eager_steps_apart():
     desc, small = _desc(8), _desc(2)
     assert graph_key(POLICY, desc) is not None and graph_key(POLICY, small) is None  # vLLM captures 2 unsplit
     graphs.record(desc, graph_plan(POLICY, desc))  # what wrap() records once vLLM captured it
-    assert graphs.captured[desc][0] == graph_key(POLICY, desc)
+    assert graph_key(POLICY, desc).microbatches == tuple((mb.tokens_start, mb.tokens_end)
+                                                         for mb in graphs.captured[desc].microbatches)
     assert graphs.holds(True, desc) and not graphs.holds(False, desc) and not graphs.holds(True, small)
     assert graphs.settle(_decode(7), desc).plan.num_tokens == 8
     assert graphs.settle(_decode(3), desc) is None

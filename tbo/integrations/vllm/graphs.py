@@ -39,6 +39,7 @@ graph fixes the split per size), and a decode backend that reads the host (`chec
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -48,6 +49,8 @@ from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 
 __all__ = ["GRAPH_MODES", "GraphKey", "SplitGraphs", "check_cudagraph_mode", "check_graph_backend", "graph_key",
            "graph_plan", "settle"]
+
+logger = logging.getLogger("vllm.tbo")
 
 #: the ``cudagraph_mode`` names tbo runs split steps under (NONE aside): the ones with FULL graphs
 GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -121,10 +124,8 @@ def graph_plan(policy: SplitPolicy, desc: Any) -> SplitPlan | None:
 def graph_key(policy: SplitPolicy, desc: Any) -> GraphKey | None:
     """The `GraphKey` of ``desc``'s split graph, or None where vLLM's own graph serves it (`graph_plan`)."""
     plan = graph_plan(policy, desc)
-    return None if plan is None else _key(desc, plan)
-
-
-def _key(desc: Any, plan: SplitPlan) -> GraphKey:
+    if plan is None:
+        return None
     return GraphKey(int(desc.num_tokens), int(desc.num_reqs), bool(desc.uniform),
                     tuple((mb.tokens_start, mb.tokens_end) for mb in plan.microbatches))
 
@@ -150,8 +151,8 @@ class SplitGraphs:
 
     def __init__(self, policy: SplitPolicy, counters: tuple[Any, ...]) -> None:
         self.policy, self.counters = policy, counters
-        #: vLLM batch descriptor -> the key of the split graph captured and the plan fixed in it
-        self.captured: dict[Any, tuple[GraphKey, SplitPlan]] = {}
+        #: vLLM batch descriptor -> the plan fixed in the split graph captured for it (its `GraphKey`: `graph_key`)
+        self.captured: dict[Any, SplitPlan] = {}
         self.replays = self.eager_steps = 0
 
     def holds(self, full: bool, desc: Any) -> bool:
@@ -161,7 +162,7 @@ class SplitGraphs:
     def settle(self, own: Step, desc: Any) -> Step | None:
         """A step dispatched FULL to ``desc``, which tbo captured split: the step to replay (counted here, as no
         Python of tbo's runs in a replay), or None: it runs eager (counted)."""
-        plan = self.captured[desc][1]
+        plan = self.captured[desc]
         step = settle(own, plan)
         if step is None:
             self.eager_steps += 1
@@ -175,8 +176,10 @@ class SplitGraphs:
         return step
 
     def record(self, desc: Any, plan: SplitPlan) -> None:
-        """``desc``'s FULL graph was captured split by ``plan``: its steps replay that plan (`settle`)."""
-        self.captured[desc] = (_key(desc, plan), plan)
+        """``desc``'s FULL graph was captured split by ``plan``: its steps replay that plan (`settle`). Logged with
+        its `GraphKey`, as vLLM logs its own captures."""
+        self.captured[desc] = plan
+        logger.info("tbo: split CUDA graph captured: %s", graph_key(self.policy, desc))
 
     def wrap(self, warmup_and_capture: Callable[..., Any], patches: Any) -> Callable[..., Any]:
         """vLLM's ``_warmup_and_capture(desc, cudagraph_runtime_mode, ...)`` for this runner: a FULL capture of a
