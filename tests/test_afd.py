@@ -155,25 +155,7 @@ from tbo.afd.connector import HEADER_WORDS, TorchDistributedAFDConnector
 from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.core.errors import CommTimeoutError
 
-
-def _listening(port: int, pid: str = "self") -> list[str]:
-    """The local addresses this process listens on at ``port`` (from /proc/net/tcp{,6} and its socket inodes)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            words = line.split()
-            local, state, inode = words[1], words[3], words[9]
-            if state == "0A" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
-                found.append(local.rsplit(":", 1)[0])
-    return found
+from .listening import _listening
 
 
 class _Server:

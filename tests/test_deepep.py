@@ -24,7 +24,7 @@ from tbo.strategies import bind_layers
 from tbo.testing.deepep_standin import Buffer, contract_probe
 from tbo.testing.moe import SwiGLUExperts, make_routing
 
-from rounded_moe import rounded_moe
+from .rounded_moe import rounded_moe
 
 TOKENS = {2: [9, 0], 4: [5, 0, 11, 3]}
 MAX_TOKENS = 16

@@ -18,7 +18,7 @@ from tbo.testing.deepep_elastic_standin import ElasticBuffer, EventOverlap
 from tbo.testing.deepep_standin import Buffer, contract_probe
 from tbo.testing.moe import SwiGLUExperts, make_routing
 
-from rounded_moe import rounded_moe
+from .rounded_moe import rounded_moe
 
 E = 6  # divisible by 2 and 3 ranks
 MAX_TOKENS = 16

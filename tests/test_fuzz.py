@@ -20,7 +20,7 @@ from tbo.harness.launch import launch
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy, agree_to_split
 
-from split_witness import SplitWitness
+from .split_witness import SplitWitness
 
 MOE_OPS = ["comm_prepare_attn", "attn_prepare", "attn_core", "comm_prepare_mlp", "gate", "select_experts",
            "dispatch_a", "shared_experts", "dispatch_b", "experts", "combine_a", "combine_b", "output",

@@ -11,7 +11,7 @@ from tbo.integrations.hf_tiny import MODELS, tiny_model  # noqa: E402
 from tbo.harness.launch import launch  # noqa: E402
 from tbo.split import SplitPolicy  # noqa: E402
 
-from split_witness import SplitWitness  # noqa: E402
+from .split_witness import SplitWitness  # noqa: E402
 
 SPLIT = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32; our combine sums the top-k slots in another order than HF's experts

@@ -14,7 +14,7 @@ from tbo.harness.launch import launch
 from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
 from tbo.split import ForwardMode, SplitPolicy
 
-from split_witness import SplitWitness
+from .split_witness import SplitWitness
 
 POLICY = SplitPolicy(decode_token_threshold=2, prefill_token_threshold=2)
 MODELS = {"deepseek": ModelConfig.deepseek_v3_tiny, "qwen3_moe": ModelConfig.qwen3_moe_tiny}

