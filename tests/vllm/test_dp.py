@@ -346,7 +346,7 @@ def test_qwen3_moe_dp2_ep_three_microbatches(models, tmp_path, agreed_rows):
 
 def _deepseek_reference(model: Path, rounds_per_rank: list, dtype: str) -> list:
     """vLLM's own tokens for DeepSeek, per rank, round and request: DP = 1 without tbo, one ``generate`` per rank's
-    round, with vLLM's CPU rotary kernel fixed as the plugin fixes it (tests/test_vllm.py: unfixed, vLLM's own
+    round, with vLLM's CPU rotary kernel fixed as the plugin fixes it (test_engine.py: unfixed, vLLM's own
     DeepSeek tokens depend on the batch)."""
 
     from vllm import SamplingParams

@@ -688,9 +688,9 @@ def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
 
 
 def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
-    """Issue 37: ``enforce_eager=False`` is accepted (tests/test_vllm_compiled.py runs it), with data parallelism +
-    expert parallelism without CUDA graphs (tests/test_vllm_dp.py runs it), with FULL CUDA graph modes on one rank
-    (tests/test_vllm_graphs.py), but not with PIECEWISE graphs alone, graphs with data parallelism, AFD or
+    """Issue 37: ``enforce_eager=False`` is accepted (tests/vllm/test_compiled.py runs it), with data parallelism +
+    expert parallelism without CUDA graphs (tests/vllm/test_dp.py runs it), with FULL CUDA graph modes on one rank
+    (tests/vllm/test_graphs.py), but not with PIECEWISE graphs alone, graphs with data parallelism, AFD or
     speculative decoding, each named."""
     from types import SimpleNamespace
 

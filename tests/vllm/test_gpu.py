@@ -2,7 +2,7 @@
 where torch sees a CUDA device and a CUDA build of vLLM 0.32 is importable, and skip everywhere else (this project's
 CI and its CPU machines: they have never run). Not in scripts/gpu_check.sh's budget: that script installs no vLLM,
 and a vLLM engine's start and graph capture alone outlast its 150 s test step; run ``pytest -m gpu
-tests/test_vllm_gpu.py`` on a GPU machine with vLLM installed.
+tests/vllm/test_gpu.py`` on a GPU machine with vLLM installed.
 
 What they check, with a tiny Qwen3-MoE in float32 and ``cudagraph_mode`` FULL_DECODE_ONLY over capture sizes 8 and
 16 (tbo's decode threshold 4: both sizes captured split):

@@ -2,7 +2,7 @@
 runs: which of vLLM's batch descriptors tbo captures split and with which plan (the graph key), the rule that
 replays a step or runs it eager ("a step whose split differs from its graph's runs eager"), what each counts, and
 which ``cudagraph_mode`` is refused by name. The capture and replay themselves need a GPU and a CUDA vLLM:
-tests/test_vllm_gpu.py (marked ``gpu``; skipped here)."""
+tests/vllm/test_gpu.py (marked ``gpu``; skipped here)."""
 
 from __future__ import annotations
 

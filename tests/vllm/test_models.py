@@ -154,7 +154,7 @@ ARCHITECTURES = {"qwen3_moe_gated_shared": "Qwen3MoeForCausalLM", "mixtral": "Mi
 @needs_vllm
 def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
     """vLLM's MoE model classes, each tested, admitted or refused with its reason; every family this file (and
-    test_vllm.py: Qwen3-MoE, DeepSeek-V3) runs is "tested", and docs/vllm.md prints exactly this walk."""
+    test_engine.py: Qwen3-MoE, DeepSeek-V3) runs is "tested", and docs/vllm.md prints exactly this walk."""
     from tbo.integrations.vllm.catalog import BEGIN, END, TESTED, table, walk
 
     entries = walk()

