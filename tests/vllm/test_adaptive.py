@@ -21,7 +21,6 @@ import gc
 
 import pytest
 
-
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
 from .helpers import (DP_TBO, _assert_both_split_and_sent, _dp, _dp_reference, _generate, _llm, _prompt,

@@ -6,7 +6,7 @@ Every engine test asserts ``afd_stages_sent > 0`` and ``local_ffn_calls == 0``, 
 stages the step shapes call for (layers x microbatches) and the requests the server says it served: so equal tokens
 prove the FFN process computed them. The oracle is vLLM's own engine, colocated, without tbo: Qwen3-MoE float32
 exactly; DeepSeek-V3 float32 exactly, and bfloat16 judged by the float32 model at every generated position: the AFD
-tokens as faithful as vLLM's own bf16 tokens (tests/bf16_oracle.py), with the number of judged positions asserted.
+tokens as faithful as vLLM's own bf16 tokens (bf16_oracle.py), with the number of judged positions asserted.
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def test_deepseek_v3_afd_matches_vllm_colocated(models, servers, dtype, threshol
     prefill and decode steps (vLLM runs DeepSeek's CPU MLA without chunked prefill: Qwen3-MoE covers mixed steps).
     The reference has the plugin's rotary fix (issue 26), without which vLLM's own DeepSeek tokens depend on the
     batch. float32: tokens exactly equal. bfloat16: judged by the float32 model at every generated position, the
-    AFD tokens as faithful as vLLM's own colocated bf16 tokens (tests/bf16_oracle.py)."""
+    AFD tokens as faithful as vLLM's own colocated bf16 tokens (bf16_oracle.py)."""
     from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
     model = models["deepseek_v3"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, SCENARIOS, _free, _generate,
                       _guard_split_decode_steps, _llm, _prompt, _reference_llm, _run, _runner,
                       _tokens, needs_vllm)
@@ -202,7 +203,7 @@ def test_a_compiled_op_settles_on_its_caller_s_graph_and_keeps_the_guards_where_
 
 @pytest.fixture(scope="module")
 def deepseek_reference(models):
-    """Plain compiled vLLM's greedy DeepSeek-V3 tokens (CPU_MLA pinned, rotary fixed as `helpers._reference_llm` fixes it)."""
+    """Plain compiled vLLM's greedy DeepSeek-V3 tokens (CPU_MLA pinned, rotary fixed: `helpers._reference_llm`)."""
     with _reference_llm(models["deepseek_v3"], **COMPILED, **DEEPSEEK_ENGINE) as llm:
         return {name: _tokens(_generate(llm, p, max_tokens=n)) for name, (p, n) in DEEPSEEK_SCENARIOS.items()}
 

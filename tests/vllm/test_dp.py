@@ -5,7 +5,7 @@ Each DP rank is a process launched as vLLM's ``examples/offline_inference/data_p
 over both ranks (``enable_expert_parallel=True``). The reference is a DP = 1 engine without tbo, in this process,
 over the same prompts (each rank's round in its own ``generate`` call). Qwen3-MoE float32: tokens exactly equal.
 DeepSeek-V3 float32: tokens exactly equal too; bfloat16: judged by the float32 model at every generated position,
-tbo's tokens as faithful as vLLM's own (tests/bf16_oracle.py); its references have vLLM's CPU rotary kernel fixed
+tbo's tokens as faithful as vLLM's own (bf16_oracle.py); its references have vLLM's CPU rotary kernel fixed
 as the plugin fixes it. Every engine test also asserts that both ranks split steps and sent token rows to the other
 (``remote_rows > 0``): none passes with local experts or without splitting. Every process a test starts is killed
 when it ends, passing or failing (`run_dp`).
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 
 from tbo.core.errors import CommTimeoutError
 from tbo.split.agree import StepVote, agree_step, decide_step
@@ -380,7 +379,7 @@ def test_deepseek_v3_fp32_dp2_ep_equals_vllm_and_both_ranks_split(models, tmp_pa
 def test_deepseek_v3_bf16_dp2_ep_matches_vllm_and_both_ranks_split(models, tmp_path):
     """The same in bfloat16, where each rank's partial sum is rounded to bf16 before the combine adds them (as every
     expert-parallel combine does, and vLLM's DP = 1 kernel does not): judged by the float32 model at every
-    generated position, tbo's tokens as faithful as vLLM's own (tests/bf16_oracle.py)."""
+    generated position, tbo's tokens as faithful as vLLM's own (bf16_oracle.py)."""
     from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
     model = models["deepseek_v3"]

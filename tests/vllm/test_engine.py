@@ -9,7 +9,7 @@ same ``generate`` call (so the scheduler makes the same steps), every request pr
 ``MAX_TOKENS`` long (``ignore_eos``: a truncated output fails). In float32 (Qwen3-MoE, and DeepSeek-V3, whose CPU MLA
 backend takes float32 too): exactly. In bfloat16 (DeepSeek-V3), where bf16 rounding rather than the model
 decides some tokens, the float32 model judges: tbo's tokens must be as faithful to it as vLLM's own bf16 tokens, at
-every generated position (tests/bf16_oracle.py says why and how; a vLLM with a real defect fails it). Every test of
+every generated position (bf16_oracle.py says why and how; a vLLM with a real defect fails it). Every test of
 a batch shape also asserts that the engine split steps of that shape (``split_steps`` grew), so none can pass by
 never splitting.
 
@@ -650,7 +650,7 @@ def test_the_rotary_fix_is_counted_per_module_and_outlives_its_first_holder():
 @needs_vllm
 def test_deepseek_v3_bf16_tokens_match_vllm_and_the_steps_split(models):
     """bf16 DeepSeek through tbo, split prefill and decode steps, against vLLM's own bf16 engine, judged by the
-    float32 model at every generated position (tests/bf16_oracle.py)."""
+    float32 model at every generated position (bf16_oracle.py)."""
     from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
     prompts = [_prompt(n, s) for s, n in enumerate([1, 3, 8, 17, 33, 64])] + SCENARIOS["cut"]

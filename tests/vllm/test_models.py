@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from .helpers import _free, _generate, _llm, _prompt, _run, _save, _save_mixtral, _save_qwen2_moe, _tokens, needs_vllm
 
 

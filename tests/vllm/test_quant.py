@@ -14,7 +14,7 @@ kernel itself runs on AVX-512 CPUs without AMX (it computes the model: its token
 such a CPU the tests lift that one device check, while the engines are built, and put it back (`_int4_kernel`).
 
 The kernel takes bfloat16 only (float32 fails in it: '"fused_experts_kernel_impl" not implemented for 'Float''), so
-the oracle is tests/bf16_oracle.py's: tbo's tokens must be as faithful to the float32 dequantised model as plain
+the oracle is bf16_oracle.py's: tbo's tokens must be as faithful to the float32 dequantised model as plain
 vLLM's own on the same int4 checkpoint. (On the AVX-512 machine these tests were written on, the kernel is row-wise
 deterministic and tbo's tokens equal vLLM's exactly; with AMX it takes other paths, so nothing here asserts bits.)
 Every test also asserts that the steps of its shape were split.
@@ -29,11 +29,9 @@ from typing import Any
 
 import pytest
 
-
-from .bf16_oracle import assert_as_faithful_as_vllm, fp32_regrets
-
 from tbo.integrations.vllm.config import TboConfigError
 
+from .bf16_oracle import assert_as_faithful_as_vllm, fp32_regrets
 from .helpers import (DP_MAX_TOKENS, HAVE_VLLM, SCENARIOS, TBO, _CountingCpuKernel, _assert_both_split_and_sent, _dp,
                       _free, _generate, _llm, _prompt, _run, _tokens, _vllm_plugin, needs_vllm)
 
