@@ -23,7 +23,8 @@ import torch
 from tbo.comm.alltoall import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
-from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.config import TboVllmConfig
+from tbo.integrations.vllm.errors import config_error
 
 __all__ = ["ModeBackends", "backend_for", "low_latency_refusal", "low_latency_tokens", "make_backend",
            "select_backend"]
@@ -180,9 +181,9 @@ def _deepep(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int,
         "are" if fp8 else low_latency_refusal(dtype=dtype, hidden=hidden, top_k=top_k, num_ranks=ranks,
                                               max_decode_tokens=decode_tokens))
     if why is not None and config.deepep_decode == "low_latency":
-        raise TboConfigError(f"additional_config['tbo'] with deepep_decode='low_latency': DeepEP's low-latency "
-                             f"kernels cannot carry this model's decode steps ({why}); accepted: "
-                             "deepep_decode='normal' or 'auto' (then normal mode for every step)")
+        raise config_error({"deepep_decode": "low_latency"}, f"DeepEP's low-latency kernels cannot carry this model's "
+                           f"decode steps ({why}); accepted: deepep_decode='normal' or 'auto' (then normal mode for "
+                           "every step)")
     kind = config.deepep_kind  # "auto" in prefill mode: V2 when installed, else V1 normal; both NORMAL layout
     prefill = deepep_backend(group, num_experts, hidden=hidden, num_max_tokens_per_rank=max_tokens, num_topk=top_k,
                              kind=kind, mode="prefill", use_fp8=fp8, deep_ep=deep_ep)

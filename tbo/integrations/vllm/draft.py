@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
-from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.fixes import fix_rotary_embeddings
 
 __all__ = ["DraftPass", "mtp_blocks"]

@@ -24,7 +24,7 @@ import torch
 from tbo.comm.alltoall import TorchDistributedBackend
 from tbo.comm.types import DispatchFormat
 from tbo.core.state import State
-from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.layers import VllmDecoderLayer
 
 __all__ = ["EpBackend", "EpDecoderLayer", "ep_group", "expert_parallel_size", "run_local_experts"]

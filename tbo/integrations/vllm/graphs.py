@@ -43,7 +43,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.config import TboVllmConfig
+from tbo.integrations.vllm.errors import config_error, refuse
 from tbo.integrations.vllm.step import Step
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 
@@ -70,18 +71,17 @@ def check_cudagraph_mode(vllm_config: Any, config: TboVllmConfig) -> None:
         why = ("PIECEWISE alone pads every step to a capture size, which tbo never splits, and its graphs are pieces "
                "of the compiled forward that tbo's split steps do not run" if name == "PIECEWISE" else
                "not a mode tbo knows")
-        raise TboConfigError(f"additional_config['tbo'] with compilation_config.cudagraph_mode={name!r}: not "
-                             f"supported ({why}); accepted: NONE, {', '.join(GRAPH_MODES)}, or enforce_eager=True")
+        refuse({"compilation_config.cudagraph_mode": name}, f"NONE, {', '.join(GRAPH_MODES)}, or enforce_eager=True",
+               why)
     dp = vllm_config.parallel_config.data_parallel_size
     if dp > 1:
-        raise TboConfigError(f"additional_config['tbo'] with compilation_config.cudagraph_mode={name!r} and "
-                             f"data_parallel_size={dp}: not supported (CUDA graphs of split steps are built for one "
-                             "data-parallel rank: with several, each step's padded size would first have to be "
-                             "agreed); accepted: cudagraph_mode NONE, or enforce_eager=True")
+        refuse({"compilation_config.cudagraph_mode": name, "data_parallel_size": dp},
+               "cudagraph_mode NONE, or enforce_eager=True", "CUDA graphs of split steps are built for one "
+               "data-parallel rank: with several, each step's padded size would first have to be agreed")
     if config.split == "adaptive":
-        raise TboConfigError(f"additional_config['tbo'] with split='adaptive' and compilation_config.cudagraph_mode="
-                             f"{name!r}: not supported (adaptive splitting chooses per step; a CUDA graph fixes the "
-                             "split per size); accepted: split='static', or cudagraph_mode NONE")
+        refuse({"split": "adaptive", "compilation_config.cudagraph_mode": name},
+               "split='static', or cudagraph_mode NONE",
+               "adaptive splitting chooses per step; a CUDA graph fixes the split per size")
 
 
 def check_graph_backend(backend: Any) -> None:
@@ -93,10 +93,10 @@ def check_graph_backend(backend: Any) -> None:
 
     if type(backend) is LocalBackend or getattr(backend, "capture_safe", False):
         return
-    raise TboConfigError(f"additional_config['tbo'] with a FULL compilation_config.cudagraph_mode: the decode steps' "
-                         f"backend {backend!r} cannot be captured in a CUDA graph (it reads the host inside a step); "
-                         "accepted: backend 'local' without a link, or backend 'deepep' with low-latency decode "
-                         "(deepep_decode 'low_latency'), or cudagraph_mode NONE")
+    raise config_error("a FULL compilation_config.cudagraph_mode", f"the decode steps' backend {backend!r} cannot be "
+                       "captured in a CUDA graph (it reads the host inside a step); accepted: backend 'local' without "
+                       "a link, or backend 'deepep' with low-latency decode (deepep_decode 'low_latency'), or "
+                       "cudagraph_mode NONE")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from tbo.comm.types import DispatchFormat, payload_refusal
 from tbo.core.state import State
 from tbo.integrations.vllm.backend import ModeBackends
 from tbo.integrations.vllm.compute import EAGER, Compute
-from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.quant import ExpertsCall, batch_dependent_scales
 from tbo.integrations.vllm.structure import layer_structure
 from tbo.models.layer_ops import ExpertParallelOps

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tbo.integrations.vllm.compute import EAGER, Compute
-from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.quant import kernel_problems
 
 __all__ = ["LayerStructure", "ModelEnds", "QUIRKS", "attention_and_ffn", "layer_structure", "model_ends",
