@@ -1,10 +1,10 @@
 """Speculative decoding through tbo: which ``speculative_config`` methods an engine with tbo admits.
 
-A verify step (the target model over each request's 1 + k tokens) is split by `tbo.integrations.vllm.step.decide`,
+A verify step (the target model over each request's 1 + k tokens) is split by `tbo.integrations.engine.step.decide`,
 between requests only; vLLM's rejection sampler and spec-decode metadata see the whole step, unchanged. A proposer
 that runs no model (``ngram``: prompt lookup on the host) has no draft pass to split. vLLM's MTP drafter runs a
 decoder layer with an MoE once per draft token: its forwards run through tbo's layer loop too, each split by a
-decision of its own (`tbo.integrations.vllm.draft`). The other proposers that run a model (EAGLE, a draft model, ...)
+decision of its own (`tbo.integrations.vllm.runner.draft`). The other proposers that run a model (EAGLE, a draft model, ...)
 would run it outside tbo's layer loop, so they are refused by name here rather than run unsplit behind a counter
 that says otherwise.
 """
@@ -26,7 +26,7 @@ ADMITTED_METHODS = {
 
 
 def runs_draft_pass(spec: Any) -> bool:
-    """Whether tbo runs the drafter's model (`tbo.integrations.vllm.draft.DraftPass`) for ``speculative_config``."""
+    """Whether tbo runs the drafter's model (`tbo.integrations.vllm.runner.draft.DraftPass`) for ``speculative_config``."""
     return spec is not None and getattr(spec, "method", None) == "mtp"
 
 

@@ -1,12 +1,12 @@
 """`TboEngine`: tbo installed on one vLLM model runner, and taken off again at shutdown.
 
 Installing changes four attributes of this runner and its model, all on the instances (no class is touched), and
-reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.fixes`):
+reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.model.fixes`):
 the inner model's ``forward`` becomes the tbo `LayerLoop` (only for the steps tbo splits where vLLM's own forward
 runs the others: compiled engines, and eager ones on one rank with the local backend,
-`tbo.integrations.vllm.compiled`); the runner's ``execute_model`` runs inside the scoped `RunnerPatches` (and, with
+`tbo.integrations.vllm.runner.forwards`); the runner's ``execute_model`` runs inside the scoped `RunnerPatches` (and, with
 a FULL ``cudagraph_mode``, its ``_warmup_and_capture`` captures tbo's split decode steps:
-`tbo.integrations.vllm.graphs`); its
+`tbo.integrations.vllm.step.graphs`); its
 ``initialize_metadata_builders`` makes one attention metadata builder per microbatch (vLLM's own code, seeing
 microbatching on) and asserts it did (`check_metadata_builders`, a named `MetadataBuilderError`); its ``shutdown``
 first takes tbo off (the instance attributes are deleted, so vLLM's own methods are what remains), logs the one
@@ -22,18 +22,19 @@ from typing import Any
 
 from tbo import strategies
 from tbo.core.errors import StrategyError
-from tbo.integrations.vllm.backend import backend_for, make_backend
-from tbo.integrations.vllm.compiled import StepForwards, is_compiled, vllm_graph_off, vllm_runs_unsplit
-from tbo.integrations.vllm.compute import EAGER, CompiledCompute
+from tbo.integrations.vllm.comm.backend import backend_for, make_backend
+from tbo.integrations.vllm.runner.forwards import StepForwards, is_compiled, vllm_graph_off, vllm_runs_unsplit
+from tbo.integrations.vllm.model.compute import EAGER, CompiledCompute
 from tbo.integrations.vllm.config import StrategyNames, TboConfigError, TboVllmConfig
-from tbo.integrations.vllm.fixes import fix_rotary_embeddings
-from tbo.integrations.vllm.forward import LayerLoop
-from tbo.integrations.vllm.layers import VllmDecoderLayer
-from tbo.integrations.vllm.patches import RunnerPatches, check_metadata_builders
-from tbo.integrations.vllm.quant import fp8_dispatch_for
-from tbo.integrations.vllm.spec import runs_draft_pass
-from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats, summary_line
-from tbo.integrations.vllm.structure import moe_dims, moe_runners
+from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings
+from tbo.integrations.vllm.runner.loop import LayerLoop
+from tbo.integrations.vllm.model.layers import VllmDecoderLayer
+from tbo.integrations.vllm.runner.patches import RunnerPatches, check_metadata_builders
+from tbo.integrations.vllm.model.quant import fp8_dispatch_for
+from tbo.integrations.vllm.admit.speculative import runs_draft_pass
+from tbo.integrations.vllm.stats import PROCESS_STATS
+from tbo.integrations.engine.stats import StatsFile, StepStats, summary_line
+from tbo.integrations.vllm.model.structure import moe_dims, moe_runners
 
 __all__ = ["TboEngine"]
 
@@ -76,7 +77,8 @@ class TboEngine:
         else:
             from vllm.platforms import current_platform
 
-            from tbo.integrations.vllm.ep import EpDecoderLayer, expert_parallel_size
+            from tbo.integrations.vllm.model.ep_layer import EpDecoderLayer
+            from tbo.integrations.vllm.comm.ep import expert_parallel_size
 
             num_experts, top_k = moe_dims(model.layers)  # the runners' own, whatever the config calls them
             if vllm_config.parallel_config.enable_expert_parallel:
@@ -103,7 +105,7 @@ class TboEngine:
             layer.counters = (step_stats, PROCESS_STATS)
         self.adaptive = None
         if config.split == "adaptive":  # the thresholds give way to measured step costs
-            from tbo.integrations.vllm.adaptive import LIVE, AdaptiveSteps
+            from tbo.integrations.vllm.step.adaptive import LIVE, AdaptiveSteps
 
             self.adaptive = AdaptiveSteps(config, names)
             LIVE.append(self.adaptive)
@@ -117,7 +119,7 @@ class TboEngine:
                               stats=step_stats, stats_file=stats_file, op_times=config.op_times,
                               agreed_rows=config.agreed_rows)
         self._model = model
-        #: the ops' tensor work and the final norm: compiled in a compiled engine (`tbo.integrations.vllm.compute`),
+        #: the ops' tensor work and the final norm: compiled in a compiled engine (`tbo.integrations.vllm.model.compute`),
         #: as they are otherwise
         self.compute = EAGER
         if is_compiled(model):
@@ -135,8 +137,8 @@ class TboEngine:
         if self.rotary_fix:
             logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform "
                            "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
-                           "tbo.integrations.vllm.fixes", len(self.rotary_fix))
-        #: which forward each step runs, where vLLM's own runs the unsplit ones (`tbo.integrations.vllm.compiled`):
+                           "tbo.integrations.vllm.model.fixes", len(self.rotary_fix))
+        #: which forward each step runs, where vLLM's own runs the unsplit ones (`tbo.integrations.vllm.runner.forwards`):
         #: engines, compiled or eager, whose unsplit step vLLM's forward computes as tbo's loop would
         self.forwards = None
         #: a compiled engine whose every step runs the loop: vLLM's ``do_not_compile`` to put back (its graph of the
@@ -152,18 +154,19 @@ class TboEngine:
         elif self.compute.compiled:
             self._graph_off = vllm_graph_off(model)
         #: a FULL ``cudagraph_mode``: CUDA graphs of split decode steps, captured and replayed by vLLM's own
-        #: ``CUDAGraphWrapper`` (`tbo.integrations.vllm.graphs`); None otherwise (a CPU: vLLM's mode is NONE there)
+        #: ``CUDAGraphWrapper`` (`tbo.integrations.vllm.step.graphs`); None otherwise (a CPU: vLLM's mode is NONE there)
         self.graphs = None
         if full_graphs:
-            from tbo.integrations.vllm.graphs import SplitGraphs, check_graph_backend
+            from tbo.integrations.vllm.step.graphs import SplitGraphs
+            from tbo.integrations.vllm.admit.graphs import check_graph_backend
 
             if self.backend is not None:  # what the captured decode steps dispatch through
                 check_graph_backend(backend_for(self.backend, "decode"))
             self.graphs = self.patches.graphs = SplitGraphs(self.patches.policy, (step_stats, PROCESS_STATS))
-        #: speculative decoding with MTP: the drafter's forwards through tbo too (`tbo.integrations.vllm.draft`)
+        #: speculative decoding with MTP: the drafter's forwards through tbo too (`tbo.integrations.vllm.runner.draft`)
         self.draft = None
         if runs_draft_pass(vllm_config.speculative_config):
-            from tbo.integrations.vllm.draft import DraftPass
+            from tbo.integrations.vllm.runner.draft import DraftPass
 
             self.draft = DraftPass(runner, self.backend, tp,
                                    lambda layers, mode: self._bind(getattr(names, mode), top_k, mode, layers),
@@ -172,7 +175,7 @@ class TboEngine:
                                    fp8_dispatch=self.fp8_dispatch)
         self._install()
         if vllm_config.parallel_config.data_parallel_size > 1:
-            from tbo.integrations.vllm.dp import install_data_parallel
+            from tbo.integrations.vllm.runner.dp import install_data_parallel
 
             install_data_parallel(self)
         logger.info("tbo: %s layers (%d MoE here) through strategies %s / %s, backend %r, %s", len(self.layers),
@@ -280,7 +283,7 @@ class TboEngine:
             except Exception:  # noqa: BLE001 - a diagnostic
                 logger.exception("tbo: the summary line failed")
             if self.adaptive is not None:
-                from tbo.integrations.vllm.adaptive import LIVE
+                from tbo.integrations.vllm.step.adaptive import LIVE
 
                 if self.adaptive in LIVE:
                     LIVE.remove(self.adaptive)

@@ -17,7 +17,7 @@ constants, not by identity (`_module_key`: the module's type, its printed sizes 
 shapes; parameters are graph inputs, so one graph serves every layer alike, and a 60-layer model compiles as few
 graphs as a 3-layer one). vLLM's attention calls name their layer through vLLM's ``LayerName``, an opaque value
 torch lifts as a graph input, so the attention call is layer-agnostic too. Each key compiles once: the engine's keys
-are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in `tbo.integrations.vllm.stats`, beside
+are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in `tbo.integrations.engine.stats`, beside
 ``op_compiles``), fixed at engine start and independent of the plan shapes and the steps. Dynamo's other guards stay
 (`_Graph`) for each caller's first call: a module constant the key does not see (a layer without rotary, say)
 compiles one graph more, counted and logged, never runs another layer's graph. That first call settles which graph
@@ -25,7 +25,7 @@ the caller runs, and its later calls run it directly: dynamo's transformed code 
 function (vLLM runs its own graph so, through dynamo's bytecode hook), without torch.compile's per-call wrapper and
 guard checks, which cost about 10 µs a call here, some 60 calls per 4-layer split step (``guarded_op_calls`` counts
 the calls that went through the guards: none in serving). vLLM's warm-up compiles them all, at the warm-up's full
-token count, as it compiles its own graph (`tbo.integrations.vllm.compiled.StepForwards.warming_up`; an engine
+token count, as it compiles its own graph (`tbo.integrations.vllm.runner.forwards.StepForwards.warming_up`; an engine
 whose every step runs the loop runs it in its warm-up anyway), and so settles every caller.
 
 What stays eager: the router's gate GEMM (one GEMM, nothing to fuse), the transfers, and everything tbo does between
@@ -94,7 +94,7 @@ def route(router: Any, hidden: torch.Tensor, logits: torch.Tensor,
 
 def experts(call: Any, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """vLLM's fused-MoE experts kernel on NORMAL rows (each row's weighted sum over its top-k experts), through the
-    layer's quant method (``call``: its `tbo.integrations.vllm.quant.ExpertsCall`)."""
+    layer's quant method (``call``: its `tbo.integrations.vllm.model.quant.ExpertsCall`)."""
     return call.local(hidden, ids, weights)
 
 
@@ -214,7 +214,7 @@ class _Graph:
     first call ran, directly (`_settle`); a caller's modules and the kinds of its arguments do not change between
     its calls (only their token counts, which no guard checks), so its first call's guards hold for them all. A call
     with fewer than two tokens before the graph exists runs the function eagerly (the engine's warm-up compiles
-    every key at its full token count first: `tbo.integrations.vllm.compiled.StepForwards.warming_up`)."""
+    every key at its full token count first: `tbo.integrations.vllm.runner.forwards.StepForwards.warming_up`)."""
 
     def __init__(self, owner: CompiledCompute, name: str) -> None:
         import torch._dynamo

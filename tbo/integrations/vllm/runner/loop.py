@@ -23,12 +23,13 @@ import torch
 
 from tbo.comm.devices import no_host_reads
 from tbo.core.observer import as_observer
-from tbo.integrations.vllm.backend import select_backend
-from tbo.integrations.vllm.compute import EAGER, Compute
-from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
-from tbo.integrations.vllm.patches import RunnerPatches
-from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
-from tbo.integrations.vllm.structure import model_ends
+from tbo.integrations.vllm.comm.backend import select_backend
+from tbo.integrations.vllm.model.compute import EAGER, Compute
+from tbo.integrations.vllm.runner.contexts import ContextSwitcher, microbatch_contexts
+from tbo.integrations.vllm.runner.patches import RunnerPatches
+from tbo.integrations.vllm.stats import PROCESS_STATS
+from tbo.integrations.engine.stats import StatsFile, StepStats
+from tbo.integrations.vllm.model.structure import model_ends
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.runtime.op_times import OpTimes
 from tbo.split.plan import MicrobatchSlice
@@ -57,7 +58,7 @@ class LayerLoop:
         self.patches, self.vllm_config = patches, vllm_config
         #: the model's own start and end around the layers (its embedding, its final norm; Granite's multipliers)
         self.ends = model_ends(model, layers)
-        #: the functions the final norm runs through, as the layers' ops do (`tbo.integrations.vllm.compute`): the
+        #: the functions the final norm runs through, as the layers' ops do (`tbo.integrations.vllm.model.compute`): the
         #: modules as they are, or a compiled engine's compiled functions (set by the engine)
         self.compute: Compute = EAGER
         self.stats = StepStats() if stats is None else stats
@@ -76,7 +77,7 @@ class LayerLoop:
 
         hidden = self.ends.start(input_ids, inputs_embeds)
         step = self.patches.step  # None in profiling and warm-up runs: they run unsplit, uncounted
-        dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.dp`)
+        dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.step.agree`)
         if dp is not None and dp.all_idle:  # every DP rank idle: nobody needs a dispatch
             return self._skip_idle(hidden)
         plan = step.plan if step is not None else None
@@ -148,7 +149,7 @@ class LayerLoop:
                                self.stats_file.path, message)
 
     def count_traffic(self, backend: Any) -> None:
-        """Data parallel (`tbo.integrations.vllm.dp.install_data_parallel`): count ``backend``'s ``remote_rows`` and
+        """Data parallel (`tbo.integrations.vllm.runner.dp.install_data_parallel`): count ``backend``'s ``remote_rows`` and
         ``count_exchanges`` in the stats of every counted step."""
         self.traffic = backend
 

@@ -6,7 +6,7 @@ data-parallel rank it never sets it. For the duration of one ``execute_model`` c
 profiling and warm-up runs), `RunnerPatches.step`:
 
 * shadows the runner's ``_determine_batch_execution_and_padding`` on this runner instance: vLLM's own result,
-  with ``should_ubatch`` replaced by tbo's decision (`tbo.integrations.vllm.step.decide`), which also honours
+  with ``should_ubatch`` replaced by tbo's decision (`tbo.integrations.engine.step.decide`), which also honours
   vLLM's prefix-cache veto (``_allow_microbatching``, asked as if vLLM's microbatching were on);
 * routes ``maybe_create_ubatch_slices`` in the model runner's module to the runner in scope, so that its slices
   are tbo's plan.
@@ -17,7 +17,7 @@ with a dispatcher (`_SlicesDispatch`) that finds the runner in scope on the call
 vLLM's own function), and vLLM's function is put back when the last scope of the process leaves. Scopes nest (a
 dummy run inside ``execute_model``). With data parallel, the dummy runs (profiling, warm-up, an idle
 rank's steps) are patched the same way (`dummy_scope`), and every step's decision is first agreed with the other DP
-ranks (``agree``, `tbo.integrations.vllm.dp`). `RunnerPatches.microbatching` shows vLLM's own code the
+ranks (``agree``, `tbo.integrations.vllm.step.agree`). `RunnerPatches.microbatching` shows vLLM's own code the
 runner's parallel config as it is with microbatching on, for two calls only: creating the attention metadata
 builders (one per microbatch, as vLLM's DBO has) and vLLM's prefix-cache veto; `check_metadata_builders` then
 asserts that every attention group got one builder of its own per microbatch (GPU builders keep persistent buffers:
@@ -32,7 +32,8 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from tbo.integrations.vllm.step import Step, decide, ubatch_slices
+from tbo.integrations.engine.step import Step, decide
+from tbo.integrations.vllm.step.slices import ubatch_slices
 from tbo.split import ForwardMode, SplitPolicy
 
 __all__ = ["MetadataBuilderError", "RunnerPatches", "check_metadata_builders"]
@@ -140,25 +141,25 @@ class RunnerPatches:
         self._signature = inspect.signature(self._determine_vllm)
         self._step: Step | None = None
         #: called with each step as it is decided, and with None when the step is over (where vLLM runs unsplit steps:
-        #: `tbo.integrations.vllm.compiled.StepForwards.on_step` picks the forward the step runs)
+        #: `tbo.integrations.vllm.runner.forwards.StepForwards.on_step` picks the forward the step runs)
         self.on_step: Callable[[Step | None], None] | None = None
         self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
         #: data parallel: settles each step with the other DP ranks (``agree(step, vetoed) -> Step``) and runs vLLM's
-        #: DP batch coordination for it (``agree.coordinate``): `tbo.integrations.vllm.dp.StepAgreementHook`, given by
+        #: DP batch coordination for it (``agree.coordinate``): `tbo.integrations.vllm.step.agree.StepAgreementHook`, given by
         #: `agree_with_peers`; None: this engine decides alone
         self.agree: Any = None
         self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
-        #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.adaptive`)
+        #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.step.adaptive`)
         self.adaptive = adaptive
         #: a FULL ``cudagraph_mode``: the split graphs, which settle the steps vLLM dispatches to them
-        #: (`tbo.integrations.vllm.graphs.SplitGraphs`); None: no CUDA graphs of split steps
+        #: (`tbo.integrations.vllm.step.graphs.SplitGraphs`); None: no CUDA graphs of split steps
         self.graphs: Any = None
         self._fixed: Step | None = None  #: inside a split graph's capture (`fixed`): the step every decision returns
 
     def agree_with_peers(self, agree: Any) -> None:
-        """Data parallel, the one place it plugs in here (`tbo.integrations.vllm.dp.install_data_parallel`): every
+        """Data parallel, the one place it plugs in here (`tbo.integrations.vllm.runner.dp.install_data_parallel`): every
         step's decision, the dummy runs' included, is first settled with the other DP ranks by ``agree`` (a
-        `tbo.integrations.vllm.dp.StepAgreementHook`), and vLLM's own decision runs through ``agree.coordinate``
+        `tbo.integrations.vllm.step.agree.StepAgreementHook`), and vLLM's own decision runs through ``agree.coordinate``
         (its DP batch coordination answered from the agreement, or its all-reduce under the agreement's deadline)."""
         self.agree = agree
 
@@ -196,7 +197,7 @@ class RunnerPatches:
 
     @contextmanager
     def fixed(self, step: Step) -> Iterator[None]:
-        """Patch for one call of vLLM's (a CUDA graph's warm-ups and capture: `tbo.integrations.vllm.graphs`), every
+        """Patch for one call of vLLM's (a CUDA graph's warm-ups and capture: `tbo.integrations.vllm.step.graphs`), every
         step in it decided as ``step``."""
         self._fixed = step
         try:
@@ -278,7 +279,7 @@ class RunnerPatches:
             step, vetoed = self._decide(bound, allowed, num_tokens), not allowed
         step = self.step = self.agree(step, vetoed)  # type: ignore[misc]
         # vLLM's own DP batch coordination: answered from the agreement, or its all-reduce under the agreement's
-        # deadline (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`)
+        # deadline (`tbo.integrations.vllm.step.agree.StepAgreementHook.coordinate`)
         cudagraph_mode, batch_desc, _, across_dp, cg_stats = self.agree.coordinate(  # type: ignore[union-attr]
             self._determine_vllm, *args, **kwargs)
         if step.plan is not None and batch_desc.num_tokens != num_tokens:
