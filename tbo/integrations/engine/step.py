@@ -80,7 +80,7 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
     runner will run (a padded step is not split: its microbatches would not be the plan's token ranges).
     ``cascade``: the step uses cascade attention, whose shared-prefix metadata spans every request of the step;
     vLLM's DBO turns it off while microbatching, and a step that has it is not split here. (vLLM 0.32 removed
-    cascade attention and always passes False; the veto stays for runners that still pass True.)
+    cascade attention: its integration passes none; the rule stays for an engine whose runner still has it.)
     ``drafts``: speculative decoding, each request's draft tokens to verify this step (None or all 0: none).
     """
     lens = [int(n) for n in scheduled]

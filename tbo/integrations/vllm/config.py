@@ -138,8 +138,8 @@ class TboVllmConfig(BaseModel):
         if isinstance(self.strategy, StrategyNames):
             return self.strategy
         if self.strategy == "auto":
-            family = "deepseek" if shared_experts else "qwen3_moe"
-            return StrategyNames(decode=f"{family}_decode", prefill=f"{family}_prefill")
+            shape = "deepseek" if shared_experts else "qwen3_moe"  # the strategies' shape, not the model's name
+            return StrategyNames(decode=f"{shape}_decode", prefill=f"{shape}_prefill")
         return StrategyNames(decode=self.strategy, prefill=self.strategy)
 
 

@@ -70,9 +70,9 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
         from tbo.integrations.vllm.admit.checks import check_engine
         from tbo.integrations.vllm.runner.engine import TboEngine
 
-        family = check_engine(self.vllm_config, config, vllm.__version__, current_platform.device_type)
+        architecture = check_engine(self.vllm_config, config, vllm.__version__, current_platform.device_type)
         result = original(self, *args, **kwargs)
-        TboEngine(self, config, family)
+        TboEngine(self, config, architecture)
         return result
 
     setattr(load_model, _MARK, True)

@@ -1,4 +1,4 @@
-"""What tbo did in this process's vLLM engines: `stats` sums the counters of every live engine (`ENGINES`).
+"""What tbo did in this process's vLLM engines: `stats` sums every engine's own counters over `ENGINES`.
 
 Without them nobody, a test included, could tell a run that overlapped from one that silently never split. The
 counters live in the process that runs the model: the engine's own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tbo.integrations.engine.stats import StepStats
+from tbo.integrations.engine.stats import StatsRegistry
 
-__all__ = ["PROCESS_STATS", "reset_stats", "stats"]
+__all__ = ["ENGINES", "reset_stats", "stats"]
 
-
-#: every engine in this process adds to these
-PROCESS_STATS = StepStats()
+#: this process's vLLM engines' stats: each engine registers its own when it starts, and retires them when it closes
+ENGINES = StatsRegistry()
 
 
 def stats() -> dict[str, Any]:
@@ -38,17 +37,13 @@ def stats() -> dict[str, Any]:
     ``op_compile_bound`` (the most there can be), ``compiled_op_calls`` and ``guarded_op_calls`` (those through
     dynamo's guards); with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
     choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
-    out = PROCESS_STATS.as_dict()
-    from tbo.integrations.vllm.step.adaptive import LIVE
-
-    if LIVE:
-        out["adaptive"] = [engine.report() for engine in LIVE]
+    out = ENGINES.total().as_dict()
+    reports = ENGINES.reports()
+    if reports:
+        out["adaptive"] = reports
     return out
 
 
 def reset_stats() -> None:
     """Zero this process's counters (the engines' own, behind their shutdown lines, are kept)."""
-    # properties of the engines, not counters
-    fresh = StepStats(ep_size=PROCESS_STATS.ep_size, op_compile_bound=PROCESS_STATS.op_compile_bound)
-    for name, value in vars(fresh).items():
-        setattr(PROCESS_STATS, name, value)
+    ENGINES.reset()

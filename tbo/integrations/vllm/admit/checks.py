@@ -62,7 +62,7 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
     """
     check_vllm_version(vllm_version)
     model = vllm_config.model_config
-    family = family_of(getattr(model.hf_config, "architectures", None))
+    architecture = family_of(getattr(model.hf_config, "architectures", None))
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size != 1:
         refuse({"pipeline_parallel_size": par.pipeline_parallel_size}, "1", "tbo runs the whole layer stack of one rank as one overlapped loop")
@@ -97,7 +97,7 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
         from tbo.integrations.vllm.afd.config import check_afd_engine
 
         check_afd_engine(vllm_config, config)
-    return family
+    return architecture
 
 
 def check_quantization(quantization: str | None, config: Any) -> None:

@@ -47,6 +47,8 @@ from typing import Any, Callable
 
 import torch
 
+from tbo.integrations.engine.stats import StepStats
+
 __all__ = ["COMPILED", "CompiledCompute", "Compute", "EAGER"]
 
 
@@ -148,14 +150,18 @@ logger = logging.getLogger("vllm.tbo")
 class CompiledCompute(Compute):
     """The functions compiled, one graph per graph key (see the module docstring), for the engine whose ``callers``
     (its layers and its model's ends, each with a ``compute_keys()``) call them, with vLLM's backend and inductor
-    options from ``compilation_config``. `compiles` counts the graphs traced per function; each of ``counters``
-    (`StepStats`) counts them (``op_compiles``) and the calls that ran compiled (``compiled_op_calls``)."""
+    options from ``compilation_config``. `compiles` counts the graphs traced per function; ``counters`` (the engine's
+    `StepStats`, one) counts them (``op_compiles``) and the calls that ran compiled (``compiled_op_calls``): one
+    count per call, nothing fanned out on the op's path."""
 
     compiled = True
 
     def __init__(self, compilation_config: Any, callers: list[Any], counters: tuple[Any, ...] = ()) -> None:
         super().__init__()
-        self.counters = counters
+        if len(counters) > 1:
+            raise ValueError("the compiled ops count into one engine's StepStats")
+        #: the engine's stats (a private one where none is given)
+        self.stats = counters[0] if counters else StepStats()
         backend = compilation_config.backend or "inductor"
         #: vLLM's inductor options, less what its own wrapper adds for dynamo (it writes into the same dict)
         self.options = {k: v for k, v in dict(compilation_config.inductor_compile_config).items()
@@ -239,8 +245,7 @@ class _Graph:
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         owner, name = self.owner, self.name
         owner.compiles[name] += 1  # every graph dynamo traces of this key's function, a recompilation included
-        for s in owner.counters:
-            s.op_compiles += 1
+        owner.stats.op_compiles += 1
         if owner.compiles[name] == owner.bounds[name] + 1:
             logger.warning("tbo: compiled op function %r traced graph %d, past its bound of %d (a module constant "
                            "tbo's graph keys do not see): see op_compiles in stats()", name, owner.compiles[name],
@@ -262,8 +267,7 @@ class _Graph:
             if not self.ready and args[self.dynamic[0]].shape[0] < 2:
                 return self._eager(args)
             run = self._guarded
-        for s in self.owner.counters:
-            s.compiled_op_calls += 1
+        self.owner.stats.compiled_op_calls += 1
         return run(*args)
 
     def _eager(self, args: tuple[Any, ...]) -> Any:
@@ -278,8 +282,7 @@ class _Graph:
         """The call through torch.compile: dynamo checks the guards of the graphs it has and runs the one that
         passes, or traces and compiles one (the first call of a key, or a module constant the key does not see).
         A caller's first call settles which graph its later calls run (`_settle`)."""
-        for s in self.owner.counters:
-            s.guarded_op_calls += 1
+        self.owner.stats.guarded_op_calls += 1
         if not self.ready:
             for i in self.dynamic:  # the token dimension, as vLLM marks its graph's inputs
                 arg = args[i]

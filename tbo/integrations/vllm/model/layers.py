@@ -61,7 +61,8 @@ def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool
 class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
-    counters: tuple[Any, ...] = ()  #: the `StepStats` that count local_ffn_calls (the engine sets them)
+    #: the engine's `StepStats`, which count local_ffn_calls (the engine sets them; None: not counted)
+    stats: Any = None
     #: the ops' tensor work (`tbo.integrations.vllm.model.compute`): as it is, or compiled in a compiled engine (the engine
     #: sets it)
     compute: Compute = EAGER
@@ -198,8 +199,19 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))  # its down projection all-reduces over TP
 
     def _count_ffn(self) -> None:
-        for s in self.counters:
-            s.local_ffn_calls += 1
+        if self.stats is not None:
+            self.stats.local_ffn_calls += 1
+
+    @property
+    def counters(self) -> tuple[Any, ...]:
+        """`stats` as a tuple of the one `StepStats` it is (none: not counted)."""
+        return () if self.stats is None else (self.stats,)
+
+    @counters.setter
+    def counters(self, counters: tuple[Any, ...]) -> None:
+        if len(counters) > 1:
+            raise ValueError("a layer counts into one engine's StepStats")
+        self.stats = counters[0] if counters else None
 
     # ---- MoE: router, dispatch, experts, combine ---------------------------------------------------------------
     def op_gate(self, state: State) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.vllm.comm.bounded import call_bounded
 from tbo.integrations.vllm.step.agree import StepAgreementHook, agreement_config
 
@@ -30,28 +31,25 @@ def bounded_engine_sync(core: Any, timeout_s: float, call: Any, local_unfinished
                         call, core, local_unfinished or pending, label=f"rank {core.dp_rank}")
 
 
-def install_data_parallel(engine: Any) -> None:
+def install_data_parallel(engine: Any, undo: UndoStack) -> None:
     """Make ``engine`` (a `TboEngine` on a DP+EP runner) agree on every step with the other DP ranks: the real
     steps (its ``execute_model``) and the dummy ones (``_dummy_run``: profiling, warm-up, and an idle rank's steps
-    while its peers work), and count ``ep_size`` and ``remote_rows`` in its stats."""
+    while its peers work), and count ``ep_size`` and ``remote_rows`` in its stats. Each change registers its undo on
+    ``undo`` (the runner's methods go back to what they were: the engine's own wrappers)."""
     import functools
 
+    from vllm.config import CUDAGraphMode
     from vllm.distributed import get_dp_group
 
-    from tbo.integrations.vllm.stats import PROCESS_STATS
-
     runner, patches, loop = engine.runner, engine.patches, engine.loop
-    from vllm.config import CUDAGraphMode
-
     agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group, engine.config.comm_timeout_s,
                               agreement_config(engine), adaptive=engine.adaptive,
                               merges_coordination=runner.compilation_config.cudagraph_mode == CUDAGraphMode.NONE,
-                              stats=(loop.stats, PROCESS_STATS))
-    patches.agree_with_peers(agree)
-    for s in (loop.stats, PROCESS_STATS):
-        s.ep_size = engine.ep_size
-    loop.count_traffic(engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",
-                                                                                              None))
+                              stats=(engine.stats,))
+    undo.set_attr(engine.decider, "agree", agree)  # every step's decision first settled with the other DP ranks
+    engine.stats.ep_size = engine.ep_size
+    undo.set_attr(loop, "traffic", engine.backend if hasattr(engine.backend, "remote_rows")
+                  else getattr(engine.backend, "inner", None))
     execute, dummy_run = runner.execute_model, runner._dummy_run
     serving = [False]  # dummy runs before the first real step are profiling and warm-up: not counted
 
@@ -65,4 +63,5 @@ def install_data_parallel(engine: Any) -> None:
         with patches.dummy_scope("idle" if serving[0] else "warmup"):
             return dummy_run(*args, **kwargs)
 
-    runner.execute_model, runner._dummy_run = execute_model, _dummy_run
+    undo.set_attr(runner, "execute_model", execute_model)
+    undo.set_attr(runner, "_dummy_run", _dummy_run)

@@ -184,7 +184,7 @@ class DraftPass:
         from vllm.v1.worker.ubatch_utils import split_attn_metadata
 
         from tbo.integrations.vllm.runner.contexts import microbatch_context
-        from tbo.integrations.vllm.step.slices import ubatch_slices
+        from tbo.integrations.vllm.step.batch import ubatch_slices
 
         contexts = []
         for k, (mb, part) in enumerate(zip(plan.microbatches, split_attn_metadata(ubatch_slices(plan), cad))):

@@ -31,10 +31,7 @@ from tbo.split import SplitPolicy
 from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, prior_from_policy
 from tbo.split.agree import StepAgreement
 
-__all__ = ["AdaptiveSteps", "LIVE"]
-
-#: the adaptive policies of this process's engines (`tbo.integrations.vllm.stats.stats` reports them)
-LIVE: list["AdaptiveSteps"] = []
+__all__ = ["AdaptiveSteps"]
 
 
 class AdaptiveSteps:

@@ -32,6 +32,7 @@ from tbo.core.errors import CommTimeoutError
 from tbo.integrations.engine.step import Step, microbatch_rows
 from tbo.integrations.vllm.comm.bounded import call_bounded
 from tbo.integrations.vllm.errors import refuse
+from tbo.integrations.vllm.step.batch import VllmDecision
 from tbo.split import ForwardMode
 from tbo.split.agree import MAX_AGREED_MICROBATCHES, AgreedConfig, StepVote, agree_step
 from tbo.split.index import Cut
@@ -142,10 +143,11 @@ class StepAgreementHook:
         from vllm.v1.worker.dp_utils import skip_dp_coordination
 
         with skip_dp_coordination():
-            cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats = determine(*args, **kwargs)
-        if across_dp is not None:  # what vLLM's all-reduce gives without padding: each rank's own count
-            across_dp = torch.tensor(counts, dtype=torch.int32)
-        return cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats
+            decision = VllmDecision.of(determine(*args, **kwargs))
+        if decision.across_dp is None:
+            return decision.as_tuple()
+        # what vLLM's all-reduce gives without padding: each rank's own count
+        return replace(decision, across_dp=torch.tensor(counts, dtype=torch.int32)).as_tuple()
 
 
 def agreement_config(engine: Any) -> dict[str, Any]:
@@ -167,7 +169,7 @@ def agreement_config(engine: Any) -> dict[str, Any]:
         **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
         "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "
                           f"{getattr(backend, 'num_experts', None)} experts over {getattr(backend, 'num_ranks', None)}",
-        "model": f"{engine.family} hidden {hf.hidden_size}, top-{hf.num_experts_per_tok}, "
+        "model": f"{engine.architecture} hidden {hf.hidden_size}, top-{hf.num_experts_per_tok}, "
                  f"{len(engine.layers)} layers, {vllm_config.model_config.dtype}",
     }
 
