@@ -77,6 +77,9 @@ class TboEngine:
         self.afd: Any = None
         self.adaptive: Any = None
         self.forwards: StepForwards | None = None
+        #: a compiled engine whose every step runs the loop: what puts vLLM's ``do_not_compile`` back (its graph of
+        #: the whole model is never compiled: no step would run it)
+        self._graph_off: Any = None
         self.graphs: Any = None
         self.draft: Any = None
         self.loop: LayerLoop | None = None
@@ -215,11 +218,17 @@ class TboEngine:
             self.forwards = StepForwards(model, self.loop, (self.stats,))
             self.undo.push("the per-step forward", self.forwards.close)
         elif self.compute.compiled:
-            self.undo.push("vLLM's do_not_compile", vllm_graph_off(model))
+            self._graph_off = vllm_graph_off(model)
+            self.undo.push("vLLM's do_not_compile", self._graph_on)
         if full_graphs:
             if self.backend is not None:  # what the captured decode steps dispatch through
                 check_graph_backend(backend_for(self.backend, "decode"))
             self.graphs = self.decider.graphs = SplitGraphs(self.decider.policy, (self.stats,))
+
+    def _graph_on(self) -> None:
+        """Put vLLM's ``do_not_compile`` back (the undo of `vllm_graph_off`)."""
+        restore, self._graph_off = self._graph_off, None
+        restore()
 
     def _build_draft(self) -> None:
         """Speculative decoding with MTP: the drafter's forwards through tbo too (`tbo.integrations.vllm.runner.
