@@ -23,7 +23,7 @@ downloaded. On 2 shared cores timing is noisy: run it several times and report t
 side in one run: compiled tbo unsplit against compiled vLLM (target: within 3%; without a link tbo's unsplit steps
 run vLLM's graph), compiled tbo split against compiled tbo unsplit over the emulated link (target: at least eager
 tbo's split-over-unsplit figure over the same link; over a link every step runs tbo's loop, its ops compiled:
-`tbo.integrations.vllm.compute`), and compiled against eager tbo. Each engine's compiled-op graphs are printed with
+`tbo.integrations.vllm.model.compute`), and compiled against eager tbo. Each engine's compiled-op graphs are printed with
 their bound. A compiled engine warms up for about a minute on 2 cores (less from vLLM's compile cache).
 
 ``--speculative ngram`` measures verify steps instead: ngram speculative decoding over prompts that repeat n-grams

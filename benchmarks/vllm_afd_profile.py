@@ -64,7 +64,7 @@ _ENGINE_OPS = ("comm_prepare_attn", "attn_prepare", "attn_core", "comm_prepare_m
 def patch_engine(events: list) -> None:
     """Time every op of `VllmAFDLayer` and every model forward, in this (the engine's) process."""
     from tbo.integrations.vllm.afd.attention import VllmAFDLayer
-    from tbo.integrations.vllm.forward import LayerLoop
+    from tbo.integrations.vllm.runner.loop import LayerLoop
 
     def timed(name, fn):
         def wrapper(self, state, *a, **k):

@@ -156,6 +156,112 @@ def test_imports_point_down(path: Path):
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
+#: The vLLM integration is a room of sub-packages by concern, ordered too: a unit (a sub-package, or a module at the
+#: room's top) imports only units on a lower row, and itself. `tbo.integrations.engine` (what every engine integration
+#: shares: the step rules, the counters, the undo stack) sits below the room and imports no engine.
+VLLM_ROOM = "tbo.integrations.vllm"
+VLLM_ORDER = [
+    (("errors",), "TboConfigError and refuse(): the one message shape"),
+    (("afd.config",), "the AFD keys of the schema (no vLLM)"),
+    (("config",), "the additional_config['tbo'] schema (no vLLM)"),
+    (("stats",), "the process registry of the engines' stats"),
+    (("comm",), "backends, vLLM's expert-parallel group, bounded collectives"),
+    (("model",), "structure discovery, the layer adapter, experts and quantization, compute, the rotary fix"),
+    (("step",), "the step pipeline: decider, graphs, adaptive, DP agreement, vLLM's decision tuple"),
+    (("admit",), "every check before the weights load, and the catalog"),
+    (("afd",), "attention-FFN disaggregation inside vLLM (reuses tbo.afd)"),
+    (("runner",), "the engine built on a runner in undoable steps, patches, layer loop, forwards, DP, MTP draft"),
+    (("plugin",), "the entry point"),
+    (("__init__",), "the package's front door"),
+]
+_VLLM_ROW = {unit: row for row, (units, _) in enumerate(VLLM_ORDER) for unit in units}
+ENGINE_COMMON = "tbo.integrations.engine"
+INTEGRATION_MODULES = sorted((PACKAGE / "integrations").rglob("*.py"))
+ROOM_MODULES = [p for p in INTEGRATION_MODULES if _module_name(p).startswith(VLLM_ROOM)]
+
+
+def _room_unit(module: str) -> str | None:
+    """The unit of the vLLM room that ``module`` belongs to (None: outside the room)."""
+    if module == VLLM_ROOM:
+        return "__init__"
+    if not module.startswith(VLLM_ROOM + "."):
+        return None
+    parts = module[len(VLLM_ROOM) + 1:].split(".")
+    if parts[:2] == ["afd", "config"]:
+        return "afd.config"
+    return parts[0]
+
+
+def test_the_vllm_room_order_names_every_unit():
+    units = {_room_unit(_module_name(p)) for p in ROOM_MODULES}
+    assert units == set(_VLLM_ROW), f"every unit of {VLLM_ROOM} has exactly one row in VLLM_ORDER: {units ^ set(_VLLM_ROW)}"
+    subpackages = {p.parent.name for p in ROOM_MODULES if p.parent.name != "vllm"}
+    assert len(subpackages) >= 4, subpackages
+
+
+@pytest.mark.parametrize("path", ROOM_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_vllm_room_imports_point_down(path: Path):
+    here = _room_unit(_module_name(path))
+    broken = [f"line {line}: {here} imports {target} ({_room_unit(target)}), not below it in VLLM_ORDER"
+              for line, target in _imports(path)
+              if _room_unit(target) not in (None, here) and _VLLM_ROW[_room_unit(target)] >= _VLLM_ROW[here]]
+    assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "integrations" / "engine").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_what_every_engine_shares_imports_no_engine(path: Path):
+    engines = [(line, t) for line, t in _imports(path)
+               if t.split(".")[0] in ("vllm", "sglang") or t.startswith(VLLM_ROOM) or t.startswith("tbo.integrations.")
+               and not t.startswith(ENGINE_COMMON)]
+    assert not engines, f"{path.relative_to(ROOT)} imports an engine: {engines}"
+
+
+def test_no_import_circle_in_the_integrations():
+    """No module of tbo.integrations reaches itself through imports (function-level ones included)."""
+    graph = {_module_name(p): {t for _, t in _imports(p) if t.startswith("tbo.integrations")} for p in INTEGRATION_MODULES}
+    for module, targets in graph.items():  # `from tbo.integrations.vllm import x` names the package: its module
+        graph[module] = {t for t in targets if t in graph and t != module}
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+@pytest.mark.parametrize("path", ROOM_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_vllm_room_has_small_modules_and_functions(path: Path):
+    """No module of the room over 400 lines, no function over 80: one idea each."""
+    text = path.read_text()
+    assert len(text.splitlines()) <= 400, f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines"
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(text))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, f"{path.relative_to(ROOT)}: {long}"
+
+
 def test_rows_agree_with_the_allowed_imports():
     """The drawing cannot claim an order the checker does not enforce: no layer imports one on its row or above."""
     assert sorted(layer for row in LAYER_ROWS for layer in row) == sorted(set(LAYER_OF.values()) - {"api"})

@@ -18,7 +18,7 @@ They follow DeepEP's own rules, because TBO only works if they do:
   else), so ``combine_a`` casts the experts' output to BF16: with FP8 dispatch `run_experts` returns float32.
 * **FP8 rows quantised by the caller**: normal mode (and V2) also take ``hidden`` as an FP8 ``(rows, scales)``
   pair, sent as is (DeepEP's ``x`` may be that tuple): the caller's experts then receive the very bits their own
-  quantiser produced (`tbo.integrations.vllm.quant`: vLLM's, under the layer's quant config), as vLLM's own DeepEP
+  quantiser produced (`tbo.integrations.vllm.model.quant`: vLLM's, under the layer's quant config), as vLLM's own DeepEP
   prepare sends them. ``use_fp8`` quantises a plain tensor with `tbo.comm.fp8` instead.
 * **UE8M0 scales on SM100**: low-latency FP8 dispatch passes ``round_scale`` and ``use_ue8m0`` when the device wants
   them (`tbo.comm.fp8.ue8m0_wanted`), as SGLang does; the scales then arrive packed in int32.

@@ -24,7 +24,7 @@ that a split is never kept where it does not pay (the band is as wide as a symme
 It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
 the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
 each keeps a replica of one table, every rank's measurement of a step travels in the next step's agreement, and every
-rank observes their mean for the step's agreed kind and size (`tbo.integrations.vllm.dp`), so the replicas stay
+rank observes their mean for the step's agreed kind and size (`tbo.integrations.vllm.step.agree`), so the replicas stay
 equal and so do their choices.
 """
 

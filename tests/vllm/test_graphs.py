@@ -1,4 +1,4 @@
-"""CUDA graphs of split decode steps in vLLM (issue 37, item 3; `tbo.integrations.vllm.graphs`), the parts a CPU
+"""CUDA graphs of split decode steps in vLLM (issue 37, item 3; `tbo.integrations.vllm.step.graphs`), the parts a CPU
 runs: which of vLLM's batch descriptors tbo captures split and with which plan (the graph key), the rule that
 replays a step or runs it eager ("a step whose split differs from its graph's runs eager"), what each counts, and
 which ``cudagraph_mode`` is refused by name. The capture and replay themselves need a GPU and a CUDA vLLM:
@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 
 from tbo.integrations.vllm.config import TboConfigError, parse_config
-from tbo.integrations.vllm.stats import StepStats
-from tbo.integrations.vllm.step import decide
+from tbo.integrations.engine.stats import StepStats
+from tbo.integrations.engine.step import decide
 from tbo.split import ForwardMode, SplitPolicy
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -34,7 +34,7 @@ def _decode(n, allowed=True):
 
 @needs_vllm
 def test_graph_key_is_the_descriptor_and_the_plan_fixed_for_it():
-    from tbo.integrations.vllm.graphs import GraphKey, graph_key, graph_plan
+    from tbo.integrations.vllm.step.graphs import GraphKey, graph_key, graph_plan
 
     plan = graph_plan(POLICY, _desc(8))
     assert plan is not None and plan.mode is ForwardMode.DECODE
@@ -63,7 +63,7 @@ def test_graph_key_is_the_descriptor_and_the_plan_fixed_for_it():
     (decide(POLICY, [2, 2, 2], [True] * 3, allowed=True, padded_tokens=6, drafts=[1, 1, 1]), False),  # verify
 ])
 def test_a_step_replays_its_sizes_graph_only_when_its_split_is_the_graphs(own, replays):
-    from tbo.integrations.vllm.graphs import graph_plan, settle
+    from tbo.integrations.vllm.step.graphs import graph_plan, settle
 
     plan = graph_plan(POLICY, _desc(8))
     step = settle(own, plan)
@@ -76,7 +76,7 @@ def test_a_step_replays_its_sizes_graph_only_when_its_split_is_the_graphs(own, r
 
 @needs_vllm
 def test_split_graphs_count_replays_as_split_steps_and_eager_steps_apart():
-    from tbo.integrations.vllm.graphs import SplitGraphs, graph_key, graph_plan
+    from tbo.integrations.vllm.step.graphs import SplitGraphs, graph_key, graph_plan
 
     stats = StepStats()
     graphs = SplitGraphs(POLICY, (stats,))
@@ -101,7 +101,7 @@ def _compiled_config(mode, dp=1):
 
 
 def test_cudagraph_modes_accepted_and_refused_by_name():
-    from tbo.integrations.vllm.graphs import GRAPH_MODES, check_cudagraph_mode
+    from tbo.integrations.vllm.admit.graphs import GRAPH_MODES, check_cudagraph_mode
 
     tbo = parse_config({"tbo": {}})
     for mode in ("NONE", *GRAPH_MODES):
@@ -122,7 +122,7 @@ def test_cudagraph_modes_accepted_and_refused_by_name():
 def test_a_decode_backend_that_reads_the_host_is_refused_with_graphs():
     from tbo.comm import DispatchFormat, LocalBackend
     from tbo.comm.emulated import EmulatedLink
-    from tbo.integrations.vllm.graphs import check_graph_backend
+    from tbo.integrations.vllm.admit.graphs import check_graph_backend
 
     check_graph_backend(LocalBackend(8, DispatchFormat.NORMAL))  # one rank: the identity route under no_host_reads
     check_graph_backend(LocalBackend(8, DispatchFormat.MASKED, masked_capacity=16))

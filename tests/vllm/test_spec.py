@@ -1,7 +1,7 @@
 """Speculative decoding through tbo in vLLM: ngram drafts, the target's verify steps split between requests.
 
 A verify step carries 1 + k tokens per request, k each request's own draft count; tbo cuts it between requests only
-(`tbo.integrations.vllm.step.decide`), and vLLM's rejection sampler sees the whole step. The prompts repeat n-grams,
+(`tbo.integrations.engine.step.decide`), and vLLM's rejection sampler sees the whole step. The prompts repeat n-grams,
 so that ngram proposes drafts and some are accepted (vLLM's own spec-decode counters say so). Qwen3-MoE float32:
 greedy tokens exactly equal vLLM's with the same ``speculative_config`` without tbo, and vLLM's without speculative
 decoding. Every engine test asserts verify steps split, with k varying between the requests of one step, and a spy
@@ -39,7 +39,7 @@ def _policy():
 
 
 def test_a_verify_step_is_decode_like_and_cut_between_requests():
-    from tbo.integrations.vllm.step import decide
+    from tbo.integrations.engine.step import decide
 
     uniform = decide(_policy(), [4] * 4, [True] * 4, allowed=True, padded_tokens=16, drafts=[3] * 4)
     assert uniform.forward_mode is ForwardMode.TARGET_VERIFY and uniform.own_strategy == "decode"
@@ -57,7 +57,7 @@ def test_a_verify_step_is_decode_like_and_cut_between_requests():
 
 def test_a_cut_inside_a_drafted_request_of_a_mixed_step_moves_to_its_boundary():
     """With a prefill in the step the policy may cut inside a request; never inside one verifying drafts."""
-    from tbo.integrations.vllm.step import decide
+    from tbo.integrations.engine.step import decide
 
     # 20 tokens, the verify requests lopsided against the prefill: the policy cuts at token 10, inside the prefill
     step = decide(_policy(), [2, 4, 14], [True, True, False], allowed=True, padded_tokens=20, drafts=[1, 3, 0])
@@ -71,7 +71,7 @@ def test_a_cut_inside_a_drafted_request_of_a_mixed_step_moves_to_its_boundary():
 def test_a_draft_pass_is_decode_like_and_cut_between_requests():
     """The MTP drafter's forwards: its first over the target step's tokens (1 + k per verifying request, a prompt
     per prefilling one), each later one over one token per request."""
-    from tbo.integrations.vllm.step import decide_draft
+    from tbo.integrations.engine.step import decide_draft
 
     later = decide_draft(_policy(), [1] * 6, padded_tokens=6)
     assert later.mode == "draft" and later.forward_mode is ForwardMode.DECODE and later.own_strategy == "decode"
@@ -86,7 +86,7 @@ def test_a_draft_pass_is_decode_like_and_cut_between_requests():
 
 
 def test_speculative_methods_that_run_a_drafter_model_are_refused_by_name():
-    from tbo.integrations.vllm.spec import check_speculative
+    from tbo.integrations.vllm.admit.speculative import check_speculative
 
     check_speculative(SimpleNamespace(method="ngram"))
     check_speculative(SimpleNamespace(method="mtp"), SimpleNamespace(data_parallel_size=1))
@@ -107,7 +107,7 @@ def test_speculative_methods_that_run_a_drafter_model_are_refused_by_name():
 
 def test_an_mtp_drafter_without_mtp_blocks_is_refused_naming_it():
     torch = pytest.importorskip("torch")
-    from tbo.integrations.vllm.draft import mtp_blocks
+    from tbo.integrations.vllm.runner.draft import mtp_blocks
 
     with pytest.raises(TboConfigError, match=r"the drafter Linear holds no MTP layers with an `mtp_block` decoder "
                                              r"layer \(vLLM's DeepSeek MTP layout\)"):
@@ -221,7 +221,7 @@ def _run_mtp(llm) -> dict[str, Any]:
 def mtp_reference(mtp_model):
     """vLLM's own MTP engine without tbo, its CPU rotary kernel fixed on the target and the drafter as the plugin
     fixes it (test_engine.py's module docstring says why)."""
-    from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+    from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings
 
     llm = _mtp_llm(mtp_model)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -241,7 +241,7 @@ def test_mtp_tokens_and_drafts_equal_vllm_and_verify_and_draft_passes_split(mtp_
     each step's draft pass) split. The greedy tokens are the target's whatever the drafts, so the drafts themselves
     are compared too: every draft vLLM's proposer returned equals plain vLLM's, and so do vLLM's counters of
     proposed and accepted drafts (some are accepted)."""
-    import tbo.integrations.vllm.step as step_module
+    import tbo.integrations.engine.step as step_module
     from tbo.integrations.vllm import stats
 
     decided, own = [], step_module.decide_draft

@@ -12,11 +12,4 @@ vLLM is imported only where an engine needs it; this package imports without it.
 from tbo.integrations.vllm.config import CONFIG_KEY, TboConfigError, TboVllmConfig, parse_config
 from tbo.integrations.vllm.stats import reset_stats, stats
 
-__all__ = ["CONFIG_KEY", "TboConfigError", "TboVllmConfig", "parse_config", "register", "reset_stats", "stats"]
-
-
-def register() -> None:
-    """The plugin's entry point (vLLM calls it); see `tbo.integrations.vllm.plugin`."""
-    from tbo.integrations.vllm.plugin import register as _register
-
-    _register()
+__all__ = ["CONFIG_KEY", "TboConfigError", "TboVllmConfig", "parse_config", "reset_stats", "stats"]

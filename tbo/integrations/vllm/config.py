@@ -15,19 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tbo import strategies
 from tbo.comm.emulated import parse_link_spec
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
+from tbo.integrations.vllm.errors import CONFIG_KEY, TboConfigError
 from tbo.split import SplitPolicy
 from tbo.split.adaptive import AdaptiveConfig
 
 __all__ = ["TboConfigError", "TboVllmConfig", "StrategyNames", "parse_config", "CONFIG_KEY"]
-
-#: the key of ``additional_config`` the plugin reads
-CONFIG_KEY = "tbo"
-
-
-class TboConfigError(ValueError):
-    """``additional_config["tbo"]``, or the engine it was given to, is something tbo cannot run; the message names
-    the culprit and what is accepted."""
-
 
 class StrategyNames(BaseModel):
     """The registry names of the strategy for decode-only steps and for steps with prefill."""
@@ -146,8 +138,8 @@ class TboVllmConfig(BaseModel):
         if isinstance(self.strategy, StrategyNames):
             return self.strategy
         if self.strategy == "auto":
-            family = "deepseek" if shared_experts else "qwen3_moe"
-            return StrategyNames(decode=f"{family}_decode", prefill=f"{family}_prefill")
+            shape = "deepseek" if shared_experts else "qwen3_moe"  # the strategies' shape, not the model's name
+            return StrategyNames(decode=f"{shape}_decode", prefill=f"{shape}_prefill")
         return StrategyNames(decode=self.strategy, prefill=self.strategy)
 
 

@@ -9,7 +9,7 @@ engine whose ``additional_config`` has no ``"tbo"`` key:
 * with data parallelism, the engine core's ``_has_global_unfinished_reqs`` (vLLM's engine-loop all-reduce over the
   DP ranks, every ``dp_sync_interval`` steps, that ends a wave of steps) waits at most ``comm_timeout_s`` and names a
   stalled or lost peer, as every other wait on a peer does, and counts the requests still in the engine core's
-  input queue as unfinished (`tbo.integrations.vllm.dp.bounded_engine_sync`).
+  input queue as unfinished (`tbo.integrations.vllm.runner.dp.bounded_engine_sync`).
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
         import vllm
         from vllm.platforms import current_platform
 
-        from tbo.integrations.vllm.checks import check_engine
-        from tbo.integrations.vllm.engine import TboEngine
+        from tbo.integrations.vllm.admit.checks import check_engine
+        from tbo.integrations.vllm.runner.engine import TboEngine
 
-        family = check_engine(self.vllm_config, config, vllm.__version__, current_platform.device_type)
+        architecture = check_engine(self.vllm_config, config, vllm.__version__, current_platform.device_type)
         result = original(self, *args, **kwargs)
-        TboEngine(self, config, family)
+        TboEngine(self, config, architecture)
         return result
 
     setattr(load_model, _MARK, True)
@@ -88,7 +88,7 @@ def _wrap_engine_sync(original: Callable[..., Any]) -> Callable[..., Any]:
             timeout_s = self._tbo_sync_timeout_s = None if config is None else config.comm_timeout_s
         if timeout_s is None:
             return original(self, local_unfinished)
-        from tbo.integrations.vllm.dp import bounded_engine_sync
+        from tbo.integrations.vllm.runner.dp import bounded_engine_sync
 
         return bounded_engine_sync(self, timeout_s, original, local_unfinished)
 

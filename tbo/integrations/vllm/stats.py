@@ -1,149 +1,21 @@
-"""Counters of what TBO did in this process's vLLM engines, and the one line logged at shutdown.
+"""What tbo did in this process's vLLM engines: `stats` sums every engine's own counters over `ENGINES`.
 
 Without them nobody, a test included, could tell a run that overlapped from one that silently never split. The
 counters live in the process that runs the model: the engine's own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-and one worker, each worker process otherwise (there, ``stats_file`` or the shutdown line reports them).
+and one worker, each worker process otherwise (there, ``stats_file`` or the shutdown line reports them). The counters
+themselves, engine-independent, are `tbo.integrations.engine.stats`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["StepStats", "StatsFile", "stats", "reset_stats", "summary_line", "PROCESS_STATS"]
+from tbo.integrations.engine.stats import StatsRegistry
 
-MODES = ("decode", "prefill", "mixed", "idle")  # idle: a data-parallel rank's dummy step beside its peers'
+__all__ = ["ENGINES", "reset_stats", "stats"]
 
-
-@dataclass
-class StepStats:
-    """Forward steps the engine ran through tbo (profiling and warm-up runs are not counted)."""
-
-    steps: int = 0
-    split_steps: int = 0
-    microbatches: int = 0  #: microbatches run, over the split steps
-    tokens: int = 0
-    split_tokens: int = 0
-    steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
-    split_steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
-    cut_requests: int = 0  #: split steps whose cut fell inside a request (a prefill chunk in two microbatches)
-    #: speculative decoding: target steps that verified draft tokens, those split (never inside a request's 1 + k
-    #: tokens), those of them whose requests brought different draft counts, and the draft tokens they verified
-    verify_steps: int = 0
-    split_verify_steps: int = 0
-    split_verify_steps_varying_k: int = 0
-    verified_draft_tokens: int = 0
-    #: speculative decoding with a drafter that runs a model (MTP): the forwards of its model that ran through tbo
-    #: (each draft pass is 1 + (k - 1) of them: one over the target step's tokens, one per further draft token), and
-    #: those split (decode-like, between requests: `tbo.integrations.vllm.step.decide_draft`)
-    draft_steps: int = 0
-    split_draft_steps: int = 0
-    #: AFD: stages (one layer of one microbatch) sent to the FFN server; this and the next count every forward
-    afd_stages_sent: int = 0
-    local_ffn_calls: int = 0  #: FFN or MoE computations on this side (0 under AFD: the FFN server makes them)
-    ep_size: int = 1  #: the expert-parallel group's size (data parallel + expert parallel; 1 otherwise)
-    remote_rows: int = 0  #: token rows this rank's dispatches sent to other ranks, over the counted steps
-    #: dispatches that waited on a blocking row-count exchange with the peers (none where the step agreed every
-    #: rank's rows: `tbo.split.agree`), over the counted steps
-    count_exchanges: int = 0
-    #: data parallel: steps with work of its own that ran the strategy a peer needed (it decoded, a peer prefilled)
-    peer_strategy_steps: int = 0
-    #: data parallel: ``idle`` steps every rank ran at once (a wave's end), whose layer stacks were skipped
-    idle_skipped: int = 0
-    #: data parallel: forwards (profiling and warm-up included) whose vLLM DP batch coordination ran its own
-    #: all-reduce beside tbo's agreement: 0 unless CUDA graphs pad the steps (`tbo.integrations.vllm.dp`)
-    vllm_dp_all_reduces: int = 0
-    #: CUDA graphs of split decode steps (`tbo.integrations.vllm.graphs`): graphs captured split, steps replayed
-    #: from one (counted in ``steps`` and ``split_steps`` too), and steps run eager because their split differed
-    #: from their size's graph's
-    graph_captures: int = 0
-    graph_replays: int = 0
-    graph_eager_steps: int = 0
-    #: ``op_times``: wall seconds and calls per op name (layers and microbatches summed), over the counted steps,
-    #: and the wall seconds of their layer stacks (what the ops do not cover is the executor's and tbo's own time)
-    op_seconds: dict[str, float] = field(default_factory=dict)
-    op_calls: dict[str, int] = field(default_factory=dict)
-    layers_seconds: float = 0.0
-    #: a compiled engine (`tbo.integrations.vllm.compute`): graphs traced of tbo's compiled op functions (warm-up
-    #: included: a step that recompiled grows it), the most they can be (the engines' graph keys; 0 for an eager
-    #: engine), the calls that ran compiled, and those of them that went through dynamo's guards (each caller's
-    #: first call, at warm-up; a serving step makes none: its calls run the graph their caller settled on)
-    op_compiles: int = 0
-    op_compile_bound: int = 0
-    compiled_op_calls: int = 0
-    guarded_op_calls: int = 0
-
-    def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
-        """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
-        self.steps += 1
-        self.tokens += num_tokens
-        self.steps_by_mode[mode] += 1
-        if num_microbatches > 1:
-            self.split_steps += 1
-            self.microbatches += num_microbatches
-            self.split_tokens += num_tokens
-            self.split_steps_by_mode[mode] += 1
-            self.cut_requests += int(cut_request)
-
-    def record_verify(self, draft_tokens: int, split: bool, varying: bool) -> None:
-        """Count one target step that verified ``draft_tokens`` draft tokens (after `record`)."""
-        self.verify_steps += 1
-        self.verified_draft_tokens += draft_tokens
-        self.split_verify_steps += int(split)
-        self.split_verify_steps_varying_k += int(split and varying)
-
-    def record_draft(self, split: bool) -> None:
-        """Count one forward of the drafter's model (not a target step: `record` does not count it)."""
-        self.draft_steps += 1
-        self.split_draft_steps += int(split)
-
-    def add_op_times(self, seconds: dict[str, float], calls: dict[str, int], layers_seconds: float) -> None:
-        """Add one step's `tbo.runtime.op_times.OpTimes` figures and its layer stack's wall time."""
-        self.layers_seconds += layers_seconds
-        for name, s in seconds.items():
-            self.op_seconds[name] = self.op_seconds.get(name, 0.0) + s
-            self.op_calls[name] = self.op_calls.get(name, 0) + calls[name]
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def write(self, path: str) -> None:
-        """Write `as_dict` as JSON, atomically: a reader sees the previous file or this one, never a part."""
-        _write_json(path, self.as_dict())
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):  # a failed write leaves nothing beside the file
-            os.unlink(tmp)
-        raise
-
-
-class StatsFile:
-    """``stats_file``: a worker's stats written after every counted step, not only at shutdown.
-
-    A worker's shutdown is not a safe place for the only write: vLLM stops engine processes with a short grace (data
-    parallel ranks, the API server's engine core), and a process killed inside it leaves no file, half of one, or
-    (were the writes spaced out) stale counts. So every counted step replaces the file whole: a small JSON write from
-    counters kept on the host (no device sync), paid only when ``stats_file`` is set, a diagnostic option.
-    """
-
-    def __init__(self, path: str, extra: Callable[[], dict[str, Any]] | None = None) -> None:
-        self.path, self.extra = path, extra  #: ``extra()``: more of the engine's state beside the counters
-
-    def write(self, stats: StepStats) -> None:
-        _write_json(self.path, stats.as_dict() if self.extra is None else {**stats.as_dict(), **self.extra()})
-
-
-#: every engine in this process adds to these
-PROCESS_STATS = StepStats()
+#: this process's vLLM engines' stats: each engine registers its own when it starts, and retires them when it closes
+ENGINES = StatsRegistry()
 
 
 def stats() -> dict[str, Any]:
@@ -159,31 +31,19 @@ def stats() -> dict[str, Any]:
     every rank ran at once, at a wave's end: their layer stacks skipped) and ``vllm_dp_all_reduces`` (forwards whose
     vLLM DP batch coordination all-reduced beside tbo's agreement: 0 without CUDA graphs); with a FULL
     ``cudagraph_mode``, ``graph_captures``, ``graph_replays`` and ``graph_eager_steps`` (CUDA graphs of split decode
-    steps: `tbo.integrations.vllm.graphs`); with ``op_times``,
+    steps: `tbo.integrations.vllm.step.graphs`); with ``op_times``,
     ``op_seconds`` and ``op_calls`` per op name (a ``*_b`` op's time is a wait the overlap left exposed) and
     ``layers_seconds``; in a compiled engine ``op_compiles`` (graphs traced of tbo's compiled op functions),
     ``op_compile_bound`` (the most there can be), ``compiled_op_calls`` and ``guarded_op_calls`` (those through
     dynamo's guards); with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
     choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
-    out = PROCESS_STATS.as_dict()
-    from tbo.integrations.vllm.adaptive import LIVE
-
-    if LIVE:
-        out["adaptive"] = [engine.report() for engine in LIVE]
+    out = ENGINES.total().as_dict()
+    reports = ENGINES.reports()
+    if reports:
+        out["adaptive"] = reports
     return out
 
 
 def reset_stats() -> None:
     """Zero this process's counters (the engines' own, behind their shutdown lines, are kept)."""
-    # properties of the engines, not counters
-    fresh = StepStats(ep_size=PROCESS_STATS.ep_size, op_compile_bound=PROCESS_STATS.op_compile_bound)
-    for name, value in vars(fresh).items():
-        setattr(PROCESS_STATS, name, value)
-
-
-def summary_line(s: StepStats) -> str:
-    """``"tbo: 37 of 52 forward steps overlapped (...)"``: what the engine logs when it shuts down."""
-    by_mode = ", ".join(f"{m} {s.split_steps_by_mode[m]}/{s.steps_by_mode[m]}" for m in MODES if s.steps_by_mode[m])
-    draft = f"; draft forwards {s.split_draft_steps}/{s.draft_steps}" if s.draft_steps else ""
-    return (f"tbo: {s.split_steps} of {s.steps} forward steps overlapped ({s.microbatches} microbatches"
-            f"{'; ' + by_mode if by_mode else ''}{draft})")
+    ENGINES.reset()

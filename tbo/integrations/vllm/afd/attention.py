@@ -26,8 +26,8 @@ from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
 from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError
 from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
-from tbo.integrations.vllm.layers import VllmDecoderLayer
-from tbo.integrations.vllm.stats import StepStats
+from tbo.integrations.vllm.model.layers import VllmDecoderLayer
+from tbo.integrations.engine.stats import StepStats
 
 __all__ = ["AFDAttentionSide", "AFDLink", "RemoteFFN", "VllmAFDLayer"]
 
@@ -153,7 +153,7 @@ class AFDAttentionSide:
 def _take_out_ffns(outer: Any, model: Any, vllm_config: Any, address: str) -> int:
     """Replace every decoder layer's ``mlp`` by a `RemoteFFN` and drop every reference vLLM kept to it (its
     forward-context registry, the model's MoE layer lists), so that its weights are freed; returns their bytes."""
-    from tbo.integrations.vllm.structure import attention_and_ffn
+    from tbo.integrations.vllm.model.structure import attention_and_ffn
 
     names = [attention_and_ffn(layer, i)[1] for i, layer in enumerate(model.layers)]  # mlp, block_sparse_moe, ...
     gone: set[int] = set()

@@ -45,11 +45,11 @@ class AFDVllmConfig(BaseModel):
 
 def check_afd_engine(vllm_config: Any, config: Any) -> None:
     """Refuse what an AFD engine cannot run, naming the setting (``config``: the whole `TboVllmConfig`)."""
-    from tbo.integrations.vllm.config import TboConfigError
+    from tbo.integrations.vllm.errors import ON
+    from tbo.integrations.vllm.errors import refuse as refuse_settings
 
     def refuse(setting: str, value: Any, accepted: str, why: str) -> None:
-        raise TboConfigError(f"additional_config['tbo'] with afd and {setting}={value!r}: not supported ({why}); "
-                             f"accepted: {accepted}")
+        refuse_settings({"afd": ON, setting: value}, accepted, why)
 
     if config.strategy not in ("auto", AFD_STRATEGY):
         refuse("strategy", config.strategy, f"'auto' or {AFD_STRATEGY!r}",

@@ -86,7 +86,7 @@ class VllmFFNModel:
         from vllm.model_executor.model_loader import get_model
         from vllm.platforms import current_platform
 
-        from tbo.integrations.vllm.checks import check_vllm_version, family_of
+        from tbo.integrations.vllm.admit.checks import check_vllm_version, family_of
 
         import vllm
 
@@ -112,7 +112,7 @@ class VllmFFNModel:
             init_distributed_environment(1, 0, "env://", 0, backend)  # already initialised: vLLM keeps ours
             ensure_model_parallel_initialized(1, 1)
             model = get_model(vllm_config=config)
-        from tbo.integrations.vllm.structure import attention_and_ffn, moe_runner_of
+        from tbo.integrations.vllm.model.structure import attention_and_ffn, moe_runner_of
 
         ffns = [getattr(layer, attention_and_ffn(layer, i)[1]) for i, layer in enumerate(model.model.layers)]
         self.layers = [_FFNLayer(self, ffn) for ffn in ffns]  # mlp, block_sparse_moe, feed_forward, ...

@@ -1,13 +1,18 @@
-"""The two scoped patches that let tbo's `SplitPolicy` split a step of vLLM's model runner with data parallel 1.
+"""The two scoped patches that hand vLLM's model runner each step's split, as the engine's `StepDecider` decided it.
+
+These only patch: what a step is, and in which order its decision is made (graphs, adaptive, the DP agreement), is
+the decider's (`tbo.integrations.vllm.step.decider`). Here vLLM's call is handed to it (`_RunnerCall`: vLLM's own
+decision, its prefix-cache veto, the runner's batch), and its answer is handed back to vLLM.
+
 
 vLLM 0.32's model runner already builds a step in microbatches when ``should_ubatch`` is set: per-microbatch slot
 mappings, attention metadata from its own builders, and a forward context holding both as lists. With one
 data-parallel rank it never sets it. For the duration of one ``execute_model`` call (and nothing else: not the
-profiling and warm-up runs), `RunnerPatches.step`:
+profiling and warm-up runs), `RunnerPatches.scope`:
 
 * shadows the runner's ``_determine_batch_execution_and_padding`` on this runner instance: vLLM's own result,
-  with ``should_ubatch`` replaced by tbo's decision (`tbo.integrations.vllm.step.decide`), which also honours
-  vLLM's prefix-cache veto (``_allow_microbatching``, asked as if vLLM's microbatching were on);
+  with ``should_ubatch`` replaced by the decider's decision, which also honours vLLM's prefix-cache veto
+  (``_allow_microbatching``, asked as if vLLM's microbatching were on);
 * routes ``maybe_create_ubatch_slices`` in the model runner's module to the runner in scope, so that its slices
   are tbo's plan.
 
@@ -17,7 +22,7 @@ with a dispatcher (`_SlicesDispatch`) that finds the runner in scope on the call
 vLLM's own function), and vLLM's function is put back when the last scope of the process leaves. Scopes nest (a
 dummy run inside ``execute_model``). With data parallel, the dummy runs (profiling, warm-up, an idle
 rank's steps) are patched the same way (`dummy_scope`), and every step's decision is first agreed with the other DP
-ranks (``agree``, `tbo.integrations.vllm.dp`). `RunnerPatches.microbatching` shows vLLM's own code the
+ranks (``agree``, `tbo.integrations.vllm.step.agree`). `RunnerPatches.microbatching` shows vLLM's own code the
 runner's parallel config as it is with microbatching on, for two calls only: creating the attention metadata
 builders (one per microbatch, as vLLM's DBO has) and vLLM's prefix-cache veto; `check_metadata_builders` then
 asserts that every attention group got one builder of its own per microbatch (GPU builders keep persistent buffers:
@@ -32,8 +37,10 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from tbo.integrations.vllm.step import Step, decide, ubatch_slices
-from tbo.split import ForwardMode, SplitPolicy
+from tbo.integrations.engine.step import Step, decide
+from tbo.integrations.vllm.step.batch import VllmDecision, ubatch_slices
+from tbo.integrations.vllm.step.decider import StepDecider
+from tbo.split import SplitPolicy
 
 __all__ = ["MetadataBuilderError", "RunnerPatches", "check_metadata_builders"]
 
@@ -128,51 +135,38 @@ _SLICES = _SlicesDispatch()
 
 
 class RunnerPatches:
-    """Per-runner state of the split decision, and the patches that hand it to vLLM for one step."""
+    """The patches that hand one runner's steps to its `StepDecider` (``decider``), scoped to one call of vLLM's."""
 
-    def __init__(self, runner: Any, policy: SplitPolicy, adaptive: Any = None) -> None:
+    def __init__(self, runner: Any, decider: StepDecider) -> None:
         import vllm.v1.worker.gpu_model_runner as runner_module
 
-        self.runner, self.policy, self._module = runner, policy, runner_module
+        self.runner, self.decider, self._module = runner, decider, runner_module
         cls = type(runner)
         #: vLLM's own decision (``_determine_batch_execution_and_padding`` of the runner's class, bound)
         self._determine_vllm: Callable[..., Any] = getattr(cls, _DETERMINE).__get__(runner)
         self._signature = inspect.signature(self._determine_vllm)
-        self._step: Step | None = None
-        #: called with each step as it is decided, and with None when the step is over (where vLLM runs unsplit steps:
-        #: `tbo.integrations.vllm.compiled.StepForwards.on_step` picks the forward the step runs)
-        self.on_step: Callable[[Step | None], None] | None = None
         self._depth = 0  #: scopes of this runner open (nested: a dummy run inside execute_model)
-        #: data parallel: settles each step with the other DP ranks (``agree(step, vetoed) -> Step``) and runs vLLM's
-        #: DP batch coordination for it (``agree.coordinate``): `tbo.integrations.vllm.dp.StepAgreementHook`, given by
-        #: `agree_with_peers`; None: this engine decides alone
-        self.agree: Any = None
-        self._dummy: str | None = None  #: inside a dummy run: its Step mode ("idle" or "warmup")
-        #: ``split: "adaptive"``: turns each decided step into the measured choice's (`tbo.integrations.vllm.adaptive`)
-        self.adaptive = adaptive
-        #: a FULL ``cudagraph_mode``: the split graphs, which settle the steps vLLM dispatches to them
-        #: (`tbo.integrations.vllm.graphs.SplitGraphs`); None: no CUDA graphs of split steps
-        self.graphs: Any = None
-        self._fixed: Step | None = None  #: inside a split graph's capture (`fixed`): the step every decision returns
 
-    def agree_with_peers(self, agree: Any) -> None:
-        """Data parallel, the one place it plugs in here (`tbo.integrations.vllm.dp.install_data_parallel`): every
-        step's decision, the dummy runs' included, is first settled with the other DP ranks by ``agree`` (a
-        `tbo.integrations.vllm.dp.StepAgreementHook`), and vLLM's own decision runs through ``agree.coordinate``
-        (its DP batch coordination answered from the agreement, or its all-reduce under the agreement's deadline)."""
-        self.agree = agree
+    # ---- what the decider holds, as the runner's scopes see it -------------------------------------------------
+    @property
+    def policy(self) -> SplitPolicy:
+        return self.decider.policy
 
     @property
     def step(self) -> Step | None:
-        """The current execute_model call's decision; None outside one."""
-        return self._step
+        """The current execute_model call's decision (the decider's); None outside one."""
+        return self.decider.step
 
     @step.setter
     def step(self, step: Step | None) -> None:
-        self._step = step
-        if self.on_step is not None:
-            self.on_step(step)
+        self.decider.step = step
 
+    @property
+    def on_step(self) -> Callable[[Step | None], None] | None:
+        """The decider's ``on_step``."""
+        return self.decider.on_step
+
+    # ---- the scopes --------------------------------------------------------------------------------------------
     @contextmanager
     def microbatching(self) -> Iterator[None]:
         """While it lasts, the runner's ``parallel_config`` says microbatching is on with the policy's count."""
@@ -187,23 +181,23 @@ class RunnerPatches:
     @contextmanager
     def dummy_scope(self, mode: str) -> Iterator[None]:
         """Patch for one ``_dummy_run`` call (data parallel: its step takes part in the agreement) as ``mode``."""
-        self._dummy = mode
+        self.decider.dummy = mode
         try:
             with self.scope():  # inside execute_model's scope already: it nests
                 yield
         finally:
-            self._dummy = None
+            self.decider.dummy = None
 
     @contextmanager
     def fixed(self, step: Step) -> Iterator[None]:
-        """Patch for one call of vLLM's (a CUDA graph's warm-ups and capture: `tbo.integrations.vllm.graphs`), every
-        step in it decided as ``step``."""
-        self._fixed = step
+        """Patch for one call of vLLM's (a CUDA graph's warm-ups and capture: `tbo.integrations.vllm.step.graphs`),
+        every step in it decided as ``step``."""
+        self.decider.fixed = step
         try:
             with self.scope():
                 yield
         finally:
-            self._fixed = None
+            self.decider.fixed = None
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -222,69 +216,25 @@ class RunnerPatches:
                 self.step = None
             _SLICES.leave(self)
 
+    # ---- vLLM's calls, handed to the decider -------------------------------------------------------------------
     def _determine(self, *args: Any, **kwargs: Any) -> Any:
-        if self.agree is not None:
-            return self._determine_agreed(*args, **kwargs)
-        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(*args, **kwargs)
-        if self._fixed is not None:  # a split graph's warm-up or capture: the size's plan
-            self.step = self._fixed
-            return cudagraph_mode, batch_desc, self._fixed.runner_split, across_dp, cg_stats
-        bound = self._signature.bind(*args, **kwargs).arguments
-        if self.graphs is not None and self.graphs.holds(getattr(cudagraph_mode, "name", "") == "FULL", batch_desc):
-            return self._determine_graph(bound, batch_desc, across_dp, cg_stats, cudagraph_mode)
-        allowed = self._allowed(bound) and batch_desc.num_reqs in (None, int(bound["num_reqs"]))
-        step = self._decide(bound, allowed, batch_desc.num_tokens)
-        self.step = step if self.adaptive is None else self.adaptive.decide(step)  # one decision, told once
-        return cudagraph_mode, batch_desc, self.step.runner_split, across_dp, cg_stats
+        return self.decider.determine(_RunnerCall(self, args, kwargs))
 
-    def _determine_graph(self, bound: dict[str, Any], batch_desc: Any, across_dp: Any, cg_stats: Any,
-                         cudagraph_mode: Any) -> Any:
-        """A step vLLM dispatched to a FULL graph tbo captured split: replayed with the size's plan, or, where its
-        own decision (on its real tokens) differs, run eager by vLLM's own eager decision (`tbo.integrations.vllm.
-        graphs`)."""
-        own = self._decide(bound, self._allowed(bound), int(bound["num_tokens"]))
-        step = self.graphs.settle(own, batch_desc)
-        if step is None:  # its split differs from its graph's: eager, unpadded, split by its own plan or not
-            cudagraph_mode, batch_desc, _, across_dp, cg_stats = self._determine_vllm(**{**bound, "force_eager": True})
-            step = own
-        self.step = step
-        return cudagraph_mode, batch_desc, step.runner_split, across_dp, cg_stats
-
-    def _allowed(self, bound: dict[str, Any]) -> bool:
+    def _allowed(self, arguments: dict[str, Any]) -> bool:
         """vLLM's own prefix-cache veto, asked as if its microbatching were on."""
         with self.microbatching():
-            return self.runner._allow_microbatching(int(bound["num_reqs"]), bound["num_scheduled_tokens_np"])
+            return self.runner._allow_microbatching(int(arguments["num_reqs"]), arguments["num_scheduled_tokens_np"])
 
-    def _decide(self, bound: dict[str, Any], allowed: bool, padded_tokens: int) -> Step:
-        num_reqs = int(bound["num_reqs"])
+    def _decide(self, arguments: dict[str, Any], allowed: bool, padded_tokens: int) -> Step:
+        """tbo's own decision (`tbo.integrations.engine.step.decide`) on the runner's batch."""
+        num_reqs = int(arguments["num_reqs"])
         batch = self.runner.input_batch
         past_prompt = batch.num_computed_tokens_cpu[:num_reqs] >= batch.num_prompt_tokens[:num_reqs]
         # speculative decoding: this step's draft tokens per request, as the runner's batch holds them (set from
         # the scheduler's scheduled_spec_decode_tokens before the step is decided)
         drafts = [len(t) for t in batch.spec_token_ids[:num_reqs]] if self.runner.speculative_config else None
-        return decide(self.policy, bound["num_scheduled_tokens_np"][:num_reqs], past_prompt, allowed=allowed,
-                      padded_tokens=padded_tokens, cascade=bool(bound.get("use_cascade_attn", False)), drafts=drafts)
-
-    def _determine_agreed(self, *args: Any, **kwargs: Any) -> Any:
-        """Data parallel: agree with the other ranks first (tbo's deadline bounds that wait: a stalled or dead peer
-        is named there, before vLLM's own DP all-reduce, which tbo's deadline does not bound), then vLLM's own
-        decision."""
-        bound = self._signature.bind(*args, **kwargs).arguments
-        num_tokens = int(bound["num_tokens"])
-        if self._dummy is not None:  # a dummy run: nothing of its own to split; it takes part in its peers' steps
-            step, vetoed = Step(self._dummy, ForwardMode.DECODE, num_tokens, None), False
-        else:  # no CUDA graphs (checks.py): vLLM pads no DP step, so the plan's token count is the runner's
-            allowed = self._allowed(bound)
-            step, vetoed = self._decide(bound, allowed, num_tokens), not allowed
-        step = self.step = self.agree(step, vetoed)  # type: ignore[misc]
-        # vLLM's own DP batch coordination: answered from the agreement, or its all-reduce under the agreement's
-        # deadline (`tbo.integrations.vllm.dp.StepAgreementHook.coordinate`)
-        cudagraph_mode, batch_desc, _, across_dp, cg_stats = self.agree.coordinate(  # type: ignore[union-attr]
-            self._determine_vllm, *args, **kwargs)
-        if step.plan is not None and batch_desc.num_tokens != num_tokens:
-            raise RuntimeError(f"tbo agreed to split a step of {num_tokens} tokens, but vLLM's runner padded it to "
-                               f"{batch_desc.num_tokens}: its microbatches would not be the plan's")
-        return cudagraph_mode, batch_desc, step.runner_split, across_dp, cg_stats
+        return decide(self.policy, arguments["num_scheduled_tokens_np"][:num_reqs], past_prompt, allowed=allowed,
+                      padded_tokens=padded_tokens, drafts=drafts)
 
     def slices(self, original: Callable[..., Any], should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
         """``maybe_create_ubatch_slices`` for this runner's step: the plan's slices on a split step, vLLM's
@@ -294,3 +244,27 @@ class RunnerPatches:
             return original(should_ubatch, *args, **kwargs)
         slices = ubatch_slices(step.plan)
         return slices, slices
+
+
+class _RunnerCall:
+    """One call of vLLM's ``_determine_batch_execution_and_padding`` on ``patches``' runner, as the decider asks it
+    (`tbo.integrations.vllm.step.decider.RunnerCall`)."""
+
+    def __init__(self, patches: RunnerPatches, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.patches, self.args, self.kwargs = patches, args, kwargs
+        self.arguments = patches._signature.bind(*args, **kwargs).arguments
+        self.num_tokens, self.num_reqs = int(self.arguments["num_tokens"]), int(self.arguments["num_reqs"])
+
+    def vllm(self, force_eager: bool = False) -> VllmDecision:
+        if force_eager:
+            return VllmDecision.of(self.patches._determine_vllm(**{**self.arguments, "force_eager": True}))
+        return VllmDecision.of(self.patches._determine_vllm(*self.args, **self.kwargs))
+
+    def coordinated(self, coordinate: Callable[..., Any]) -> VllmDecision:
+        return VllmDecision.of(coordinate(self.patches._determine_vllm, *self.args, **self.kwargs))
+
+    def allowed(self) -> bool:
+        return self.patches._allowed(self.arguments)
+
+    def own(self, allowed: bool, padded_tokens: int) -> Step:
+        return self.patches._decide(self.arguments, allowed, padded_tokens)

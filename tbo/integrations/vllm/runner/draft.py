@@ -9,7 +9,7 @@ residual add, ``shared_head``). `DraftPass` replaces only the block's ``forward`
 still makes its pre- and post-processing with its own modules and calls the block as before, and the block runs as a
 one-layer stack of `VllmDecoderLayer` ops through `model_forward_maybe_tbo`, with the engine's backend and strategy.
 
-Each forward is decided alone (`tbo.integrations.vllm.step.decide_draft`: decode-like, cut between requests), from
+Each forward is decided alone (`tbo.integrations.engine.step.decide_draft`: decode-like, cut between requests), from
 the requests' token counts of the ``CommonAttentionMetadata`` the proposer builds its attention metadata from just
 before that forward. It runs the engine's decode strategy, over the decode backend (DeepEP low-latency, where the
 engine has it), unless a request brings more than 1 + k tokens (a prompt, in the first forward after a prefill):
@@ -33,8 +33,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
-from tbo.integrations.vllm.config import TboConfigError
-from tbo.integrations.vllm.fixes import fix_rotary_embeddings
+from tbo.integrations.vllm.errors import TboConfigError
+from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings
 
 __all__ = ["DraftPass", "mtp_blocks"]
 
@@ -58,13 +58,13 @@ class DraftPass:
     ``bind(layers, mode)`` binds the engine's strategy of ``mode`` to a one-layer stack; ``counters`` are the
     `StepStats` that count ``draft_steps``; ``vllm_unsplit``: a pass that does not split runs vLLM's own block (as
     the engine's unsplit target steps run vLLM's forward); ``after`` runs after each counted forward (the engine's
-    ``stats_file`` write); ``fp8_dispatch``: the engine's dispatches carry FP8 rows (`tbo.integrations.vllm.quant`).
+    ``stats_file`` write); ``fp8_dispatch``: the engine's dispatches carry FP8 rows (`tbo.integrations.vllm.model.quant`).
     """
 
     def __init__(self, runner: Any, backend: Any, tp_size: int, bind: Callable[[list[Any], str], Any], policy: Any,
                  counters: Sequence[Any], *, vllm_unsplit: bool, after: Callable[[], None] | None = None,
                  fp8_dispatch: bool = False) -> None:
-        from tbo.integrations.vllm.layers import VllmDecoderLayer
+        from tbo.integrations.vllm.model.layers import VllmDecoderLayer
 
         self.runner, self.drafter, self.backend, self.policy = runner, runner.drafter, backend, policy
         self.counters, self.vllm_unsplit, self.after = tuple(counters), vllm_unsplit, after
@@ -81,7 +81,7 @@ class DraftPass:
             self.blocks.append((block, layer, {mode: bind([layer], mode) for mode in ("decode", "prefill")}))
         self.layers = [layer for _, layer, _ in self.blocks]
         #: the drafter's rotary modules, rerouted where vLLM's CPU kernel is shape dependent, as the target's are
-        #: (`tbo.integrations.vllm.fixes`; vLLM may share them with the target's, and the fix counts references)
+        #: (`tbo.integrations.vllm.model.fixes`; vLLM may share them with the target's, and the fix counts references)
         self.rotary_fix = fix_rotary_embeddings(self.drafter.model)
         #: the common attention metadata (and draft index) of the forward about to run, kept from the proposer's
         #: ``build_per_group_and_layer_attn_metadata``
@@ -106,7 +106,7 @@ class DraftPass:
         """Give each of the drafter's attention groups ``1 + num_microbatches`` metadata builders, made by vLLM's
         ``create_metadata_builders`` as the proposer made its one: builder 0 stays vLLM's (the whole pass), builder
         ``k + 1`` builds microbatch k's. Called after the proposer's ``initialize_attn_backend``."""
-        from tbo.integrations.vllm.patches import check_metadata_builders
+        from tbo.integrations.vllm.runner.patches import check_metadata_builders
 
         drafter = self.drafter
         for group in drafter.draft_attn_groups:
@@ -128,7 +128,7 @@ class DraftPass:
                  residual: Any = None, llama_4_scaling: Any = None) -> Any:
         from vllm.forward_context import get_forward_context
 
-        from tbo.integrations.vllm.step import decide_draft
+        from tbo.integrations.engine.step import decide_draft
 
         if llama_4_scaling is not None:
             raise RuntimeError("vLLM's MTP layer passed llama_4_scaling to its block; tbo's MTP pass runs the block "
@@ -160,8 +160,8 @@ class DraftPass:
         """The block as a one-layer stack through tbo's loop with the ``mode`` strategy and backend: split over
         ``plan`` (each microbatch's stages in its context of ``contexts``), or whole."""
         from tbo.comm.devices import no_host_reads
-        from tbo.integrations.vllm.backend import select_backend
-        from tbo.integrations.vllm.contexts import ContextSwitcher
+        from tbo.integrations.vllm.comm.backend import select_backend
+        from tbo.integrations.vllm.runner.contexts import ContextSwitcher
         from tbo.runtime.forward import model_forward_maybe_tbo
 
         inputs = {"hidden_states": hidden_states}
@@ -183,8 +183,8 @@ class DraftPass:
         slice of ``cad`` (vLLM's ``split_attn_metadata``) by builder ``k + 1``, and its slice of the slot mapping."""
         from vllm.v1.worker.ubatch_utils import split_attn_metadata
 
-        from tbo.integrations.vllm.contexts import microbatch_context
-        from tbo.integrations.vllm.step import ubatch_slices
+        from tbo.integrations.vllm.runner.contexts import microbatch_context
+        from tbo.integrations.vllm.step.batch import ubatch_slices
 
         contexts = []
         for k, (mb, part) in enumerate(zip(plan.microbatches, split_attn_metadata(ubatch_slices(plan), cad))):

@@ -1,13 +1,13 @@
 """`VllmDecoderLayer`: any vLLM decoder layer whose MoE is a ``MoERunner`` (and its dense layers), as the ops tbo's
 strategies name: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.x, GPT-OSS, Llama-4, DeepSeek-V2/V3, ...
 
-Where the pieces are is found from the layer's modules (`tbo.integrations.vllm.structure`), not from the model's
+Where the pieces are is found from the layer's modules (`tbo.integrations.vllm.model.structure`), not from the model's
 name. Every op calls the layer's own modules, so the math is vLLM's: the fused residual-add RMSNorms, the attention
 module (Qwen3-MoE's as two ops: its projections, q/k norms and rotary in ``attn_prepare``, vLLM's attention backend
 with its KV cache and the output projection in ``attn_core``; any other, GPT-OSS's with sinks and sliding windows,
 Llama-4's NoPE and chunked layers, DeepSeek's MLA, whole in ``attn_core``), the router gate (the runner's, or the
 block's own beside it) and the runner's ``select_experts`` for top-k, the runner's shared expert (gated or not), and
-the fused-MoE experts kernel through the layer's own quant method, quantized or not (`tbo.integrations.vllm.quant`).
+the fused-MoE experts kernel through the layer's own quant method, quantized or not (`tbo.integrations.vllm.model.quant`).
 What tbo changes is where the tokens go between routing and the experts: through an `EPBackend` (dispatch,
 combine), in the NORMAL layout that kernel takes (each token once, with its top-k ids and weights; with FP8
 dispatch, as FP8 rows with their scales, quantised by the quant method's own quantiser). The routed output is then
@@ -17,7 +17,7 @@ order.
 vLLM's pre-norm layers hand the residual on unadded (the next layer's input norm adds it), so a layer's output is
 ``{"hidden_states", "residual"}``: `model_forward_maybe_tbo` merges both, and the model's final norm adds them. A
 layer that adds its residual itself, scaled (Granite-MoE's ``residual_multiplier``), adds it here as its forward does
-and hands on ``{"hidden_states"}`` alone (`tbo.integrations.vllm.structure.ModelEnds`).
+and hands on ``{"hidden_states"}`` alone (`tbo.integrations.vllm.model.structure.ModelEnds`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 
 from tbo.comm.types import DispatchFormat, payload_refusal
 from tbo.core.state import State
-from tbo.integrations.vllm.backend import ModeBackends
-from tbo.integrations.vllm.compute import EAGER, Compute
-from tbo.integrations.vllm.config import TboConfigError
-from tbo.integrations.vllm.quant import ExpertsCall, batch_dependent_scales
-from tbo.integrations.vllm.structure import layer_structure
+from tbo.integrations.vllm.comm.backend import ModeBackends
+from tbo.integrations.vllm.model.compute import EAGER, Compute
+from tbo.integrations.vllm.errors import TboConfigError
+from tbo.integrations.vllm.model.quant import ExpertsCall, batch_dependent_scales
+from tbo.integrations.vllm.model.structure import layer_structure
 from tbo.models.layer_ops import ExpertParallelOps
 
 __all__ = ["VllmDecoderLayer", "reduce_plan"]
@@ -61,17 +61,18 @@ def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool
 class VllmDecoderLayer(ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
-    counters: tuple[Any, ...] = ()  #: the `StepStats` that count local_ffn_calls (the engine sets them)
-    #: the ops' tensor work (`tbo.integrations.vllm.compute`): as it is, or compiled in a compiled engine (the engine
+    #: the engine's `StepStats`, which count local_ffn_calls (the engine sets them; None: not counted)
+    stats: Any = None
+    #: the ops' tensor work (`tbo.integrations.vllm.model.compute`): as it is, or compiled in a compiled engine (the engine
     #: sets it)
     compute: Compute = EAGER
-    #: True for `tbo.integrations.vllm.ep.EpDecoderLayer`: the experts are spread over data-parallel ranks
+    #: True for `tbo.integrations.vllm.model.ep_layer.EpDecoderLayer`: the experts are spread over data-parallel ranks
     expert_parallel = False
 
     def __init__(self, layer: Any, backend: Any, layer_idx: int, tp_size: int,
                  llama_4_scaling: dict[str, Any] | None = None, fp8_dispatch: bool = False) -> None:
         self.layer, self.backend, self.layer_idx = layer, backend, layer_idx
-        #: where this layer's pieces are (`tbo.integrations.vllm.structure`); refuses what tbo cannot reproduce
+        #: where this layer's pieces are (`tbo.integrations.vllm.model.structure`); refuses what tbo cannot reproduce
         self.structure = s = layer_structure(layer, layer_idx, self.expert_parallel)
         self.attn, self.ffn = getattr(layer, s.attn_name), getattr(layer, s.ffn_name)
         #: whether the attention module takes DeepSeek's ``llama_4_scaling`` (vLLM's MLA does; its plain MHA does
@@ -104,7 +105,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         self.reduce_shared, self.reduce_final = (False, False) if self.runner is None else reduce_plan(
             self.runner, tp_size, self.has_shared_experts)
         self._all_reduce = None
-        self._masked: Any = None  #: `tbo.integrations.vllm.masked.MaskedExperts`, at the first MASKED dispatch
+        self._masked: Any = None  #: `tbo.integrations.vllm.model.masked.MaskedExperts`, at the first MASKED dispatch
         if self.reduce_shared or self.reduce_final:
             from vllm.distributed import tensor_model_parallel_all_reduce
 
@@ -114,7 +115,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         return f"VllmDecoderLayer({self.layer_idx}, {type(self.layer).__name__}, {self.kind})"
 
     def compute_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """The functions of `tbo.integrations.vllm.compute` this layer's ops call, each with the modules it is given:
+        """The functions of `tbo.integrations.vllm.model.compute` this layer's ops call, each with the modules it is given:
         what `CompiledCompute.bound` counts the graph keys of."""
         layer, first = self.layer, self.layer_idx == 0 or self.residual_multiplier is not None
         keys: list[tuple[str, tuple[Any, ...]]] = [("norm" if first else "add_norm", (layer.input_layernorm,))]
@@ -130,8 +131,8 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def _check_payload(self, fp8: bool) -> None:
         """The backend must move what this layer dispatches (FP8 rows with scales, or the model's dtype), and, where
-        its decode steps run DeepEP low-latency (`tbo.integrations.vllm.backend.ModeBackends`), vLLM's batched
-        kernel must read this layer's expert weights (`tbo.integrations.vllm.masked.check_masked_kernel`); a quant
+        its decode steps run DeepEP low-latency (`tbo.integrations.vllm.comm.backend.ModeBackends`), vLLM's batched
+        kernel must read this layer's expert weights (`tbo.integrations.vllm.model.masked.check_masked_kernel`); a quant
         method whose activation scale spans the whole call is named in a warning (`quant.batch_dependent_scales`)."""
         name = f"layer {self.layer_idx} ({type(self.layer).__name__})"
         dtype = self.runner.moe_config.in_dtype
@@ -139,7 +140,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         if why is not None:
             raise TboConfigError(f"{name}: the backend cannot dispatch its {'FP8 rows' if fp8 else dtype} ({why})")
         if isinstance(self.backend, ModeBackends):
-            from tbo.integrations.vllm.masked import check_masked_kernel
+            from tbo.integrations.vllm.model.masked import check_masked_kernel
 
             check_masked_kernel(self.runner.routed_experts, repr(self))
         if batch_dependent_scales(self.runner.routed_experts):
@@ -198,8 +199,19 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))  # its down projection all-reduces over TP
 
     def _count_ffn(self) -> None:
-        for s in self.counters:
-            s.local_ffn_calls += 1
+        if self.stats is not None:
+            self.stats.local_ffn_calls += 1
+
+    @property
+    def counters(self) -> tuple[Any, ...]:
+        """`stats` as a tuple of the one `StepStats` it is (none: not counted)."""
+        return () if self.stats is None else (self.stats,)
+
+    @counters.setter
+    def counters(self, counters: tuple[Any, ...]) -> None:
+        if len(counters) > 1:
+            raise ValueError("a layer counts into one engine's StepStats")
+        self.stats = counters[0] if counters else None
 
     # ---- MoE: router, dispatch, experts, combine ---------------------------------------------------------------
     def op_gate(self, state: State) -> None:
@@ -220,7 +232,7 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def _dispatch_options(self, state: State) -> dict[str, Any]:
         """Keyword arguments of this microbatch's ``dispatch_a`` beyond the tensors (none here; data parallel:
-        `tbo.integrations.vllm.ep.EpDecoderLayer`)."""
+        `tbo.integrations.vllm.model.ep_layer.EpDecoderLayer`)."""
         return {}
 
     def op_shared_experts(self, state: State) -> None:
@@ -249,10 +261,10 @@ class VllmDecoderLayer(ExpertParallelOps):
 
     def _masked_experts(self, state: State, d: Any) -> None:
         """vLLM's experts kernel on the MASKED slabs of a DeepEP low-latency dispatch: each valid row's expert
-        output, unweighted (the combine weighs and sums), `tbo.integrations.vllm.masked`."""
+        output, unweighted (the combine weighs and sums), `tbo.integrations.vllm.model.masked`."""
         self._count_ffn()
         if self._masked is None:
-            from tbo.integrations.vllm.masked import MaskedExperts
+            from tbo.integrations.vllm.model.masked import MaskedExperts
 
             self._masked = MaskedExperts(self.runner.routed_experts)
         state.expert_out = (self._masked(d.hidden, d.tokens_per_expert, self.runner.routed_experts.top_k), d.handle)

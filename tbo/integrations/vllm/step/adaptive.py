@@ -26,15 +26,12 @@ from dataclasses import replace
 from typing import Any
 
 from tbo.integrations.vllm.config import StrategyNames, TboVllmConfig
-from tbo.integrations.vllm.step import Step
+from tbo.integrations.engine.step import Step
 from tbo.split import SplitPolicy
 from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, prior_from_policy
 from tbo.split.agree import StepAgreement
 
-__all__ = ["AdaptiveSteps", "LIVE"]
-
-#: the adaptive policies of this process's engines (`tbo.integrations.vllm.stats.stats` reports them)
-LIVE: list["AdaptiveSteps"] = []
+__all__ = ["AdaptiveSteps"]
 
 
 class AdaptiveSteps:

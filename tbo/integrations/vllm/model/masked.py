@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from tbo.integrations.vllm.config import TboConfigError
-from tbo.integrations.vllm.quant import fused_experts_of, standard_kernel
+from tbo.integrations.vllm.errors import TboConfigError
+from tbo.integrations.vllm.model.quant import fused_experts_of, standard_kernel
 
 __all__ = ["MaskedExperts", "check_masked_kernel"]
 

@@ -3,7 +3,7 @@
 Every MoE model file of vLLM 0.32 builds its experts with ``FusedMoEFactory``, which returns a ``MoERunner``; its
 attention modules hold an ``AttentionLayerBase``; its pre-norm layers fuse the residual add into
 ``input_layernorm`` / ``post_attention_layernorm`` and hand the residual on unadded. So one adapter
-(`tbo.integrations.vllm.layers.VllmDecoderLayer`) runs them all, given where each piece sits. `layer_structure`
+(`tbo.integrations.vllm.model.layers.VllmDecoderLayer`) runs them all, given where each piece sits. `layer_structure`
 finds that out and refuses, at load and naming the layer and the feature, what the adapter would not reproduce;
 a layer holding a module it does not know where to call is refused too, so that nothing runs silently wrong.
 
@@ -17,9 +17,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from tbo.integrations.vllm.compute import EAGER, Compute
-from tbo.integrations.vllm.config import TboConfigError
-from tbo.integrations.vllm.quant import kernel_problems
+from tbo.integrations.vllm.model.compute import EAGER, Compute
+from tbo.integrations.vllm.errors import TboConfigError
+from tbo.integrations.vllm.model.quant import kernel_problems
 
 __all__ = ["LayerStructure", "ModelEnds", "QUIRKS", "attention_and_ffn", "layer_structure", "model_ends",
            "moe_dims", "moe_runner_of", "moe_runners", "shared_expert_of"]
@@ -215,11 +215,11 @@ class ModelEnds:
         return hidden if self.embedding_multiplier is None else hidden * self.embedding_multiplier
 
     def compute_keys(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """The compiled function the final norm runs through, with its module (`tbo.integrations.vllm.compute`)."""
+        """The compiled function the final norm runs through, with its module (`tbo.integrations.vllm.model.compute`)."""
         return [("add_norm" if self.hands_on_residual else "norm", (self.model.norm,))]
 
     def end(self, out: dict[str, Any], compute: Compute = EAGER) -> Any:
-        """The final norm, through ``compute``'s functions (`tbo.integrations.vllm.compute`: the module called as it
+        """The final norm, through ``compute``'s functions (`tbo.integrations.vllm.model.compute`: the module called as it
         is, or, in a compiled engine, compiled as vLLM's graph computes it)."""
         if self.hands_on_residual:
             return compute.add_norm(self.model.norm, out["hidden_states"], out["residual"])[0]

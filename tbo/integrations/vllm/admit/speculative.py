@@ -1,10 +1,10 @@
 """Speculative decoding through tbo: which ``speculative_config`` methods an engine with tbo admits.
 
-A verify step (the target model over each request's 1 + k tokens) is split by `tbo.integrations.vllm.step.decide`,
+A verify step (the target model over each request's 1 + k tokens) is split by `tbo.integrations.engine.step.decide`,
 between requests only; vLLM's rejection sampler and spec-decode metadata see the whole step, unchanged. A proposer
 that runs no model (``ngram``: prompt lookup on the host) has no draft pass to split. vLLM's MTP drafter runs a
 decoder layer with an MoE once per draft token: its forwards run through tbo's layer loop too, each split by a
-decision of its own (`tbo.integrations.vllm.draft`). The other proposers that run a model (EAGLE, a draft model, ...)
+decision of its own (`tbo.integrations.vllm.runner.draft`). The other proposers that run a model (EAGLE, a draft model, ...)
 would run it outside tbo's layer loop, so they are refused by name here rather than run unsplit behind a counter
 that says otherwise.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tbo.integrations.vllm.checks import _refuse
+from tbo.integrations.vllm.errors import refuse
 
 __all__ = ["ADMITTED_METHODS", "check_speculative", "runs_draft_pass"]
 
@@ -26,7 +26,7 @@ ADMITTED_METHODS = {
 
 
 def runs_draft_pass(spec: Any) -> bool:
-    """Whether tbo runs the drafter's model (`tbo.integrations.vllm.draft.DraftPass`) for ``speculative_config``."""
+    """Whether tbo runs the drafter's model (`tbo.integrations.vllm.runner.draft.DraftPass`) for ``speculative_config``."""
     return spec is not None and getattr(spec, "method", None) == "mtp"
 
 
@@ -38,18 +38,16 @@ def check_speculative(spec: Any, parallel: Any = None, afd: bool = False) -> Non
     if method not in ADMITTED_METHODS:
         why = ("its drafter runs a model of its own outside tbo's layer loop" if method in _MODEL_DRAFTERS
                else "not tested with tbo")
-        _refuse("speculative_config method", method, ", ".join(repr(m) for m in ADMITTED_METHODS)
+        refuse({"speculative_config method": method}, ", ".join(repr(m) for m in ADMITTED_METHODS)
                 + ", or no speculative_config", why)
     if not runs_draft_pass(spec):
         return
     dp = getattr(parallel, "data_parallel_size", 1)
     if dp != 1:
-        _refuse("speculative_config method", method, "'ngram' with data_parallel_size > 1",
-                f"with data_parallel_size={dp} every draft forward would need the ranks' agreement on its split, "
+        refuse({"speculative_config method": method}, "'ngram' with data_parallel_size > 1", f"with data_parallel_size={dp} every draft forward would need the ranks' agreement on its split, "
                 "which tbo makes for target steps only (vLLM's proposer coordinates its own passes)")
     if afd:
-        _refuse("speculative_config method", method, "'ngram' with afd",
-                "the MTP layer's MoE would run here, not on the FFN server")
+        refuse({"speculative_config method": method}, "'ngram' with afd", "the MTP layer's MoE would run here, not on the FFN server")
 
 
 #: vLLM methods whose drafter runs a model (``"mtp"`` is what vLLM names every ``*_mtp`` method, DeepSeek's included)

@@ -17,7 +17,7 @@ constants, not by identity (`_module_key`: the module's type, its printed sizes 
 shapes; parameters are graph inputs, so one graph serves every layer alike, and a 60-layer model compiles as few
 graphs as a 3-layer one). vLLM's attention calls name their layer through vLLM's ``LayerName``, an opaque value
 torch lifts as a graph input, so the attention call is layer-agnostic too. Each key compiles once: the engine's keys
-are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in `tbo.integrations.vllm.stats`, beside
+are its compile bound (`CompiledCompute.bound`, ``op_compile_bound`` in `tbo.integrations.engine.stats`, beside
 ``op_compiles``), fixed at engine start and independent of the plan shapes and the steps. Dynamo's other guards stay
 (`_Graph`) for each caller's first call: a module constant the key does not see (a layer without rotary, say)
 compiles one graph more, counted and logged, never runs another layer's graph. That first call settles which graph
@@ -25,7 +25,7 @@ the caller runs, and its later calls run it directly: dynamo's transformed code 
 function (vLLM runs its own graph so, through dynamo's bytecode hook), without torch.compile's per-call wrapper and
 guard checks, which cost about 10 µs a call here, some 60 calls per 4-layer split step (``guarded_op_calls`` counts
 the calls that went through the guards: none in serving). vLLM's warm-up compiles them all, at the warm-up's full
-token count, as it compiles its own graph (`tbo.integrations.vllm.compiled.StepForwards.warming_up`; an engine
+token count, as it compiles its own graph (`tbo.integrations.vllm.runner.forwards.StepForwards.warming_up`; an engine
 whose every step runs the loop runs it in its warm-up anyway), and so settles every caller.
 
 What stays eager: the router's gate GEMM (one GEMM, nothing to fuse), the transfers, and everything tbo does between
@@ -46,6 +46,8 @@ import weakref
 from typing import Any, Callable
 
 import torch
+
+from tbo.integrations.engine.stats import StepStats
 
 __all__ = ["COMPILED", "CompiledCompute", "Compute", "EAGER"]
 
@@ -94,7 +96,7 @@ def route(router: Any, hidden: torch.Tensor, logits: torch.Tensor,
 
 def experts(call: Any, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """vLLM's fused-MoE experts kernel on NORMAL rows (each row's weighted sum over its top-k experts), through the
-    layer's quant method (``call``: its `tbo.integrations.vllm.quant.ExpertsCall`)."""
+    layer's quant method (``call``: its `tbo.integrations.vllm.model.quant.ExpertsCall`)."""
     return call.local(hidden, ids, weights)
 
 
@@ -148,14 +150,18 @@ logger = logging.getLogger("vllm.tbo")
 class CompiledCompute(Compute):
     """The functions compiled, one graph per graph key (see the module docstring), for the engine whose ``callers``
     (its layers and its model's ends, each with a ``compute_keys()``) call them, with vLLM's backend and inductor
-    options from ``compilation_config``. `compiles` counts the graphs traced per function; each of ``counters``
-    (`StepStats`) counts them (``op_compiles``) and the calls that ran compiled (``compiled_op_calls``)."""
+    options from ``compilation_config``. `compiles` counts the graphs traced per function; ``counters`` (the engine's
+    `StepStats`, one) counts them (``op_compiles``) and the calls that ran compiled (``compiled_op_calls``): one
+    count per call, nothing fanned out on the op's path."""
 
     compiled = True
 
     def __init__(self, compilation_config: Any, callers: list[Any], counters: tuple[Any, ...] = ()) -> None:
         super().__init__()
-        self.counters = counters
+        if len(counters) > 1:
+            raise ValueError("the compiled ops count into one engine's StepStats")
+        #: the engine's stats (a private one where none is given)
+        self.stats = counters[0] if counters else StepStats()
         backend = compilation_config.backend or "inductor"
         #: vLLM's inductor options, less what its own wrapper adds for dynamo (it writes into the same dict)
         self.options = {k: v for k, v in dict(compilation_config.inductor_compile_config).items()
@@ -214,7 +220,7 @@ class _Graph:
     first call ran, directly (`_settle`); a caller's modules and the kinds of its arguments do not change between
     its calls (only their token counts, which no guard checks), so its first call's guards hold for them all. A call
     with fewer than two tokens before the graph exists runs the function eagerly (the engine's warm-up compiles
-    every key at its full token count first: `tbo.integrations.vllm.compiled.StepForwards.warming_up`)."""
+    every key at its full token count first: `tbo.integrations.vllm.runner.forwards.StepForwards.warming_up`)."""
 
     def __init__(self, owner: CompiledCompute, name: str) -> None:
         import torch._dynamo
@@ -239,8 +245,7 @@ class _Graph:
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         owner, name = self.owner, self.name
         owner.compiles[name] += 1  # every graph dynamo traces of this key's function, a recompilation included
-        for s in owner.counters:
-            s.op_compiles += 1
+        owner.stats.op_compiles += 1
         if owner.compiles[name] == owner.bounds[name] + 1:
             logger.warning("tbo: compiled op function %r traced graph %d, past its bound of %d (a module constant "
                            "tbo's graph keys do not see): see op_compiles in stats()", name, owner.compiles[name],
@@ -262,8 +267,7 @@ class _Graph:
             if not self.ready and args[self.dynamic[0]].shape[0] < 2:
                 return self._eager(args)
             run = self._guarded
-        for s in self.owner.counters:
-            s.compiled_op_calls += 1
+        self.owner.stats.compiled_op_calls += 1
         return run(*args)
 
     def _eager(self, args: tuple[Any, ...]) -> Any:
@@ -278,8 +282,7 @@ class _Graph:
         """The call through torch.compile: dynamo checks the guards of the graphs it has and runs the one that
         passes, or traces and compiles one (the first call of a key, or a module constant the key does not see).
         A caller's first call settles which graph its later calls run (`_settle`)."""
-        for s in self.owner.counters:
-            s.guarded_op_calls += 1
+        self.owner.stats.guarded_op_calls += 1
         if not self.ready:
             for i in self.dynamic:  # the token dimension, as vLLM marks its graph's inputs
                 arg = args[i]

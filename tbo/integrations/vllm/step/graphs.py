@@ -43,60 +43,18 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
-from tbo.integrations.vllm.step import Step
+from tbo.integrations.engine.step import Step
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 
-__all__ = ["GRAPH_MODES", "GraphKey", "SplitGraphs", "check_cudagraph_mode", "check_graph_backend", "graph_key",
-           "graph_plan", "settle"]
+__all__ = ["GraphKey", "SplitGraphs", "graph_key", "graph_plan", "mode_name", "settle"]
 
 logger = logging.getLogger("vllm.tbo")
 
-#: the ``cudagraph_mode`` names tbo runs split steps under (NONE aside): the ones with FULL graphs
-GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
-
-def _mode_name(mode: Any) -> str:
+def mode_name(mode: Any) -> str:
+    """A ``cudagraph_mode`` (an enum member, or its name) by its name."""
     return str(getattr(mode, "name", mode))
 
-
-def check_cudagraph_mode(vllm_config: Any, config: TboVllmConfig) -> None:
-    """Refuse, naming it, a ``compilation_config.cudagraph_mode`` tbo cannot run split steps under (module
-    docstring); NONE and the `GRAPH_MODES` pass, the latter only without data parallelism and adaptive splitting."""
-    name = _mode_name(getattr(vllm_config.compilation_config, "cudagraph_mode", None) or "NONE")
-    if name == "NONE":
-        return
-    if name not in GRAPH_MODES:
-        why = ("PIECEWISE alone pads every step to a capture size, which tbo never splits, and its graphs are pieces "
-               "of the compiled forward that tbo's split steps do not run" if name == "PIECEWISE" else
-               "not a mode tbo knows")
-        raise TboConfigError(f"additional_config['tbo'] with compilation_config.cudagraph_mode={name!r}: not "
-                             f"supported ({why}); accepted: NONE, {', '.join(GRAPH_MODES)}, or enforce_eager=True")
-    dp = vllm_config.parallel_config.data_parallel_size
-    if dp > 1:
-        raise TboConfigError(f"additional_config['tbo'] with compilation_config.cudagraph_mode={name!r} and "
-                             f"data_parallel_size={dp}: not supported (CUDA graphs of split steps are built for one "
-                             "data-parallel rank: with several, each step's padded size would first have to be "
-                             "agreed); accepted: cudagraph_mode NONE, or enforce_eager=True")
-    if config.split == "adaptive":
-        raise TboConfigError(f"additional_config['tbo'] with split='adaptive' and compilation_config.cudagraph_mode="
-                             f"{name!r}: not supported (adaptive splitting chooses per step; a CUDA graph fixes the "
-                             "split per size); accepted: split='static', or cudagraph_mode NONE")
-
-
-def check_graph_backend(backend: Any) -> None:
-    """Refuse, naming it, a backend for decode steps that a CUDA graph cannot hold: tbo's local backend (one rank:
-    under `tbo.comm.devices.no_host_reads` its NORMAL route is the identity, fixed shapes) and DeepEP low-latency
-    (``capture_safe``) can be captured; DeepEP normal mode and V2 read their receive counts on the host, and an
-    emulated link times its transfers on the host."""
-    from tbo.comm.alltoall import LocalBackend
-
-    if type(backend) is LocalBackend or getattr(backend, "capture_safe", False):
-        return
-    raise TboConfigError(f"additional_config['tbo'] with a FULL compilation_config.cudagraph_mode: the decode steps' "
-                         f"backend {backend!r} cannot be captured in a CUDA graph (it reads the host inside a step); "
-                         "accepted: backend 'local' without a link, or backend 'deepep' with low-latency decode "
-                         "(deepep_decode 'low_latency'), or cudagraph_mode NONE")
 
 
 @dataclass(frozen=True)
@@ -187,7 +145,7 @@ class SplitGraphs:
 
         @functools.wraps(warmup_and_capture)
         def _warmup_and_capture(desc: Any, cudagraph_runtime_mode: Any, *args: Any, **kwargs: Any) -> Any:
-            plan = graph_plan(self.policy, desc) if _mode_name(cudagraph_runtime_mode) == "FULL" else None
+            plan = graph_plan(self.policy, desc) if mode_name(cudagraph_runtime_mode) == "FULL" else None
             if plan is None:  # not a split graph: vLLM's own
                 return warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kwargs)
             step = Step("warmup", ForwardMode.DECODE, int(desc.num_tokens), plan)  # uncounted, as vLLM's warm-ups

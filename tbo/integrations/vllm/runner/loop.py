@@ -23,12 +23,12 @@ import torch
 
 from tbo.comm.devices import no_host_reads
 from tbo.core.observer import as_observer
-from tbo.integrations.vllm.backend import select_backend
-from tbo.integrations.vllm.compute import EAGER, Compute
-from tbo.integrations.vllm.contexts import ContextSwitcher, microbatch_contexts
-from tbo.integrations.vllm.patches import RunnerPatches
-from tbo.integrations.vllm.stats import PROCESS_STATS, StatsFile, StepStats
-from tbo.integrations.vllm.structure import model_ends
+from tbo.integrations.vllm.comm.backend import select_backend
+from tbo.integrations.vllm.model.compute import EAGER, Compute
+from tbo.integrations.vllm.runner.contexts import ContextSwitcher, microbatch_contexts
+from tbo.integrations.vllm.step.decider import StepDecider
+from tbo.integrations.engine.stats import StatsFile, StepStats
+from tbo.integrations.vllm.model.structure import model_ends
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.runtime.op_times import OpTimes
 from tbo.split.plan import MicrobatchSlice
@@ -51,17 +51,18 @@ class LayerLoop:
     """Callable in place of the inner model's ``forward`` (same arguments, same result)."""
 
     def __init__(self, model: Any, layers: list[Any], strategies: dict[str, Any], backend: Any,
-                 patches: RunnerPatches, vllm_config: Any, *, stats: StepStats | None = None,
+                 decider: StepDecider, vllm_config: Any, *, stats: StepStats | None = None,
                  stats_file: StatsFile | None = None, op_times: bool = False, agreed_rows: bool = True) -> None:
         self.model, self.layers, self.strategies, self.backend = model, layers, strategies, backend
-        self.patches, self.vllm_config = patches, vllm_config
+        #: the engine's step decisions: the step being run is its `StepDecider.step`
+        self.decider, self.vllm_config = decider, vllm_config
         #: the model's own start and end around the layers (its embedding, its final norm; Granite's multipliers)
         self.ends = model_ends(model, layers)
-        #: the functions the final norm runs through, as the layers' ops do (`tbo.integrations.vllm.compute`): the
+        #: the functions the final norm runs through, as the layers' ops do (`tbo.integrations.vllm.model.compute`): the
         #: modules as they are, or a compiled engine's compiled functions (set by the engine)
         self.compute: Compute = EAGER
         self.stats = StepStats() if stats is None else stats
-        self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (`count_traffic`)
+        self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (set by `tbo.integrations.vllm.runner.dp`)
         self.stats_file = stats_file  #: ``stats_file``, written during the run
         self.op_times = op_times  #: ``op_times``: time every op of the counted steps
         #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows
@@ -75,8 +76,8 @@ class LayerLoop:
         from vllm.forward_context import get_forward_context
 
         hidden = self.ends.start(input_ids, inputs_embeds)
-        step = self.patches.step  # None in profiling and warm-up runs: they run unsplit, uncounted
-        dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.dp`)
+        step = self.decider.step  # None in profiling and warm-up runs: they run unsplit, uncounted
+        dp = step.dp if step is not None else None  # data parallel: what the ranks agreed (`tbo.integrations.vllm.step.agree`)
         if dp is not None and dp.all_idle:  # every DP rank idle: nobody needs a dispatch
             return self._skip_idle(hidden)
         plan = step.plan if step is not None else None
@@ -109,15 +110,15 @@ class LayerLoop:
             parts = 1 if plan is None else plan.num_microbatches
             cut = plan is not None and plan.two_chunk
             rows, exchanges = (a - b for a, b in zip(self._traffic(), traffic_before))
-            for s in (self.stats, PROCESS_STATS):
-                s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
-                s.remote_rows += rows
-                s.count_exchanges += exchanges
-                s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
-                if step.draft_tokens:
-                    s.record_verify(step.draft_tokens, parts > 1, step.varying_drafts)
-                if timer is not None:
-                    s.add_op_times(timer.seconds, timer.calls, layers_s)
+            s = self.stats
+            s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
+            s.remote_rows += rows
+            s.count_exchanges += exchanges
+            s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
+            if step.draft_tokens:
+                s.record_verify(step.draft_tokens, parts > 1, step.varying_drafts)
+            if timer is not None:
+                s.add_op_times(timer.seconds, timer.calls, layers_s)
             self.write_stats()
         return hidden
 
@@ -126,9 +127,8 @@ class LayerLoop:
         sync, up to ``dp_sync_interval - 1`` of them): counted, its layer stack skipped. It exists only for the
         collectives of peers' batches, and every peer is idle too (the agreement says so on every rank alike);
         vLLM discards what a dummy step returns."""
-        for s in (self.stats, PROCESS_STATS):
-            s.record("idle", 0, 1, False)
-            s.idle_skipped += 1
+        self.stats.record("idle", 0, 1, False)
+        self.stats.idle_skipped += 1
         self.write_stats()
         return hidden
 
@@ -146,11 +146,6 @@ class LayerLoop:
                 self._stats_file_error = message
                 logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
                                self.stats_file.path, message)
-
-    def count_traffic(self, backend: Any) -> None:
-        """Data parallel (`tbo.integrations.vllm.dp.install_data_parallel`): count ``backend``'s ``remote_rows`` and
-        ``count_exchanges`` in the stats of every counted step."""
-        self.traffic = backend
 
     def _traffic(self) -> tuple[int, int]:
         """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zero where it counts none)."""

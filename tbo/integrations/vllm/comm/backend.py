@@ -2,11 +2,11 @@
 
 ``local``: tbo's own all-to-all, NORMAL layout (vLLM's fused-MoE kernel takes each token once with its top-k ids and
 weights): every expert on this rank (with tensor parallelism each rank holds all experts, sharded), or, with data
-parallel + expert parallel, `tbo.integrations.vllm.ep.EpBackend` over vLLM's expert-parallel group. ``deepep``:
+parallel + expert parallel, `tbo.integrations.vllm.comm.ep.EpBackend` over vLLM's expert-parallel group. ``deepep``:
 DeepEP over that group, CUDA only. Steps with prefill run a NORMAL-layout kind (V2, or V1 normal mode); decode
 steps run DeepEP's low-latency kernels (V1, MASKED layout, one un-received call at a time: checked against the
 decode strategy's schedule when it is bound), whose slabs vLLM's batched experts kernel computes
-(`tbo.integrations.vllm.masked`), where ``deepep_decode`` and the model allow it (`low_latency_refusal`): the two
+(`tbo.integrations.vllm.model.masked`), where ``deepep_decode`` and the model allow it (`low_latency_refusal`): the two
 backends then sit behind one `ModeBackends`, which the layer loop points at the step's strategy. ``link`` wraps the
 backend in `EmulatedLink`, so that dispatch and combine take the time a real interconnect would and overlap shows
 on a CPU.
@@ -23,7 +23,8 @@ import torch
 from tbo.comm.alltoall import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
-from tbo.integrations.vllm.config import TboConfigError, TboVllmConfig
+from tbo.integrations.vllm.config import TboVllmConfig
+from tbo.integrations.vllm.errors import config_error
 
 __all__ = ["ModeBackends", "backend_for", "low_latency_refusal", "low_latency_tokens", "make_backend",
            "select_backend"]
@@ -146,7 +147,7 @@ def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k:
     the module to build DeepEP buffers with instead of importing ``deep_ep`` (the CPU stand-in,
     `tbo.testing.deepep_standin`, in tests)."""
     if config.backend == "local" and ep_size > 1:
-        from tbo.integrations.vllm.ep import EpBackend, ep_group
+        from tbo.integrations.vllm.comm.ep import EpBackend, ep_group
 
         backend: Any = EpBackend(num_experts, ep_group(platform), config.comm_timeout_s)
     elif config.backend == "local":
@@ -170,7 +171,7 @@ def _deepep(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int,
     its own kernel, so with FP8 dispatch decode steps run normal mode too ("auto"), or are refused by name
     ("low_latency")."""
     from tbo.comm.deepep_select import deepep_backend
-    from tbo.integrations.vllm.ep import ep_group
+    from tbo.integrations.vllm.comm.ep import ep_group
 
     group = ep_group(platform)
     ranks = group.size()
@@ -180,9 +181,9 @@ def _deepep(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int,
         "are" if fp8 else low_latency_refusal(dtype=dtype, hidden=hidden, top_k=top_k, num_ranks=ranks,
                                               max_decode_tokens=decode_tokens))
     if why is not None and config.deepep_decode == "low_latency":
-        raise TboConfigError(f"additional_config['tbo'] with deepep_decode='low_latency': DeepEP's low-latency "
-                             f"kernels cannot carry this model's decode steps ({why}); accepted: "
-                             "deepep_decode='normal' or 'auto' (then normal mode for every step)")
+        raise config_error({"deepep_decode": "low_latency"}, f"DeepEP's low-latency kernels cannot carry this model's "
+                           f"decode steps ({why}); accepted: deepep_decode='normal' or 'auto' (then normal mode for "
+                           "every step)")
     kind = config.deepep_kind  # "auto" in prefill mode: V2 when installed, else V1 normal; both NORMAL layout
     prefill = deepep_backend(group, num_experts, hidden=hidden, num_max_tokens_per_rank=max_tokens, num_topk=top_k,
                              kind=kind, mode="prefill", use_fp8=fp8, deep_ep=deep_ep)

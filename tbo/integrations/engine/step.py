@@ -13,7 +13,7 @@ that best balances tokens, `tbo.split.index.verify_cuts`). In a step that also p
 a drafted request moves to that request's nearer boundary. vLLM's rejection sampling and spec-decode metadata see the
 whole step, as without tbo: only the layers run in microbatches.
 
-A forward of vLLM's MTP drafter (`tbo.integrations.vllm.draft`) is decided alone (`decide_draft`): decode-like, cut
+A forward of vLLM's MTP drafter (`tbo.integrations.vllm.runner.draft`) is decided alone (`decide_draft`): decode-like, cut
 between requests only.
 
 A step does not split when the policy says no, when vLLM's prefix-cache rule forbids it (a request reading blocks
@@ -30,7 +30,7 @@ from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 from tbo.split.index import Cut
 from tbo.split.plan import plan_from_cuts
 
-__all__ = ["Step", "decide", "decide_draft", "microbatch_rows", "ubatch_slices"]
+__all__ = ["Step", "decide", "decide_draft", "microbatch_rows"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Step:
     #: the strategy chosen for it, by the data-parallel ranks' agreement or the adaptive split (None: this step's
     #: own, from its forward mode)
     agreed_strategy: str | None = None
-    #: data parallel: what the ranks agreed beyond the plan and the strategy (`tbo.integrations.vllm.dp.DpStep`:
+    #: data parallel: what the ranks agreed beyond the plan and the strategy (`tbo.integrations.vllm.step.agree.DpStep`:
     #: an empty tail, every rank's rows); None: this engine decided alone
     dp: Any = None
     #: speculative decoding: the draft tokens this step verifies (0: none, not a verify step)
@@ -80,7 +80,7 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
     runner will run (a padded step is not split: its microbatches would not be the plan's token ranges).
     ``cascade``: the step uses cascade attention, whose shared-prefix metadata spans every request of the step;
     vLLM's DBO turns it off while microbatching, and a step that has it is not split here. (vLLM 0.32 removed
-    cascade attention and always passes False; the veto stays for runners that still pass True.)
+    cascade attention: its integration passes none; the rule stays for an engine whose runner still has it.)
     ``drafts``: speculative decoding, each request's draft tokens to verify this step (None or all 0: none).
     """
     lens = [int(n) for n in scheduled]
@@ -152,11 +152,3 @@ def microbatch_rows(plan: SplitPlan | None, num_tokens: int, num_microbatches: i
     return tuple(mb.tokens_end - mb.tokens_start for mb in plan.microbatches)
 
 
-def ubatch_slices(plan: SplitPlan) -> list[Any]:
-    """vLLM's ``UBatchSlice`` for each microbatch of ``plan``: its request range (a cut request in both) and its
-    token range. What ``maybe_create_ubatch_slices(..., split_point=plan.split_token_index)`` returns for two
-    microbatches, and the plan's own ranges for more (vLLM's helper spaces those evenly)."""
-    from vllm.v1.worker.ubatch_utils import UBatchSlice
-
-    return [UBatchSlice(slice(mb.requests_start, mb.requests_end), slice(mb.tokens_start, mb.tokens_end))
-            for mb in plan.microbatches]

@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from tbo.integrations.vllm.config import TboConfigError
+from tbo.integrations.vllm.errors import TboConfigError, config_error
 
-__all__ = ["ExpertsCall", "batch_dependent_scales", "check_quantization", "fp8_dispatch_for", "fp8_refusal",
+__all__ = ["ExpertsCall", "batch_dependent_scales", "fp8_dispatch_for", "fp8_refusal",
            "fused_experts_of", "kernel_problems", "standard_kernel"]
 
 #: the activation group DeepEP's FP8 dispatch carries one float32 scale for (DeepSeek's block FP8: [128, 128])
@@ -128,8 +128,8 @@ def fp8_dispatch_for(layers: list[tuple[int, Any]], setting: bool | str) -> bool
         why = fp8_refusal(experts)
         if why is not None:
             if setting is True:
-                raise TboConfigError(f"additional_config['tbo'] with fp8_dispatch=True: layer {idx}'s experts do not "
-                                     f"take FP8 rows ({why}); accepted: 'auto' or False for this checkpoint")
+                raise config_error({"fp8_dispatch": True}, f"layer {idx}'s experts do not take FP8 rows ({why}); "
+                                   "accepted: 'auto' or False for this checkpoint")
             return False
     return True
 
@@ -144,20 +144,6 @@ def batch_dependent_scales(experts: Any) -> bool:
     return (qc.quant_dtype in (*_FP8_DTYPES, torch.int8) and qc.a1_scale is None and not qc.per_act_token_quant
             and qc.block_shape is None)
 
-
-def check_quantization(quantization: str | None, config: Any) -> None:
-    """At engine start: what the configuration alone says cannot run (``quantization``: vLLM's
-    ``model_config.quantization``; ``config``: the `TboVllmConfig`). A quantized checkpoint is otherwise admitted;
-    its layers' quant methods are checked when the model loads (`kernel_problems`)."""
-    if config.fp8_dispatch is True and config.backend != "deepep":
-        raise TboConfigError(f"additional_config['tbo'] with fp8_dispatch=True and backend={config.backend!r}: not "
-                             "supported (tbo's own all-to-all moves one tensor per token and no scales; FP8 rows with "
-                             "their scales travel over DeepEP only); accepted: backend 'deepep', or fp8_dispatch "
-                             "'auto' / False")
-    if config.fp8_dispatch is True and not quantization:
-        raise TboConfigError("additional_config['tbo'] with fp8_dispatch=True: not supported (the checkpoint is not "
-                             "quantized: its experts take unquantised rows); accepted: a block-FP8 checkpoint "
-                             "(weight_block_size [128, 128]), or fp8_dispatch 'auto' / False")
 
 
 class ExpertsCall:

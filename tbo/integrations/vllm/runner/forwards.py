@@ -10,7 +10,7 @@ attributes only (nothing on the class):
   vLLM set it. It costs what it costs without tbo (the plugin adds the split decision and a count);
 * a split step runs tbo's schedule: ``forward`` is the `LayerLoop` and ``do_not_compile`` is True for that step
   only, and both are put back when the step's ``execute_model`` returns. The schedule (the executor, the transfers,
-  the forward-context switches) runs as Python; each op's tensor work runs compiled (`tbo.integrations.vllm.compute`,
+  the forward-context switches) runs as Python; each op's tensor work runs compiled (`tbo.integrations.vllm.model.compute`,
   one graph per graph key, compiled at vLLM's warm-up: `StepForwards.warming_up`), and a split decode step reads
   nothing on the host (`tbo.comm.devices.no_host_reads`).
 
@@ -23,7 +23,7 @@ same per-step choice: its unsplit steps run vLLM's own eager forward, so that th
 (`vllm_graph_off`): its steps run tbo's compiled ops.
 
 `compiles` reports vLLM's and dynamo's compilation counters; tbo's own compiled ops are counted in ``op_compiles``
-(`tbo.integrations.vllm.stats`), so that a test can see that no step recompiles after warm-up.
+(`tbo.integrations.engine.stats`), so that a test can see that no step recompiles after warm-up.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class StepForwards:
     @contextmanager
     def warming_up(self) -> Iterator[None]:
         """For one of vLLM's dummy runs (its warm-up: the profile run, of the full token count), in a compiled
-        engine whose compiled ops (`tbo.integrations.vllm.compute`) are not all compiled yet: the run calls vLLM's
+        engine whose compiled ops (`tbo.integrations.vllm.model.compute`) are not all compiled yet: the run calls vLLM's
         own forward (its compiled graph, compiled there as vLLM's warm-up always does) and then tbo's loop on the
         same inputs, unsplit, so that every graph key of tbo's ops compiles at that token count, before any
         request; vLLM's output is the run's. The loop runs no step (nothing is counted)."""
