@@ -7,7 +7,9 @@ asynchronous; every receive has a deadline and raises `CommTimeoutError` naming 
 microbatch. Over gloo, receives are posted before their messages arrive (`_Posted`).
 
 The ranks meet in a registered ``torch.distributed`` group (the default one, or ``group=``), or in an `AFDGroup` of
-their own when an engine owns the default group (vLLM): the connector sends through either the same way.
+their own when an engine owns the default group (vLLM): the connector sends through either the same way (an
+`AFDGroup` on CPU carries the messages on its authenticated socket, with gloo's point-to-point semantics, a
+message longer than its posted receive refused by name instead of aborting the process).
 
 Header words, in order: magic ``0x7B0AFD``, shutdown flag, layer, microbatch (stage) index, number of microbatches,
 tokens, hidden size, dtype code (index into float32, float64, bfloat16, float16), step, sequence number. Every
@@ -190,7 +192,7 @@ class TorchDistributedAFDConnector:
         #: gloo's point-to-point ops are independent of one another, so a receive can wait posted while sends run
         #: (NCCL runs a pair's sends and receives in order on one stream: a receive posted early would hold back
         #: the sends behind it, the overlap itself; NCCL also needs each receive the exact size of its message)
-        self.post_early = str(backend).lower() == "gloo"
+        self.post_early = str(backend).lower() in ("gloo", "tcp")  # tcp: an AFDGroup's authenticated socket
         self._header_words = _HEADER_ROOM if self.post_early else HEADER_WORDS
         self._answers: dict[tuple[int, int], list[_Posted]] = {}  #: attention side: receives posted at send time
         self._next: _Posted | None = None  #: FFN side: the next request's header receive, posted before it arrives
