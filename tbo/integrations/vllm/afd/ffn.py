@@ -112,6 +112,7 @@ class VllmFFNModel:
             init_distributed_environment(1, 0, "env://", 0, backend)  # already initialised: vLLM keeps ours
             ensure_model_parallel_initialized(1, 1)
             model = get_model(vllm_config=config)
+            _release_groups(model)
         from tbo.integrations.vllm.structure import attention_and_ffn, moe_runner_of
 
         ffns = [getattr(layer, attention_and_ffn(layer, i)[1]) for i, layer in enumerate(model.model.layers)]
@@ -161,6 +162,35 @@ def _loopback_gloo() -> Iterator[None]:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
         else:
             os.environ["GLOO_SOCKET_IFNAME"] = previous
+
+
+def _release_groups(model: torch.nn.Module) -> None:
+    """Drop vLLM's process groups of one rank once the model is built: every gloo group keeps a listening socket
+    open for as long as it lives, on which each connection a stranger opens and closes leaves a descriptor behind
+    (at the limit gloo aborts the process). With one rank vLLM's collectives return at once without touching their
+    group (its ``world_size`` is 1), so the FFN modules run the same without them; the listeners close with them."""
+    import gc
+
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    for value in list(vars(parallel_state).values()):
+        if isinstance(value, parallel_state.GroupCoordinator):
+            if value.world_size != 1:
+                raise RuntimeError(f"tbo afd-ffn runs one rank; vLLM's {value.unique_name} group has "
+                                   f"{value.world_size}")
+            comm = value.device_communicator
+            for holder in (value, comm, getattr(comm, "all2all_manager", None)):
+                for attr, held in list(vars(holder).items() if holder is not None else ()):
+                    if isinstance(held, dist.ProcessGroup):
+                        setattr(holder, attr, None)
+    for module in model.modules():  # what vLLM's modules kept at build time (Qwen3-MoE's ep_group: its rank, size)
+        for attr, held in list(vars(module).items()):
+            if isinstance(held, dist.ProcessGroup):
+                setattr(module, attr, None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _init_world_of_one(backend: str) -> None:
