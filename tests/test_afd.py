@@ -1,6 +1,7 @@
 """Attention-FFN disaggregation over real gloo processes."""
 
 import re
+import shutil
 from collections import Counter
 
 import pytest
@@ -404,3 +405,58 @@ def test_the_request_log_and_the_link_stats_are_bounded():
     assert stats.comm_s == pytest.approx(interval_union((t.launched, t.complete) for t in reference))
     assert stats.exposed_s == pytest.approx(25.0)
     assert link.stats.transfers.maxlen is not None
+
+
+# ---- inputs of the trust boundary (issue 45) -----------------------------------------------------------------------
+@pytest.mark.parametrize("argv, env, match", [
+    (["--listen", "0.0.0.0:0"], {}, r"--listen 0.0.0.0:0 reaches beyond loopback and no shared secret is set: .*"
+                                    r"or say --insecure"),
+    (["--token", ""], {}, r"--token is empty: give a non-empty shared secret, or none at all"),
+    ([], {"TBO_AFD_TOKEN": ""}, r"the TBO_AFD_TOKEN environment variable is set but empty"),
+    (["--token-file", "/dev/zero"], {}, r"--token-file '/dev/zero' is not a regular file"),
+    (["--token-file", "/nonexistent/secret"], {}, r"--token-file '/nonexistent/secret': No such file or directory"),
+])
+def test_afd_ffn_refuses_an_unsafe_secret_or_listen_in_one_line(argv, env, match):
+    """Before anything is loaded (no vLLM needed): exit 2 and one line naming the flag."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environ = {k: v for k, v in os.environ.items() if k != "TBO_AFD_TOKEN"}
+    environ.update(env, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-m", "tbo", "afd-ffn", "--model", "/nonexistent", *argv],
+                          capture_output=True, text=True, env=environ, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tbo afd-ffn: error:")]
+    assert len(errors) == 1 and re.search(match, errors[0]), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_token_on_the_command_line_warns_and_the_file_is_read(tmp_path):
+    import argparse
+
+    from tbo.integrations.vllm.afd.ffn import _secret
+
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    args = argparse.Namespace(token=None, token_file=str(secret), listen="0.0.0.0:0", insecure=False)
+    assert _secret(args) == "s3cret"  # a secret makes a wider --listen acceptable
+    args = argparse.Namespace(token=None, token_file=None, listen="0.0.0.0:0", insecure=True)
+    assert _secret(args) is None  # said --insecure
+
+
+def _listening_addresses(rank, world):
+    import subprocess
+
+    out = subprocess.run(["ss", "-ltnH", "-p"], capture_output=True, text=True).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={os.getpid()}," in line]
+
+
+@pytest.mark.dist
+def test_launch_listens_on_loopback_only():
+    from tbo.harness.launch import launch
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2)")
+    for addresses in launch(_listening_addresses, 2):
+        assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses

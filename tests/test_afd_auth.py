@@ -13,11 +13,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,30 +81,40 @@ class _Proc:
             argv = ["prlimit", f"--nofile={prlimit}:{prlimit}", *argv]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
 
     def line(self, prefix: str | tuple[str, ...], timeout: float = 120) -> str:
+        """The next line starting with ``prefix``; a process that exits or stays silent past ``timeout`` fails the
+        test (a deadline against hangs, not a timing)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} within {timeout}s: {self.stderr()}") from None
             if not line:
                 raise AssertionError(f"exited ({self.proc.poll()}) before {prefix!r}: {self.stderr()}")
             if line.startswith(prefix):
                 return line.strip()
-        raise AssertionError(f"no {prefix!r} within {timeout}s")
 
     def send(self, text: str) -> None:
         self.proc.stdin.write(text + "\n")
         self.proc.stdin.flush()
 
     def stderr(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        return self.proc.communicate(timeout=30)[1][-3000:]
+        self.kill()
+        return self.proc.stderr.read()[-3000:]
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate(timeout=30)
+        self.proc.wait(30)
 
 
 @pytest.fixture
@@ -116,6 +128,8 @@ def procs():
     yield start
     for p in started:
         p.kill()
+        for pipe in (p.proc.stdin, p.proc.stderr):
+            pipe.close()
 
 
 def _server(procs, model, token: str | None = SECRET, prlimit: int | None = None) -> tuple[_Proc, str]:
