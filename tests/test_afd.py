@@ -154,8 +154,9 @@ from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.core.errors import CommTimeoutError
 
 
-def _listening(port: int, pid: str = "self") -> list[str]:
-    """The local addresses this process listens on at ``port`` (from /proc/net/tcp{,6} and its socket inodes)."""
+def _listening_sockets(pid: str = "self") -> list[tuple[str, int]]:
+    """Every (local address in /proc's hex, port) process ``pid`` listens on over TCP (IPv4 and IPv6), from
+    /proc/net/tcp{,6} and its socket inodes."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -169,9 +170,14 @@ def _listening(port: int, pid: str = "self") -> list[str]:
         for line in open(table).read().splitlines()[1:]:
             words = line.split()
             local, state, inode = words[1], words[3], words[9]
-            if state == "0A" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
-                found.append(local.rsplit(":", 1)[0])
+            if state == "0A" and inode in inodes:
+                found.append((local.rsplit(":", 1)[0], int(local.rsplit(":", 1)[1], 16)))
     return found
+
+
+def _listening(port: int, pid: str = "self") -> list[str]:
+    """The local addresses this process listens on at ``port``."""
+    return [address for address, p in _listening_sockets(pid) if p == port]
 
 
 class _Server:
@@ -286,7 +292,8 @@ def _raw_pair():
 @pytest.mark.parametrize("fault, match", [
     ("long_header", r"AFD header from rank 0 is not 10 words long"),
     ("short_header", r"AFD header from rank 0 is not 10 words long"),
-    ("short_payload", r"payload shorter than its header says .* refused, not served from stale bytes"),
+    ("short_payload", r"sent a payload of 64 bytes where its header says 192 .* shorter than its header says, refused"),
+    ("long_payload", r"sent a payload of 256 bytes where its header says 192 .* longer than its header says, refused"),
     ("over_max", r"more than the 512 this FFN rank takes \(refused before its payload is received\)"),
     ("many_microbatches", r"microbatch 0 of 65 \(at most 64\)"),
 ])
@@ -304,6 +311,9 @@ def test_a_lying_peer_is_refused_by_name_not_aborted(fault, match):
         engine._isend(torch.cat([words, torch.zeros(1, dtype=torch.int64)]), 1)
     elif fault == "short_header":
         engine._isend(words[:4], 1)
+    elif fault == "long_payload":
+        long = torch.zeros(4 * 16 * 4 + 8, dtype=torch.uint8)  # 4 rows and a trailer, 3 announced
+        kept = [engine._isend(words, 1), engine._isend(long, 1)]  # noqa: F841 - the sends live while it runs
     elif fault == "short_payload":
         short = torch.zeros(16 * 4 + 8, dtype=torch.uint8)  # 1 row and a trailer, 3 announced
         kept = [engine._isend(words, 1), engine._isend(short, 1)]  # noqa: F841 - the sends live while it runs

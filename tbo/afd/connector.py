@@ -243,10 +243,17 @@ class TorchDistributedAFDConnector:
                 wait_work(work, self.timeout_s, "afd send")
         return sent
 
-    def _payload(self, buffer: torch.Tensor, meta: AFDMeta, peer: int) -> torch.Tensor:
+    def _payload(self, buffer: torch.Tensor, meta: AFDMeta, peer: int, work: Any = None) -> torch.Tensor:
         """The payload in ``buffer`` (received, header checked), once its trailer says it is this message's whole:
-        a shorter one leaves another number there."""
+        a shorter one leaves another number there. Where the transport says how long the message was (an
+        `AFDGroup`'s socket: ``work.nbytes``), a payload of another length is named with both lengths."""
         nbytes = meta.nbytes
+        received = getattr(work, "nbytes", None)
+        if isinstance(received, int) and received != nbytes + _TRAILER:
+            raise AFDPeerError(f"rank {peer} sent a payload of {received - _TRAILER} bytes where its header says "
+                               f"{nbytes} ({meta.describe()}, {meta.num_tokens} tokens x {meta.hidden}): "
+                               f"{'longer' if received > nbytes + _TRAILER else 'shorter'} than its header says, "
+                               "refused")
         if nbytes + _TRAILER > buffer.numel():
             raise AFDPeerError(f"rank {peer} announced {meta.describe()} of {meta.num_tokens} tokens x {meta.hidden} "
                                f"({meta.dtype}): {nbytes} bytes, more than the {buffer.numel() - _TRAILER} posted")
@@ -259,8 +266,9 @@ class TorchDistributedAFDConnector:
 
     def _recv_payload(self, meta: AFDMeta, src: int, what: str) -> torch.Tensor:
         buffer = torch.empty(meta.nbytes + _TRAILER, dtype=torch.uint8, device=self.device)
-        wait_work(self._irecv(buffer, src), self.timeout_s, what)
-        return self._payload(buffer, meta, src)
+        work = self._irecv(buffer, src)
+        wait_work(work, self.timeout_s, what)
+        return self._payload(buffer, meta, src, work)
 
     def _header_buffer(self) -> torch.Tensor:
         return torch.full((self._header_words,), _UNWRITTEN, dtype=torch.int64, device=self.device)
@@ -374,7 +382,7 @@ class TorchDistributedAFDConnector:
         if answer is None:
             return self._recv_payload(got, peer, what)
         wait_work(answer.payload_work, self.timeout_s, what)
-        return self._payload(answer.payload, got, peer)
+        return self._payload(answer.payload, got, peer, answer.payload_work)
 
     def _take_answer(self, meta: AFDMeta) -> _Posted | None:
         """The receives posted for this layer and stage's answer."""
@@ -441,7 +449,7 @@ class TorchDistributedAFDConnector:
         header, header_work, seq = self._post_header(peer)
         self._next = _Posted(header, header_work, None, None, seq)
         wait_work(payload_work, self.timeout_s, f"afd payload ({meta.describe()}) from rank {peer}")
-        return self._payload(self._buffer, meta, peer), meta
+        return self._payload(self._buffer, meta, peer, payload_work), meta
 
     def send_ffn_output(self, out: torch.Tensor, meta: AFDMeta) -> _Sent:
         return self._send(out, replace(meta, num_tokens=out.shape[0], hidden=out.shape[1], dtype=out.dtype),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "tbo").is_dir())
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(not HAVE_VLLM, reason="tbo afd-ffn needs vLLM (make test-vllm runs this file)")]
@@ -65,9 +65,12 @@ def _env(token: str | None = None) -> dict[str, str]:
     return env
 
 
+TESTS = next(p for p in (ROOT / "tests", ROOT / "tests" / "vllm") if (p / "test_vllm.py").exists())
+sys.path[:0] = [str(TESTS), str(ROOT / "tests")]  # test_vllm's tiny models, test_afd's socket listing
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "tests"))
     from test_vllm import _save_qwen3_moe
 
     return _save_qwen3_moe(tmp_path_factory.mktemp("afd-auth") / "qwen3_moe")
@@ -151,23 +154,22 @@ def _served(engine: _Proc) -> None:
     assert engine.line("SERVED") == "SERVED (3, 128) True True"
 
 
+def _the_engine_gets_in(procs, address: str, server: _Proc, token: str | None = SECRET) -> None:
+    """The engine with the right secret (or none, for an open server) joins, is served, shuts down; the server
+    exits 0."""
+    engine = _engine(procs, address, token)
+    assert engine.line("JOINED") == "JOINED"
+    _served(engine)
+    engine.send("quit")
+    assert engine.line("BYE") == "BYE"
+    assert server.proc.wait(60) == 0
+
+
 def _listening(pid: int) -> list[int]:
-    """Every TCP port process ``pid`` listens on (its socket inodes in /proc/net/tcp{,6})."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in open(table).read().splitlines()[1:]:
-            words = row.split()
-            if words[3] == "0A" and words[9] in inodes:
-                ports.append(int(words[1].rsplit(":", 1)[1], 16))
-    return ports
+    """Every TCP port process ``pid`` listens on."""
+    from test_afd import _listening_sockets
+
+    return [port for _, port in _listening_sockets(str(pid))]
 
 
 def _frame(sock: socket.socket, message: dict) -> None:
@@ -255,11 +257,7 @@ def test_a_rogue_server_without_the_secret_gets_no_hidden_state(procs, model):
     conn.close()
     rogue.close()
     server, address = _server(procs, model)
-    engine = _engine(procs, address)
-    assert engine.line("JOINED") == "JOINED"
-    _served(engine)
-    engine.send("quit")
-    assert server.proc.wait(60) == 0
+    _the_engine_gets_in(procs, address, server)
 
 
 def test_a_secret_on_one_side_only_is_named_on_both_and_the_right_engine_gets_in(procs, model):
@@ -268,22 +266,14 @@ def test_a_secret_on_one_side_only_is_named_on_both_and_the_right_engine_gets_in
     assert "requires a shared secret and this engine has none" in line, line
     line = _engine(procs, address, token="another secret").line("REFUSED")
     assert "refused this engine: it did not prove it knows the shared secret" in line, line
-    engine = _engine(procs, address)
-    assert engine.line("JOINED") == "JOINED"
-    _served(engine)
-    engine.send("quit")
-    assert server.proc.wait(60) == 0
+    _the_engine_gets_in(procs, address, server)
     err = server.proc.stderr.read()
     assert "the engine has no shared secret and this server requires one" in err, err
 
     open_server, address = _server(procs, model, token=None)
     line = _engine(procs, address).line("REFUSED")
     assert "this engine has a shared secret and the FFN server at" in line and "requires none" in line, line
-    engine = _engine(procs, address, token=None)
-    assert engine.line("JOINED") == "JOINED"
-    _served(engine)
-    engine.send("quit")
-    assert open_server.proc.wait(60) == 0
+    _the_engine_gets_in(procs, address, open_server, token=None)
     assert "the engine has a shared secret and this server has none" in open_server.proc.stderr.read()
 
 
@@ -335,11 +325,7 @@ def test_a_flood_of_large_writes_before_the_claim_keeps_the_server_small(procs, 
     time.sleep(0.5)
     grown = _rss_mib(server.proc.pid) - before
     assert grown < 32, grown
-    engine = _engine(procs, address)
-    assert engine.line("JOINED") == "JOINED"
-    _served(engine)
-    engine.send("quit")
-    assert server.proc.wait(60) == 0
+    _the_engine_gets_in(procs, address, server)
     assert "more than the 1024 accepted" in server.proc.stderr.read()
 
 
@@ -356,8 +342,4 @@ def test_a_connect_that_timed_out_never_claims_later_and_its_retry_gets_in(procs
         assert first.proc.wait(30) == 3
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
-    retry = _engine(procs, address)
-    assert retry.line("JOINED") == "JOINED"
-    _served(retry)
-    retry.send("quit")
-    assert server.proc.wait(60) == 0
+    _the_engine_gets_in(procs, address, server)
