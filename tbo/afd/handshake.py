@@ -128,6 +128,7 @@ class _Pending:
         self.winner: socket.socket | None = None
         self.serving = False  # a claim was accepted and its join is awaited
         self.done = threading.Event()
+        self.listener: socket.socket | None = None
 
     def add(self, conn: socket.socket) -> None:
         with self.lock:
@@ -198,6 +199,11 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
         with pending.lock:
             pending.winner = conn
             pending.done.set()
+        if pending.listener is not None:  # wakes the accept loop at once (accept fails on a shut-down listener)
+            try:
+                pending.listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
     except HandshakeError as e:
         if on_refused is not None:
             on_refused(f"dropped a connection from {peer}: {e}")
@@ -217,6 +223,7 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
     from tbo.afd.group import AFDPeerError
 
     pending = _Pending()
+    pending.listener = listener
     deadline = time.monotonic() + timeout_s
     listener.settimeout(0.1)
     try:
@@ -228,7 +235,8 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
             except socket.timeout:
                 continue
             except OSError:  # out of descriptors, say: wait for handshakes to end, never die of it
-                time.sleep(0.05)
+                if not pending.done.is_set():
+                    time.sleep(0.05)
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             pending.add(conn)
