@@ -1,5 +1,6 @@
-"""AFD soak: 20,000 requests through a real `AFDGroup` (gloo on loopback), the FFN server's RSS after warm-up and at
-the end. Prints ``rss_growth_mib: <x>`` (target: under 5 MiB after the warm-up's 2,000 requests).
+"""AFD soak: 20,000 requests through a real `AFDGroup` (its authenticated socket on loopback), the FFN server's RSS after warm-up and at
+the end. Prints ``rss_growth_mib: <x>`` (target: under 5 MiB after the warm-up's 2,000 requests), the join's
+time (``join_ms``: the handshake, once per join) and a request's round trip (``request_us``: every step pays it).
 
 What it guards: what a long-running FFN server keeps per request is bounded (its request log, `AFDFFNServer.received`,
 keeps the last ``log_size`` headers; it used to keep every one, about 177 bytes each: 15 GB a day at 1,000
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import threading
+import time
 
 import torch
 
@@ -55,22 +57,28 @@ def main() -> None:
     thread.start()
     while not bound:
         thread.join(0.05)
+    t0 = time.perf_counter()
     group = AFDGroup.connect(f"127.0.0.1:{bound[0]}", timeout_s=60)
+    join_ms = (time.perf_counter() - t0) * 1e3
     attention = TorchDistributedAFDConnector(AFDTopology(1, 1), 60, group=group)
     x = torch.randn(8, 64)
     rss = {}
+    t0 = time.perf_counter()
     for i in range(args.requests):
         meta = AFDMeta(i % 2, 0, 1, 8, 64)
         attention.send_attn_output(x, meta)
         attention.recv_ffn_output(meta)
         if i + 1 in (args.warmup, args.requests):
             rss[i + 1] = _rss_mib()
+    per_request_us = (time.perf_counter() - t0) / args.requests * 1e6
     attention.shutdown()
     thread.join(60)
     group.close()
     print(f"requests: {served[0]}")
     print(f"rss_mib_after_warmup: {rss[args.warmup]:.1f}")
     print(f"rss_mib_at_end: {rss[args.requests]:.1f}")
+    print(f"join_ms: {join_ms:.1f}")
+    print(f"request_us: {per_request_us:.0f}")
     print(f"rss_growth_mib: {rss[args.requests] - rss[args.warmup]:.2f}")
 
 

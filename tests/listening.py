@@ -1,11 +1,11 @@
 """Which addresses a process listens on, read from /proc/net/tcp{,6} and its socket inodes: the AFD tests' check
-that a server binds where it was told (loopback) and nowhere else."""
+that a server binds where it was told (loopback) and nowhere else, and that nothing listens after a join."""
 
 import os
 
 
-def _listening(port: int, pid: str = "self") -> list[str]:
-    """The local addresses this process listens on at ``port`` (from /proc/net/tcp{,6} and its socket inodes)."""
+def _listening_sockets(pid: str = "self") -> list[tuple[str, int]]:
+    """Every (local address in /proc's hex, port) process ``pid`` listens on over TCP (IPv4 and IPv6)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -19,19 +19,16 @@ def _listening(port: int, pid: str = "self") -> list[str]:
         for line in open(table).read().splitlines()[1:]:
             words = line.split()
             local, state, inode = words[1], words[3], words[9]
-            if state == "0A" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
-                found.append(local.rsplit(":", 1)[0])
+            if state == "0A" and inode in inodes:
+                found.append((local.rsplit(":", 1)[0], int(local.rsplit(":", 1)[1], 16)))
     return found
+
+
+def _listening(port: int, pid: str = "self") -> list[str]:
+    """The local addresses process ``pid`` listens on at ``port``."""
+    return [address for address, p in _listening_sockets(pid) if p == port]
 
 
 def _listening_any(pid: str) -> list[str]:
     """Every local address process ``pid`` listens on (TCP, IPv4 and IPv6)."""
-    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-              if os.path.islink(f"/proc/{pid}/fd/{fd}") and os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            words = line.split()
-            if words[3] == "0A" and words[9] in inodes:
-                found.append(words[1].rsplit(":", 1)[0])
-    return found
+    return [address for address, _ in _listening_sockets(pid)]

@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import subprocess
 import sys
@@ -77,6 +78,16 @@ def test_simulate_missing_costs_file_names_it(tmp_path, capsys):
     assert main(["simulate", "deepseek_decode", "--tokens", "64", "--costs", str(tmp_path / "nope.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tbo simulate: error:") and "nope.json" in err and "Traceback" not in err
+
+
+def test_a_costs_file_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path, capsys):
+    """A FIFO used to block the read forever, /dev/zero to read until memory ran out (issue 45)."""
+    fifo = tmp_path / "costs.fifo"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero"):
+        assert main(["simulate", "deepseek_decode", "--tokens", "64", "--costs", path]) == 2
+        err = capsys.readouterr().err
+        assert err == f"tbo simulate: error: costs file {path}: not a regular file\n", err
 
 
 # ---- what a first-time user met (issue 27) ------------------------------------------------------------------------

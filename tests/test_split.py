@@ -322,3 +322,43 @@ def test_verify_plans_never_cut_inside_a_request(parts, lens):
     assert [share for mb in plan.microbatches for share in mb.extend_lens] == lens
     if len(set(lens)) == 1:  # uniform: what the loop-free decode rule makes
         assert plan == policy.plan(V, sum(lens), None, lens[0])
+
+
+# ---- steps and time-outs (issue 45) -----------------------------------------------------------------------------
+def _late_rank(rank, world):
+    """A step number mismatch is named; then rank 1 arrives 5 s late at a 2 s deadline: both ranks fail the step
+    (the late one used to return True while its peer had failed), and the group is poisoned on both, named, with no
+    collective more."""
+    import time
+
+    from tbo.core.errors import CommTimeoutError
+    from tbo.split.agree import AgreementMismatchError, poisoned
+
+    out = []
+    plan = SplitPolicy().plan(D, 8)
+    try:
+        agree_to_split(plan, timeout_s=20, step=3 + rank)
+    except AgreementMismatchError as e:
+        out.append(str(e))
+    out.append(agree_to_split(plan, timeout_s=20, step=5))  # the group still agrees after a mismatch
+    if rank == 1:
+        time.sleep(5)
+    for step in (6, 7):
+        try:
+            out.append(agree_to_split(plan, timeout_s=2, step=step))
+        except CommTimeoutError as e:
+            out.append(str(e))
+    out.append(poisoned() is not None)
+    return out
+
+
+@pytest.mark.dist
+def test_a_late_rank_fails_its_step_too_and_a_timed_out_agreement_poisons_the_group():
+    results = launch(_late_rank, 2, timeout_s=120)
+    for rank, out in enumerate(results):
+        assert "the ranks agree on different steps (rank 0: step 3, rank 1: step 4)" in out[0], out
+        assert out[1] is True
+        assert out[-1] is True, out
+        assert "step 7: refused, this group's agreement is poisoned since step 6" in out[3], out
+    assert "timed out after 2s" in results[0][2], results[0]
+    assert "rank(s) [0] gave the agreement up at their deadline before this rank (rank 1)" in results[1][2], results

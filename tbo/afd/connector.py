@@ -7,7 +7,9 @@ asynchronous; every receive has a deadline and raises `CommTimeoutError` naming 
 microbatch. Over gloo, receives are posted before their messages arrive (`_Posted`).
 
 The ranks meet in a registered ``torch.distributed`` group (the default one, or ``group=``), or in an `AFDGroup` of
-their own when an engine owns the default group (vLLM): the connector sends through either the same way.
+their own when an engine owns the default group (vLLM): the connector sends through either the same way (an
+`AFDGroup` on CPU carries the messages on its authenticated socket, with gloo's point-to-point semantics, a
+message longer than its posted receive refused by name instead of aborting the process).
 
 Header words, in order: magic ``0x7B0AFD``, shutdown flag, layer, microbatch (stage) index, number of microbatches,
 tokens, hidden size, dtype code (index into float32, float64, bfloat16, float16), step, sequence number. Every
@@ -190,7 +192,7 @@ class TorchDistributedAFDConnector:
         #: gloo's point-to-point ops are independent of one another, so a receive can wait posted while sends run
         #: (NCCL runs a pair's sends and receives in order on one stream: a receive posted early would hold back
         #: the sends behind it, the overlap itself; NCCL also needs each receive the exact size of its message)
-        self.post_early = str(backend).lower() == "gloo"
+        self.post_early = str(backend).lower() in ("gloo", "tcp")  # tcp: an AFDGroup's authenticated socket
         self._header_words = _HEADER_ROOM if self.post_early else HEADER_WORDS
         self._answers: dict[tuple[int, int], list[_Posted]] = {}  #: attention side: receives posted at send time
         self._next: _Posted | None = None  #: FFN side: the next request's header receive, posted before it arrives
@@ -241,10 +243,17 @@ class TorchDistributedAFDConnector:
                 wait_work(work, self.timeout_s, "afd send")
         return sent
 
-    def _payload(self, buffer: torch.Tensor, meta: AFDMeta, peer: int) -> torch.Tensor:
+    def _payload(self, buffer: torch.Tensor, meta: AFDMeta, peer: int, work: Any = None) -> torch.Tensor:
         """The payload in ``buffer`` (received, header checked), once its trailer says it is this message's whole:
-        a shorter one leaves another number there."""
+        a shorter one leaves another number there. Where the transport says how long the message was (an
+        `AFDGroup`'s socket: ``work.nbytes``), a payload of another length is named with both lengths."""
         nbytes = meta.nbytes
+        received = getattr(work, "nbytes", None)
+        if isinstance(received, int) and received != nbytes + _TRAILER:
+            raise AFDPeerError(f"rank {peer} sent a payload of {received - _TRAILER} bytes where its header says "
+                               f"{nbytes} ({meta.describe()}, {meta.num_tokens} tokens x {meta.hidden}): "
+                               f"{'longer' if received > nbytes + _TRAILER else 'shorter'} than its header says, "
+                               "refused")
         if nbytes + _TRAILER > buffer.numel():
             raise AFDPeerError(f"rank {peer} announced {meta.describe()} of {meta.num_tokens} tokens x {meta.hidden} "
                                f"({meta.dtype}): {nbytes} bytes, more than the {buffer.numel() - _TRAILER} posted")
@@ -257,8 +266,9 @@ class TorchDistributedAFDConnector:
 
     def _recv_payload(self, meta: AFDMeta, src: int, what: str) -> torch.Tensor:
         buffer = torch.empty(meta.nbytes + _TRAILER, dtype=torch.uint8, device=self.device)
-        wait_work(self._irecv(buffer, src), self.timeout_s, what)
-        return self._payload(buffer, meta, src)
+        work = self._irecv(buffer, src)
+        wait_work(work, self.timeout_s, what)
+        return self._payload(buffer, meta, src, work)
 
     def _header_buffer(self) -> torch.Tensor:
         return torch.full((self._header_words,), _UNWRITTEN, dtype=torch.int64, device=self.device)
@@ -372,7 +382,7 @@ class TorchDistributedAFDConnector:
         if answer is None:
             return self._recv_payload(got, peer, what)
         wait_work(answer.payload_work, self.timeout_s, what)
-        return self._payload(answer.payload, got, peer)
+        return self._payload(answer.payload, got, peer, answer.payload_work)
 
     def _take_answer(self, meta: AFDMeta) -> _Posted | None:
         """The receives posted for this layer and stage's answer."""
@@ -439,7 +449,7 @@ class TorchDistributedAFDConnector:
         header, header_work, seq = self._post_header(peer)
         self._next = _Posted(header, header_work, None, None, seq)
         wait_work(payload_work, self.timeout_s, f"afd payload ({meta.describe()}) from rank {peer}")
-        return self._payload(self._buffer, meta, peer), meta
+        return self._payload(self._buffer, meta, peer, payload_work), meta
 
     def send_ffn_output(self, out: torch.Tensor, meta: AFDMeta) -> _Sent:
         return self._send(out, replace(meta, num_tokens=out.shape[0], hidden=out.shape[1], dtype=out.dtype),

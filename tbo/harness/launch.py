@@ -39,13 +39,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> None:
+def _init(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:
+    """The process group, met in a store on 127.0.0.1 only: a ``tcp://`` init method's store listens on every
+    interface (its own socket binds the wildcard), so rank 0 binds the socket itself and hands it over."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(128)
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=os.dup(sock.fileno()))
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
@@ -53,7 +64,7 @@ def _child(rank: int, world_size: int, port: int, backend: str, timeout_s: float
     import torch.distributed as dist
 
     try:
-        _init(rank, world_size, f"tcp://127.0.0.1:{port}", backend, timeout_s)
+        _init(rank, world_size, port, backend, timeout_s)
         # plain pickle copies tensors into the message: torch's queue would share their storage by a file
         # descriptor that the parent fetches from this process later, and this process may have exited by then
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -86,8 +97,12 @@ def launch(
         import torch.distributed as dist
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if not dist.is_initialized():
-            _init(rank, world, "env://", backend, comm_timeout_s)
+        if not dist.is_initialized():  # torchrun's own store: where torchrun was told to put it
+            import torch
+
+            torch.set_num_threads(1)
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=comm_timeout_s))
         return [fn(rank, world, *args)]
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")

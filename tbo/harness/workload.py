@@ -130,7 +130,8 @@ def run_case(rank: int, world: int, case: Case) -> CaseResult:
     batch = make_batch(model, case.mode, case.num_seqs, case.prompt_len, seed=case.seed * 7919 + rank,
                        policy=POLICY)
     ids, meta, cache = batch.ids, batch.meta, batch.cache
-    plan = batch.plan if agree_to_split(batch.plan) else None
+    agreed = {"link": case.link, "format": case.format, "policy": POLICY.model_dump(), "mode": case.mode}
+    plan = batch.plan if agree_to_split(batch.plan, strategy=case.strategy_name, config=agreed) else None
     strategy = case.strategy_name
     reference = model.forward(ids, meta, cache.clone())
     tbo_logits = model.forward_tbo(ids, meta, cache.clone(), strategy, plan)

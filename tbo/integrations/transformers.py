@@ -222,7 +222,9 @@ def _rows_plan(policy: SplitPolicy, batch: int, seq: int, past: int) -> SplitPla
         plan = policy.plan(ForwardMode.DECODE, batch)
     else:
         plan = policy.plan(ForwardMode.EXTEND, batch * seq, [seq] * batch)
-    if not agree_to_split(plan) or plan is None or plan.two_chunk:
+    # the policy rides along: ranks splitting by other rules would run other collectives (named, not mis-paired)
+    if not agree_to_split(plan, config={"integration": "transformers", "policy": policy.model_dump()}) or (
+            plan is None or plan.two_chunk):
         return None
     return plan
 

@@ -34,7 +34,7 @@ import torch
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
 from tbo.split.plan import SplitPlan
 
-__all__ = ["agree_to_split", "agree_step", "decide_step", "describe", "AgreedConfig", "AgreementMismatchError",
+__all__ = ["agree_to_split", "agree_step", "poisoned", "decide_step", "describe", "AgreedConfig", "AgreementMismatchError",
            "StepVote", "StepAgreement", "STEP_MODES", "MAX_AGREED_MICROBATCHES"]
 
 
@@ -168,9 +168,13 @@ class AgreedConfig:
         return cls(table, int.from_bytes(raw, "little", signed=True) or 1)
 
 
-#: the columns of an agreement's table, one row per rank (then the vote's rows per microbatch)
-_KIND, _N, _WANTS, _CAN, _MODE, _MEASURED, _NROWS, _DIGEST = range(8)
-_HEADER = 8
+#: the columns of an agreement's table, one row per rank (then the vote's rows per microbatch): ``_STEP`` the
+#: caller's step number, ``_DEADLINE`` the wall-clock time (ns) at which this rank gives the agreement up
+_KIND, _N, _WANTS, _CAN, _MODE, _MEASURED, _NROWS, _DIGEST, _STEP, _DEADLINE = range(10)
+_HEADER = 10
+#: groups whose agreement timed out (by ``id`` of the group; None: the default group): the error, and no collective
+#: more. A rank that gave up leaves its all-reduce in flight, so its next one would pair with its peers' previous one
+_POISONED: dict[int, str] = {}
 #: what a rank's row says it called: 0 never appears in a row a rank wrote (a row of zeros: the rank is not there)
 _KINDS = {1: "agree_step", 2: "agree_to_split"}
 
@@ -193,18 +197,53 @@ def _all_reduce(t: torch.Tensor, group: Any, timeout_s: float, what: str) -> tor
     return t.cpu()
 
 
+def poisoned(group: Any = None) -> str | None:
+    """Why ``group``'s agreements are refused (an earlier one timed out), or None."""
+    return _POISONED.get(id(group))
+
+
 def _agree(kind: int, fields: list[int], rows: tuple[int, ...], config: AgreedConfig, group: Any,
-           timeout_s: float, what: str) -> list[list[int]]:
-    """The one all-reduce both agreements make: every rank's row of ``[kind, *fields, digest, *rows]`` in a table
-    of one shape (``_HEADER + MAX_AGREED_MICROBATCHES`` int64 columns), checked for one kind and one configuration
-    before anything else is read from it."""
+           timeout_s: float, what: str, step: int) -> list[list[int]]:
+    """The one all-reduce both agreements make: every rank's row of ``[kind, *fields, digest, step, deadline,
+    *rows]`` in a table of one shape (``_HEADER + MAX_AGREED_MICROBATCHES`` int64 columns), checked for one kind,
+    one step and one configuration before anything else is read from it.
+
+    A time-out poisons the group (`poisoned`): this rank's all-reduce stays in flight, so every later agreement on
+    it is refused by name, without a collective. A late peer sees, in the table, that a rank's deadline passed before
+    the all-reduce completed: that rank has given the step up, so the late one raises too (and poisons), instead of
+    returning an agreement its peer never got."""
+    import time
+
     import torch.distributed as dist
 
+    from tbo.core.errors import CommTimeoutError
+
+    earlier = _POISONED.get(id(group))
+    if earlier is not None:
+        raise CommTimeoutError(f"{what} at step {step}: refused, this group's agreement is poisoned since {earlier} "
+                               "(rebuild the process group)")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     table = torch.zeros((size, _HEADER + MAX_AGREED_MICROBATCHES), dtype=torch.int64)
-    table[rank, :_HEADER] = torch.tensor([kind, *fields, len(rows), config.digest])
+    deadline_ns = time.time_ns() + int(timeout_s * 1e9)
+    table[rank, :_HEADER] = torch.tensor([kind, *fields, len(rows), config.digest, step, deadline_ns])
     table[rank, _HEADER:_HEADER + len(rows)] = torch.tensor(rows, dtype=torch.int64)
-    table_rows = _all_reduce(table, group, timeout_s, what).tolist()
+    try:
+        table_rows = _all_reduce(table, group, timeout_s, what).tolist()
+    except CommTimeoutError as e:
+        _POISONED[id(group)] = f"step {step}: {e}"
+        raise
+    now = time.time_ns()
+    gave_up = [r for r, row in enumerate(table_rows) if r != rank and row[_DEADLINE] and now > row[_DEADLINE]]
+    if gave_up:
+        message = (f"{what} at step {step}: rank(s) {gave_up} gave the agreement up at their deadline before this "
+                   f"rank (rank {rank}) took part: the step is lost on every rank")
+        _POISONED[id(group)] = f"step {step}: rank(s) {gave_up} gave it up at their deadline"
+        raise CommTimeoutError(message)
+    steps = [row[_STEP] for row in table_rows]
+    if len(set(steps)) > 1:
+        per_rank = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        raise AgreementMismatchError(f"the ranks agree on different steps ({per_rank}): a rank missed or repeated "
+                                     "a step")
     kinds = [row[_KIND] for row in table_rows]
     if len(set(kinds)) > 1:
         calls = ", ".join(f"rank {r}: {_KINDS.get(k, f'unknown ({k})')}" for r, k in enumerate(kinds))
@@ -251,14 +290,16 @@ def _short(value: str, others: list[str | None], width: int = 120) -> str:
 
 
 def agree_to_split(plan_or_none: SplitPlan | None, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                   strategy: Any = None, config: "Mapping[str, Any] | AgreedConfig | None" = None) -> bool:
+                   strategy: Any = None, config: "Mapping[str, Any] | AgreedConfig | None" = None,
+                   step: int = 0) -> bool:
     """True only if every rank in ``group`` has a plan. Raises `CommTimeoutError` instead of hanging.
 
     The all-reduce also carries the plan's microbatch count and a digest of ``strategy`` (the strategy, or its
     name, that this rank runs the step with: `describe`) and of ``config`` (anything else that shapes the
     collectives): ranks whose plans have different microbatch counts, or that run another strategy or
     configuration, raise `AgreementMismatchError` naming it (the collectives of the step would otherwise abort or
-    mis-pair). So does a peer calling `agree_step` in the same step."""
+    mis-pair). So does a peer calling `agree_step` in the same step, and one at another ``step`` (the caller's step
+    number). A time-out poisons the group (see `_agree`)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -268,7 +309,7 @@ def agree_to_split(plan_or_none: SplitPlan | None, group: Any = None, timeout_s:
     agreed = AgreedConfig.of(config)
     n = 0 if plan_or_none is None else plan_or_none.num_microbatches
     rows = _agree(2, [n, int(n > 0), int(n > 0), 0, -1], (), agreed, group, timeout_s,
-                  "agree_to_split all_reduce (the step's split, microbatches and configuration)")
+                  "agree_to_split all_reduce (the step's split, microbatches and configuration)", step)
     counts = [row[_N] for row in rows]
     planned = {c for c in counts if c}
     if len(planned) > 1:
@@ -293,7 +334,7 @@ def decide_step(votes: tuple[StepVote, ...]) -> StepAgreement:
 
 
 def agree_step(vote: StepVote, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-               config: "Mapping[str, Any] | AgreedConfig | None" = None) -> StepAgreement:
+               config: "Mapping[str, Any] | AgreedConfig | None" = None, step: int = 0) -> StepAgreement:
     """One collective over ``group`` (an all-reduce of every rank's vote): the same `StepAgreement` on every rank.
     Raises `CommTimeoutError` naming this rank and the op when a peer does not take part within ``timeout_s``, and
     `AgreementMismatchError` when the ranks' ``config`` (build it once: `AgreedConfig.of`) or microbatch counts
@@ -306,6 +347,6 @@ def agree_step(vote: StepVote, group: Any = None, timeout_s: float = DEFAULT_TIM
     fields = [vote.num_microbatches, int(vote.wants_split), int(vote.can_split), STEP_MODES.index(vote.mode),
               vote.measured_ns]
     rows = _agree(1, fields, vote.rows, agreed, group, timeout_s,
-                  "agree_step all_reduce (the step's split, microbatches, strategy, rows and configuration)")
+                  "agree_step all_reduce (the step's split, microbatches, strategy, rows and configuration)", step)
     return decide_step(tuple(StepVote(r[_N], bool(r[_WANTS]), bool(r[_CAN]), STEP_MODES[r[_MODE]],
                                       tuple(r[_HEADER:_HEADER + r[_NROWS]]), r[_MEASURED]) for r in rows))

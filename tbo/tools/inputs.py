@@ -30,9 +30,22 @@ def describe_validation_error(exc: ValidationError, limit: int = 3) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
+#: the largest JSON file read (a strategy, costs, hardware or model config is a few KiB)
+MAX_JSON_FILE_BYTES = 16 << 20
+
+
 def read_json(path: str | Path, what: str) -> Any:
-    """The parsed JSON of ``path``; a missing, unreadable or malformed file is a ValueError naming ``what`` and it."""
+    """The parsed JSON of ``path``; a missing, unreadable or malformed file is a ValueError naming ``what`` and it,
+    and so is one that is not a regular file (a FIFO would block the read forever, ``/dev/zero`` never end) or is
+    over `MAX_JSON_FILE_BYTES`."""
+    import stat
+
     try:
+        st = Path(path).stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{what} {path}: not a regular file")
+        if st.st_size > MAX_JSON_FILE_BYTES:
+            raise ValueError(f"{what} {path}: {st.st_size} bytes, more than the {MAX_JSON_FILE_BYTES} read")
         text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None

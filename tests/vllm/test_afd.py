@@ -52,7 +52,7 @@ SPLIT = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
 @pytest.mark.parametrize("afd, match", [
     ({"ffn": "localhost"}, r"afd.ffn='localhost': the FFN server address 'localhost' is not HOST:PORT"),
     ({"ffn": "127.0.0.1:1", "timeout_s": 0}, r"afd.timeout_s=0: Input should be greater than 0"),
-    ({"ffn": "127.0.0.1:1", "transport": "mpi"}, r"afd.transport='mpi': Input should be 'auto', 'gloo' or 'nccl'"),
+    ({"ffn": "127.0.0.1:1", "transport": "mpi"}, r"afd.transport='mpi': Input should be 'auto', 'tcp', 'gloo' or 'nccl'"),
 ])
 def test_bad_afd_config_is_named(afd, match):
     with pytest.raises(TboConfigError, match=match):

@@ -16,14 +16,13 @@ stage instead of the hidden states plus top-k ids and weights.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 
 from tbo.afd.attention import AFDAttentionLayer
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
-from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError
+from tbo.afd.group import AFDGroup, AFDPeerError, resolve_token
 from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
 from tbo.integrations.vllm.model.layers import VllmDecoderLayer
@@ -122,14 +121,17 @@ class AFDAttentionSide:
 
         vllm_config = runner.vllm_config
         self.address = config.ffn
-        token = config.token if config.token is not None else os.environ.get(TOKEN_ENV) or None
-        self.group = AFDGroup.connect(config.ffn, backend=config.backend_for(current_platform.device_type),
-                                      connect_timeout_s=config.connect_timeout_s, timeout_s=config.timeout_s,
-                                      check_info=lambda info: _check_info(info, vllm_config, config.ffn),
-                                      token=token)
+        try:
+            token = resolve_token(config.token, "additional_config tbo.afd.token")
+        except ValueError as e:
+            raise AFDPeerError(f"tbo AFD: {e}") from None
         # an answer is as long as its request, at most a step's tokens: its receives are posted with that room
         largest = (vllm_config.scheduler_config.max_num_batched_tokens * vllm_config.model_config.hf_text_config.
                    hidden_size * vllm_config.model_config.dtype.itemsize)
+        self.group = AFDGroup.connect(config.ffn, backend=config.backend_for(current_platform.device_type),
+                                      connect_timeout_s=config.connect_timeout_s, timeout_s=config.timeout_s,
+                                      check_info=lambda info: _check_info(info, vllm_config, config.ffn),
+                                      token=token, max_message_bytes=largest + 128)
         connector = TorchDistributedAFDConnector(AFDTopology(1, 1), config.timeout_s, group=self.group,
                                                  device=runner.device if runner.device.type != "cpu" else None,
                                                  max_answer_bytes=largest)

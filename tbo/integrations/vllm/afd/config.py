@@ -25,8 +25,9 @@ class AFDVllmConfig(BaseModel):
     ffn: str = Field(description="the FFN server's HOST:PORT (`tbo afd-ffn --listen HOST:PORT`)")
     timeout_s: float = Field(default=30.0, gt=0, description="deadline of every wait for an FFN result")
     connect_timeout_s: float = Field(default=10.0, gt=0, description="deadline to reach the FFN server at start")
-    transport: Literal["auto", "gloo", "nccl"] = Field(
-        default="auto", description="'auto': gloo on CPU, NCCL on CUDA")
+    transport: Literal["auto", "tcp", "gloo", "nccl"] = Field(
+        default="auto", description="'auto': on CPU the authenticated connection itself ('tcp'; 'gloo' is read as "
+                                    "it), NCCL on CUDA")
     token: str | None = Field(default=None, repr=False, min_length=1,
                               description="the shared secret the FFN server requires (its --token); default: the "
                                           "TBO_AFD_TOKEN environment variable at engine start")
@@ -40,7 +41,7 @@ class AFDVllmConfig(BaseModel):
     def backend_for(self, platform: str) -> str:
         if self.transport != "auto":
             return self.transport
-        return "nccl" if platform == "cuda" else "gloo"
+        return "nccl" if platform == "cuda" else "tcp"
 
 
 def check_afd_engine(vllm_config: Any, config: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
-from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError, parse_address
+from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError, is_loopback, parse_address, resolve_token
 from tbo.afd.server import AFDFFNServer
 from tbo.core.errors import CommTimeoutError
 
@@ -112,6 +112,7 @@ class VllmFFNModel:
             init_distributed_environment(1, 0, "env://", 0, backend)  # already initialised: vLLM keeps ours
             ensure_model_parallel_initialized(1, 1)
             model = get_model(vllm_config=config)
+            _release_groups(model)
         from tbo.integrations.vllm.model.structure import attention_and_ffn, moe_runner_of
 
         ffns = [getattr(layer, attention_and_ffn(layer, i)[1]) for i, layer in enumerate(model.model.layers)]
@@ -163,6 +164,35 @@ def _loopback_gloo() -> Iterator[None]:
             os.environ["GLOO_SOCKET_IFNAME"] = previous
 
 
+def _release_groups(model: torch.nn.Module) -> None:
+    """Drop vLLM's process groups of one rank once the model is built: every gloo group keeps a listening socket
+    open for as long as it lives, on which each connection a stranger opens and closes leaves a descriptor behind
+    (at the limit gloo aborts the process). With one rank vLLM's collectives return at once without touching their
+    group (its ``world_size`` is 1), so the FFN modules run the same without them; the listeners close with them."""
+    import gc
+
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    for value in list(vars(parallel_state).values()):
+        if isinstance(value, parallel_state.GroupCoordinator):
+            if value.world_size != 1:
+                raise RuntimeError(f"tbo afd-ffn runs one rank; vLLM's {value.unique_name} group has "
+                                   f"{value.world_size}")
+            comm = value.device_communicator
+            for holder in (value, comm, getattr(comm, "all2all_manager", None)):
+                for attr, held in list(vars(holder).items() if holder is not None else ()):
+                    if isinstance(held, dist.ProcessGroup):
+                        setattr(holder, attr, None)
+    for module in model.modules():  # what vLLM's modules kept at build time (Qwen3-MoE's ep_group: its rank, size)
+        for attr, held in list(vars(module).items()):
+            if isinstance(held, dist.ProcessGroup):
+                setattr(module, attr, None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def _init_world_of_one(backend: str) -> None:
     """vLLM's own world of one process (its layers ask for their TP/EP groups), met in an in-process store: a
     ``tcp://`` init method would open a TCPStore listening on every interface."""
@@ -194,15 +224,65 @@ def add_parser(sub: Any) -> None:
                    help="deadline of each wait inside a request")
     p.add_argument("--threads", type=_bounded(int, 1, 4096), default=None,
                    help="torch CPU threads for the FFN (default: torch's)")
-    p.add_argument("--token", default=None,
-                   help=f"a shared secret the engine must prove it knows (additional_config tbo.afd.token); default: "
-                        f"the {TOKEN_ENV} environment variable. Without one, anyone who reaches the port can claim "
-                        "the server: never expose it beyond loopback without one")
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument("--token-file", default=None,
+                        help=f"a file holding the shared secret both sides prove they know (the engine's "
+                             f"additional_config tbo.afd.token or {TOKEN_ENV}); default: the {TOKEN_ENV} environment "
+                             "variable. Without one, anyone who reaches the port can claim the server")
+    secret.add_argument("--token", default=None,
+                        help="the shared secret itself (readable by every local user in /proc/PID/cmdline: prefer "
+                             f"--token-file or {TOKEN_ENV})")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a --listen address beyond loopback without a shared secret (anyone who reaches it "
+                        "can claim the server)")
     p.set_defaults(func=main)
+
+
+#: the largest --token-file read
+MAX_TOKEN_FILE = 4096
+
+
+def _secret(args: argparse.Namespace) -> str | None:
+    """The shared secret from --token-file, --token (with a warning) or the environment; and the refusal of a
+    --listen beyond loopback without one (unless --insecure). Each refusal names its flag."""
+    if getattr(args, "token_file", None) is not None:
+        path = args.token_file
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise ValueError(f"--token-file {path!r}: {e.strerror or e}") from None
+        import stat
+
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"--token-file {path!r} is not a regular file")
+        if st.st_size > MAX_TOKEN_FILE:
+            raise ValueError(f"--token-file {path!r} is {st.st_size} bytes, more than the {MAX_TOKEN_FILE} read")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_FILE + 1)
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"--token-file {path!r} is not UTF-8 text") from None
+        token = resolve_token(text, f"--token-file {path!r}")
+    else:
+        if args.token is not None:
+            print(f"tbo afd-ffn: warning: --token on the command line is readable by every local user "
+                  f"(/proc/PID/cmdline); prefer --token-file or {TOKEN_ENV}", file=sys.stderr, flush=True)
+        token = resolve_token(args.token, "--token")
+    host, _ = parse_address(args.listen, "--listen")
+    if token is None and not getattr(args, "insecure", False) and not is_loopback(host):
+        raise ValueError(f"--listen {args.listen} reaches beyond loopback and no shared secret is set: anyone who "
+                         f"reaches it could claim the server; give --token-file (or {TOKEN_ENV}), or say --insecure")
+    return token
 
 
 def main(args: argparse.Namespace) -> int:
     """Serve until the attention side shuts down (0), or it vanishes (3, naming it)."""
+    try:
+        token = _secret(args)
+    except ValueError as e:
+        print(f"tbo afd-ffn: error: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -227,10 +307,10 @@ def main(args: argparse.Namespace) -> int:
     def refused(message: str) -> None:
         print(f"tbo afd-ffn: {message}", file=sys.stderr, flush=True)
 
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     try:
         group = AFDGroup.listen(args.listen, model.info(), backend=backend, timeout_s=args.idle_timeout_s,
-                                on_listening=listening, token=token, on_refused=refused)
+                                on_listening=listening, token=token, on_refused=refused,
+                                max_message_bytes=model.max_request_bytes + 128)
     except (AFDPeerError, ValueError) as e:
         print(f"tbo afd-ffn: error: {e}", file=sys.stderr, flush=True)
         return EXIT_PEER
