@@ -4,7 +4,7 @@ Admission itself is by structure, when a model loads (`tbo.integrations.vllm.mod
 time what that will decide, from each model file's source: a file whose MoE is a ``MoERunner`` (built with
 ``FusedMoEFactory``) is admitted unless it shows a feature tbo refuses, and `TESTED` names the architectures a test
 runs against plain vLLM. ``python -m tbo.integrations.vllm.admit.catalog docs/vllm.md`` rewrites the table between its
-markers; tests/test_vllm_models.py fails when the docs' table differs from this walk.
+markers; tests/vllm/test_models.py fails when the docs' table differs from this walk.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ __all__ = ["TESTED", "ModelEntry", "walk", "table", "BEGIN", "END"]
 
 #: architecture -> the test that runs it against plain vLLM (tokens equal, steps split)
 TESTED = {
-    "Qwen3MoeForCausalLM": "test_vllm.py (fp32, TP=2, served, DP=2+EP, AFD); test_vllm_models.py (gated shared "
+    "Qwen3MoeForCausalLM": "vllm/test_engine.py (fp32, TP=2, served, DP=2+EP, AFD); vllm/test_models.py (gated shared "
                            "expert)",
-    "DeepseekV3ForCausalLM": "test_vllm.py (fp32, bf16, TP=2), test_vllm_dp.py, test_vllm_afd.py",
-    "MixtralForCausalLM": "test_vllm_models.py (fp32), test_vllm_dp.py (DP=2+EP)",
-    "Qwen2MoeForCausalLM": "test_vllm_models.py (fp32), test_vllm_afd.py (AFD)",
-    "GptOssForCausalLM": "test_vllm_models.py (fp32: sinks, a sliding window)",
-    "Llama4ForCausalLM": "test_vllm_models.py (fp32: dense layers between MoE layers, a NoPE layer)",
-    "GraniteMoeForCausalLM": "test_vllm_models.py (fp32: embedding, attention and residual multipliers; layers that "
+    "DeepseekV3ForCausalLM": "vllm/test_engine.py (fp32, bf16, TP=2), vllm/test_dp.py, vllm/test_afd.py",
+    "MixtralForCausalLM": "vllm/test_models.py (fp32), vllm/test_dp.py (DP=2+EP)",
+    "Qwen2MoeForCausalLM": "vllm/test_models.py (fp32), vllm/test_afd.py (AFD)",
+    "GptOssForCausalLM": "vllm/test_models.py (fp32: sinks, a sliding window)",
+    "Llama4ForCausalLM": "vllm/test_models.py (fp32: dense layers between MoE layers, a NoPE layer)",
+    "GraniteMoeForCausalLM": "vllm/test_models.py (fp32: embedding, attention and residual multipliers; layers that "
                              "add their residual themselves)",
 }
 

