@@ -24,6 +24,7 @@ import torch
 from tbo.afd.attention import AFDAttentionLayer
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
 from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError
+from tbo.core.dataflow import declares
 from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
 from tbo.integrations.vllm.layers import VllmDecoderLayer
@@ -91,6 +92,7 @@ class VllmAFDLayer(VllmDecoderLayer):
         self.kind = "afd"
         self.connector = link
 
+    @declares(takes="ffn_out", writes="layer_out")
     def op_output(self, state: Any) -> None:
         state.layer_out = state.pop("ffn_out")  # vLLM hands the residual on unadded: the next norm adds it
 
