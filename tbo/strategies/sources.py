@@ -56,28 +56,29 @@ def import_modules(names: Iterable[str], what: str = "strategy_modules") -> list
 
 
 def register_from_config(strategies: Mapping[str, Any] | None = None, modules: Iterable[str] | None = None,
-                         where: str = "config") -> list[str]:
+                         where: str = "") -> list[str]:
     """Import ``modules``, then register each of ``strategies`` (name -> JSON) under its name; return the names.
 
     A name that is built in or registered from Python is refused (choose another); one registered from a config
     before takes the new value. Registering the same value twice is a no-op, as a process may read its config more
     than once.
     """
-    import_modules(modules or (), f"{where} strategy_modules")
+    where = f"{where} " if where else ""
+    import_modules(modules or (), f"{where}strategy_modules")
     if strategies is None:
         return []
     if not isinstance(strategies, Mapping):
-        raise StrategyError(f"{where} strategies: expected a mapping of name to strategy JSON, got "
+        raise StrategyError(f"{where}strategies: expected a mapping of name to strategy JSON, got "
                             f"{type(strategies).__name__}")
     parsed = {}
     for name, value in strategies.items():
         if not isinstance(name, str) or not name.isidentifier():
-            raise StrategyError(f"{where} strategies: the name {name!r} must be an identifier")
+            raise StrategyError(f"{where}strategies: the name {name!r} must be an identifier")
         parsed[name] = parse_strategy(name, value)
         if name in registry.names() and name not in _FROM_CONFIG:
             if _same(registry.get(name), parsed[name]):
                 continue  # the same strategy, registered from Python too
-            raise StrategyError(f"{where} strategies: {name!r} is already a registered strategy (built in, or "
+            raise StrategyError(f"{where}strategies: {name!r} is already a registered strategy (built in, or "
                                 "registered from Python); give yours another name")
     for name, strategy in parsed.items():
         registry.register(name, strategy, overwrite=True)
