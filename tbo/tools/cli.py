@@ -55,9 +55,14 @@ def load_strategy(source: str, fragment: bool = False) -> OperationsStrategy:
 
 
 def import_strategy_module(name: str) -> Any:
-    """Import a module that defines or registers strategies; a failure names it (`tbo.strategies.import_modules`)."""
+    """Import a module that defines or registers strategies; a failure names it (`tbo.strategies.import_modules`).
+
+    The working directory is searched first, as ``python -m`` does: the ``tbo`` command's own ``sys.path`` starts at
+    its script's folder, where a user's module never is."""
     from tbo.strategies import import_modules
 
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return import_modules([name], what="--import")[0]
 
 

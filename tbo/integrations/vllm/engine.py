@@ -133,9 +133,11 @@ class TboEngine:
         #: vLLM rotary kernels that would make a split step differ from the unsplit one, rerouted (fixes.py)
         self.rotary_fix = fix_rotary_embeddings(model)
         if self.rotary_fix:
-            logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform "
-                           "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
-                           "tbo.integrations.vllm.fixes", len(self.rotary_fix))
+            logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform; "
+                           "they run through 2-D copies here. A model whose attention passes them 3-D views "
+                           "(DeepSeek's MLA) gets batch-dependent tokens from plain vLLM; one passing 2-D tensors "
+                           "(Qwen3-MoE) computes the same either way. See tbo.integrations.vllm.fixes",
+                           len(self.rotary_fix))
         #: which forward each step runs, where vLLM's own runs the unsplit ones (`tbo.integrations.vllm.compiled`):
         #: engines, compiled or eager, whose unsplit step vLLM's forward computes as tbo's loop would
         self.forwards = None
