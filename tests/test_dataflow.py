@@ -315,3 +315,21 @@ def test_cli_simulate_warns_naming_unpriced_ops(tmp_path, capsys) -> None:
     path.write_text(json.dumps(full))
     assert main(["simulate", "qwen3_moe_decode", "--costs", str(path), "--tokens", "64"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_wrapped_ops_keep_their_flow(models: dict[str, ReferenceModel]) -> None:
+    """A timing or tracing wrapper (functools.wraps) around a layer's op still declares that op's flow; a
+    layer-dependent declaration with no layer to ask is undeclared, never a crash."""
+    import functools
+
+    layer = models["shared"].layers[1]
+
+    def timed(op):
+        @functools.wraps(op)
+        def run(state, **inputs):
+            return op(state, **inputs)
+        return run
+
+    assert flow_of(timed(layer.op_output)) == flow_of(layer.op_output)
+    assert flow_of(timed(layer.op_experts)) == OpFlow(takes=("dispatched",), writes=("expert_out",))
+    assert flow_of(type(layer).op_output) is None  # the plain function: which layer's output?

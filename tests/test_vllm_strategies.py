@@ -115,18 +115,29 @@ def multiprocess_run(model, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("mp")
     script = tmp / "run.py"
     script.write_text(_SCRIPT)
-    stats = tmp / "stats-{rank}.json"
+    # a module of the user's, importable in every process (on PYTHONPATH), that registers a strategy when imported
+    (tmp / "user_strategies_47.py").write_text(textwrap.dedent(f"""
+        import tbo.strategies
+        from tbo import OperationsStrategy
+        tbo.strategies.register("from_module", OperationsStrategy.model_validate_json({MINE.model_dump_json()!r}),
+                                overwrite=True)
+        """))
+    stats, module_stats = tmp / "stats-{rank}.json", tmp / "module-stats-{rank}.json"
     tbo = {**THRESHOLDS, "strategies": {"mine": MINE.model_dump_json()}, "strategy": "mine", "stats_file": str(stats)}
+    by_module = {**THRESHOLDS, "strategy_modules": ["user_strategies_47"], "strategy": "from_module",
+                 "stats_file": str(module_stats)}
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default: on
-    proc = subprocess.run([sys.executable, str(script), str(model), json.dumps([None, tbo]), json.dumps(PROMPTS),
-                           json.dumps(ENGINE), str(MAX_TOKENS)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(script), str(model), json.dumps([None, tbo, by_module]),
+                           json.dumps(PROMPTS), json.dumps(ENGINE), str(MAX_TOKENS)], env=env, capture_output=True,
+                          text=True, timeout=900)
     log = proc.stdout + proc.stderr
-    (tmp / "run.log").write_text(log)
     assert proc.returncode == 0, log[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    reference, mine = json.loads(line.removeprefix("RESULT "))
-    return {"reference": reference, "mine": mine, "log": log, "stats": sorted(glob.glob(str(tmp / "stats-*.json")))}
+    reference, mine, module = json.loads(line.removeprefix("RESULT "))
+    return {"reference": reference, "mine": mine, "module": module, "log": log,
+            "stats": sorted(glob.glob(str(tmp / "stats-*.json"))),
+            "module_stats": sorted(glob.glob(str(tmp / "module-stats-*.json")))}
 
 
 @needs_vllm
@@ -140,6 +151,17 @@ def test_an_inline_strategy_through_a_multiprocess_engine_equals_vllm_and_splits
     assert run["stats"], "no stats file: " + run["log"][-3000:]
     stats = [json.loads(Path(f).read_text()) for f in run["stats"]]
     assert sum(s["split_steps"] for s in stats) >= 2  # the prefill step and decode steps
+
+
+@needs_vllm
+def test_a_strategy_module_reaches_the_engine_core_s_process(multiprocess_run) -> None:
+    """``strategy_modules``: a module of the user's, imported in the engine core's process, registers the strategy."""
+    run = multiprocess_run
+    assert run["module"]["client"] == "SyncMPClient"
+    assert run["module"]["tokens"] == run["reference"]["tokens"]
+    assert "through strategies from_module / from_module" in run["log"]
+    assert run["module_stats"] and sum(json.loads(Path(f).read_text())["split_steps"]
+                                       for f in run["module_stats"]) >= 2
 
 
 # ---- the OpenAI server ------------------------------------------------------------------------------------------

@@ -117,13 +117,21 @@ def flow_of(op: Any, layer: Any = None) -> OpFlow | None:
 
     A declaration that is a function of the layer is called with the method's instance, or ``layer``."""
     target, owner = op, layer
-    while isinstance(target, functools.partial):
-        target = target.func
-    if hasattr(target, "__self__") and hasattr(target, "__func__"):  # a bound method
-        owner, target = target.__self__, target.__func__
+    for _ in range(32):  # partials, bound methods and functools.wraps wrappers, down to the declared function
+        if isinstance(target, functools.partial):
+            target = target.func
+        elif hasattr(target, "__self__") and hasattr(target, "__func__"):  # a bound method
+            owner, target = target.__self__, target.__func__
+        elif getattr(target, "__wrapped__", None) is not None and not (
+                getattr(target, FLOW_ATTR, None) is not None and owner is not None):
+            target = target.__wrapped__
+        else:
+            break
     decl = getattr(target, FLOW_ATTR, None)  # a callable object: its class may declare
     if decl is None or isinstance(decl, OpFlow):
         return decl
+    if owner is None:  # a declaration that depends on a layer, with no layer to ask: nothing can be said
+        return None
     flow = decl(owner)
     if not isinstance(flow, OpFlow):
         raise TypeError(f"the flow declaration of {getattr(target, '__qualname__', target)!r} returned "

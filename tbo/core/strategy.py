@@ -265,18 +265,19 @@ class OperationsStrategy(BaseModel):
 
         Names the layer does not provide are reported together, with their indices and the closest names it does
         provide. ``inputs``: the keyword inputs the first op gets (None: whatever it needs)."""
-        provided = [attr[3:] for attr in dir(layer) if attr.startswith("op_") and callable(getattr(layer, attr, None))]
         missing = []
         for i, item in enumerate(self.operations):
             if isinstance(item, str) and not callable(getattr(layer, f"op_{item}", None)):
+                provided = [attr[3:] for attr in dir(layer) if attr.startswith("op_") and callable(
+                    getattr(layer, attr, None))]
                 close = closest_names(item, provided)
                 missing.append(f"[{i}] op_{item}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close
                                                     else ""))
         if missing:
             raise StrategyError(
                 f"cannot bind strategy {self.name or '(unnamed)'} to {type(layer).__name__}: missing methods "
-                f"{', '.join(missing)}; the ops it provides: {', '.join(provided) or 'none'} (`tbo ops` lists each layer kind's)"
-            )
+                f"{', '.join(missing)}; the ops it provides: {', '.join(provided) or 'none'} (`tbo ops` lists each "
+                "layer kind's)")
         bound = self._replace(operations=[getattr(layer, f"op_{it}") if isinstance(it, str) else it
                                           for it in self.operations])
         bound.check_flow(layer, inputs)
