@@ -18,7 +18,8 @@ or, where it depends on the layer (a layer with a shared expert, a dense layer),
 
 A declaration belongs to the function: an override without one is undeclared, and an undeclared op (a user's plain
 function, a layer that declares nothing) is opaque: the check trusts it and stops checking State keys after it, as it
-cannot know what it wrote or removed. `same_flow` lets an override keep its parent's declaration.
+cannot know what it wrote or removed, until an op that clears the State (a layer's last). `same_flow` lets an
+override keep its parent's declaration.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class _Walk:
 
     have: dict[str, _Written] = field(default_factory=dict)
     taken: dict[str, _Written] = field(default_factory=dict)
-    opaque: str | None = None  # the first undeclared op: State keys are not checked after it
+    opaque: str | None = None  # the first undeclared op: State keys are not checked after it (until a clear)
 
 
 def _producers(key: str, catalog: Mapping[str, OpFlow | None], field_name: str = "writes") -> list[str]:
@@ -252,9 +253,10 @@ def flow_problems(items: Sequence[tuple[int, int, str, OpFlow | None]],
             if key in walk.have:
                 walk.taken[key] = _Written(name, index)
             walk.have.pop(key, None)
-        if flow.clears:
+        if flow.clears:  # an empty State: whatever an undeclared op before did is gone, so checking resumes
             walk.have.clear()
             walk.taken.clear()
+            walk.opaque = None
         for key in flow.writes:
             walk.have[key] = _Written(name, index)
             walk.taken.pop(key, None)

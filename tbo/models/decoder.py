@@ -42,7 +42,8 @@ Cache = KVCache | StaticKVCache
 
 __all__ = ["DecoderLayer", "ReferenceModel", "STATE_FLOW"]
 
-#: Which op writes which State key, and which op consumes it: the data flow any strategy must respect.
+#: Which op writes which State key, and which op consumes it: the data flow any strategy must respect, at a glance.
+#: What binding checks is each op's own declaration (`tbo.core.dataflow.declares`; `tbo ops` prints them).
 STATE_FLOW = {
     "residual": ("comm_prepare_attn / comm_prepare_mlp", "comm_prepare_mlp / output"),
     "attn_in": ("comm_prepare_attn", "attn_prepare"),
