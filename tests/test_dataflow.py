@@ -333,3 +333,16 @@ def test_wrapped_ops_keep_their_flow(models: dict[str, ReferenceModel]) -> None:
     assert flow_of(timed(layer.op_output)) == flow_of(layer.op_output)
     assert flow_of(timed(layer.op_experts)) == OpFlow(takes=("dispatched",), writes=("expert_out",))
     assert flow_of(type(layer).op_output) is None  # the plain function: which layer's output?
+
+
+def test_the_expert_parallel_layer_declares_what_the_vllm_layer_does() -> None:
+    """`EpDecoderLayer` overrides ops for empty microbatches (`same_flow`): every op keeps the vLLM layer's flow, so
+    a strategy binds on a DP + EP engine exactly when it binds on a one-rank one."""
+    from tbo.core.dataflow import FLOW_ATTR
+    from tbo.integrations.vllm.ep import EpDecoderLayer
+    from tbo.integrations.vllm.layers import VllmDecoderLayer
+
+    ops = [a for a in dir(VllmDecoderLayer) if a.startswith("op_")]
+    assert len(ops) == 15
+    for op in ops:
+        assert getattr(getattr(EpDecoderLayer, op), FLOW_ATTR) is getattr(getattr(VllmDecoderLayer, op), FLOW_ATTR), op
