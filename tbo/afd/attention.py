@@ -15,6 +15,7 @@ from tbo import strategies
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.models.cache import AttentionMetadata, KVCache
 from tbo.split.plan import MicrobatchSlice, SplitPlan
+from tbo.core.dataflow import declares
 from tbo.core.state import State
 from tbo.afd.connector import AFDMeta
 
@@ -44,15 +45,18 @@ class AFDAttentionLayer:
                        x.shape[1],
                        x.dtype)
 
+    @declares(takes="mlp_in", writes="afd", pinned=("microbatch_idx", "num_microbatches"))
     def op_afd_send(self, state: State) -> None:
         x = state.pop("mlp_in")
         meta = self._meta(state, x)
         state.afd = (meta, self.connector.send_attn_output(x, meta))
 
+    @declares(takes="afd", writes="ffn_out")
     def op_afd_recv(self, state: State) -> None:
         meta, _sent = state.pop("afd")
         state.ffn_out = self.connector.recv_ffn_output(meta)
 
+    @declares(takes=("residual", "ffn_out"), writes="layer_out")
     def op_output(self, state: State) -> None:
         state.layer_out = state.pop("residual") + state.pop("ffn_out")
 

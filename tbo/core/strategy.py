@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from tbo.core.dataflow import FlowProblem, closest_names, flow_of, flow_problems, layer_flows
 from tbo.core.errors import StrategyError
 from tbo.core.inflight import InFlightLimit, in_flight_violations
 from tbo.core.operations import YIELD_NAME, Operation, Yield, comm_role, op_name
@@ -259,20 +260,66 @@ class OperationsStrategy(BaseModel):
         return self.schedule(num_microbatches, delta_stages).render(labels, width=width)
 
     # ---- binding and joining ------------------------------------------------------------------------------------
-    def bind(self, layer: object) -> "OperationsStrategy":
-        """Resolve every op name to ``layer.op_<name>``. Missing methods are reported together, with their indices."""
-        missing = [
-            f"[{i}] op_{item}"
-            for i, item in enumerate(self.operations)
-            if isinstance(item, str) and not callable(getattr(layer, f"op_{item}", None))
-        ]
+    def bind(self, layer: object, inputs: Collection[str] | None = None) -> "OperationsStrategy":
+        """Resolve every op name to ``layer.op_<name>``, and check the data flow (`check_flow`).
+
+        Names the layer does not provide are reported together, with their indices and the closest names it does
+        provide. ``inputs``: the keyword inputs the first op gets (None: whatever it needs)."""
+        missing = []
+        for i, item in enumerate(self.operations):
+            if isinstance(item, str) and not callable(getattr(layer, f"op_{item}", None)):
+                provided = [attr[3:] for attr in dir(layer) if attr.startswith("op_") and callable(
+                    getattr(layer, attr, None))]
+                close = closest_names(item, provided)
+                missing.append(f"[{i}] op_{item}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close
+                                                    else ""))
         if missing:
             raise StrategyError(
-                f"cannot bind strategy {self.name or '(unnamed)'} to {type(layer).__name__}: "
-                f"missing methods {', '.join(missing)}"
-            )
-        bound = [getattr(layer, f"op_{it}") if isinstance(it, str) else it for it in self.operations]
-        return self._replace(operations=bound)
+                f"cannot bind strategy {self.name or '(unnamed)'} to {type(layer).__name__}: missing methods "
+                f"{', '.join(missing)}; the ops it provides: {', '.join(provided) or 'none'} (`tbo ops` lists each "
+                "layer kind's)")
+        bound = self._replace(operations=[getattr(layer, f"op_{it}") if isinstance(it, str) else it
+                                          for it in self.operations])
+        bound.check_flow(layer, inputs)
+        return bound
+
+    def flow_problems(self, layer: object = None, inputs: Collection[str] | None = None,
+                      catalog: Mapping[str, Any] | None = None) -> list[FlowProblem]:
+        """The ops whose inputs are not there when one microbatch runs this list (`tbo.core.dataflow`): each op's
+        declared flow, from its callable or from ``layer.op_<name>`` (``catalog``: name -> `OpFlow`, in place of a
+        layer, as `tbo lint --layer-kind` checks a list of names)."""
+        if catalog is None:
+            catalog = layer_flows(layer) if layer is not None else {}
+        items = []
+        for visit in self._flow_items():
+            index, stage, item = visit
+            if isinstance(item, str):
+                flow = catalog.get(item) if layer is None else flow_of(getattr(layer, f"op_{item}", None), layer)
+            else:
+                flow = flow_of(item, layer)
+            items.append((index, stage, op_name(item), flow))
+        return flow_problems(items, catalog, inputs)
+
+    def check_flow(self, layer: object = None, inputs: Collection[str] | None = None,
+                   catalog: Mapping[str, Any] | None = None) -> "OperationsStrategy":
+        """Raise `StrategyError` naming every op whose inputs are not there when it runs (`flow_problems`);
+        return ``self``."""
+        problems = self.flow_problems(layer, inputs, catalog)
+        if problems:
+            on = f" on {layer!r}" if layer is not None else ""
+            raise StrategyError(
+                f"strategy {self.name or '(unnamed)'} cannot run{on}: " + "; ".join(map(str, problems)) + ". Each "
+                "microbatch runs the list in this order, one op after another (`tbo ops` lists what each op reads "
+                "and writes)")
+        return self
+
+    def _flow_items(self) -> Iterator[tuple[int, int, Any]]:
+        stage = 0
+        for index, item in enumerate(self.operations):
+            if item is Yield:
+                stage += 1
+            else:
+                yield index, stage, item
 
     def _replace(self, **changes: Any) -> "OperationsStrategy":
         """A fresh, validated instance with some fields changed (model_copy would carry over the cached stages)."""

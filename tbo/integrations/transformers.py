@@ -32,6 +32,7 @@ from tbo.util.optional import extra_hint, require
 from tbo.comm.alltoall import LocalBackend
 from tbo.models.layer_ops import DecoderLayerOps
 from tbo.split import ForwardMode, SplitPolicy, agree_to_split
+from tbo.core.dataflow import declares
 from tbo.core.state import State
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.split.plan import MicrobatchSlice, SplitPlan
@@ -142,25 +143,30 @@ class TboDecoderLayer(DecoderLayerOps):
         return self.shared(x)
 
     # ---- the ops that touch HF's attention and router (hidden states are [tokens, H], as in the seam) ----------
+    @declares(writes="attn_kwargs", pinned="hf_step")
     def op_attn_prepare(self, state: State) -> None:
         step: _Step = state.hf_step
         state.attn_kwargs = {"attention_mask": step.attention_mask, "position_ids": step.position_ids,
                              self._cache_kw: step.cache, "use_cache": True,
                              "position_embeddings": step.position_embeddings}
 
+    @declares(takes=("attn_in", "attn_kwargs"), writes="attn_out", pinned="hf_step")
     def op_attn_core(self, state: State) -> None:
         x = state.pop("attn_in")
         rows = state.hf_step.position_ids.shape[0]  # HF attention wants [rows, seq, H]
         out, _ = self.hf.self_attn(hidden_states=x.view(rows, -1, x.shape[-1]), **state.pop("attn_kwargs"))
         state.attn_out = out.reshape(x.shape)
 
+    @declares(takes="mlp_in", writes="mlp_out")
     def op_mlp(self, state: State) -> None:
         state.mlp_out = self.hf.mlp(state.pop("mlp_in"))
 
+    @declares(reads="mlp_in", writes="topk")
     def op_gate(self, state: State) -> None:
         _, weights, idx = self.hf.mlp.gate(state.mlp_in)
         state.topk = (idx, weights)
 
+    @declares()  # the HF gate routes too
     def op_select_experts(self, state: State) -> None:
         """HF routers pick the experts inside the gate; nothing is left to do here."""
 

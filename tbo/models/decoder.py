@@ -26,6 +26,7 @@ from tbo.comm.alltoall import LocalBackend
 from tbo.experts import StackedSwiGLU, run_experts
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.split.plan import MicrobatchSlice, SplitPlan
+from tbo.core.dataflow import declares
 from tbo.core.state import State
 from tbo.core.strategy import OperationsStrategy
 from tbo.models.cache import AttentionMetadata, KVCache, StaticAttentionMetadata, StaticKVCache
@@ -41,7 +42,8 @@ Cache = KVCache | StaticKVCache
 
 __all__ = ["DecoderLayer", "ReferenceModel", "STATE_FLOW"]
 
-#: Which op writes which State key, and which op consumes it: the data flow any strategy must respect.
+#: Which op writes which State key, and which op consumes it: the data flow any strategy must respect, at a glance.
+#: What binding checks is each op's own declaration (`tbo.core.dataflow.declares`; `tbo ops` prints them).
 STATE_FLOW = {
     "residual": ("comm_prepare_attn / comm_prepare_mlp", "comm_prepare_mlp / output"),
     "attn_in": ("comm_prepare_attn", "attn_prepare"),
@@ -260,18 +262,23 @@ class DecoderLayer(DecoderLayerOps):
         return residual + self.ffn(self.mlp_norm(residual))
 
     # ---- the ops that touch this layer's own modules (the rest come from DecoderLayerOps) ----------------------
+    @declares(takes="attn_in", writes="qkv", pinned="attn")
     def op_attn_prepare(self, state: State) -> None:
         state.qkv = self._qkv(state.pop("attn_in"), state.attn)
 
+    @declares(takes="qkv", writes="attn_out", pinned=("attn", "cache"))
     def op_attn_core(self, state: State) -> None:
         state.attn_out = self._attention(*state.pop("qkv"), state.attn, state.cache)
 
+    @declares(takes="mlp_in", writes="mlp_out")
     def op_mlp(self, state: State) -> None:
         state.mlp_out = swiglu(state.pop("mlp_in"), *self.mlp_w, self.bi)
 
+    @declares(reads="mlp_in", writes="router_logits")
     def op_gate(self, state: State) -> None:
         state.router_logits = linear(state.mlp_in, self.w_router, self.bi)
 
+    @declares(takes="router_logits", writes="topk")
     def op_select_experts(self, state: State) -> None:
         state.topk = self._select(state.pop("router_logits"))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tbo.core.dataflow import OpFlow, declares
 from tbo.core.state import State
 from tbo.experts import run_experts
 
@@ -33,16 +34,20 @@ class ExpertParallelOps:
     def local_expert(self, e: int, rows: Any) -> Any:  # provided by the layer
         raise NotImplementedError
 
+    @declares(takes="dispatch", writes="dispatched")
     def op_dispatch_b(self, state: State) -> None:
         state.dispatched = self.backend.dispatch_b(state.pop("dispatch"))
 
+    @declares(takes="dispatched", writes="expert_out")
     def op_experts(self, state: State) -> None:
         dispatched = state.pop("dispatched")  # dropped here: nothing reads the received rows after the experts
         state.expert_out = (run_experts(dispatched, self.local_expert, self.stacked_experts), dispatched.handle)
 
+    @declares(takes="expert_out", writes="combine")
     def op_combine_a(self, state: State) -> None:
         state.combine = self.backend.combine_a(*state.pop("expert_out"))
 
+    @declares(takes="combine", writes="routed_out")
     def op_combine_b(self, state: State) -> None:
         state.routed_out = self.backend.combine_b(state.pop("combine"))
 
@@ -67,25 +72,34 @@ class DecoderLayerOps(ExpertParallelOps):
     def shared_experts(self, x: Any) -> Any:
         raise NotImplementedError
 
+    @declares(inputs="hidden_states", writes=("residual", "attn_in"))
     def op_comm_prepare_attn(self, state: State, hidden_states: Any) -> None:
         state.residual = hidden_states
         state.attn_in = self.attn_norm(hidden_states)
 
+    @declares(takes=("residual", "attn_out"), writes=("residual", "mlp_in"))
     def op_comm_prepare_mlp(self, state: State) -> None:
         residual = state.pop("residual") + state.pop("attn_out")
         state.residual = residual
         state.mlp_in = self.mlp_norm(residual)
 
+    @declares(lambda layer: OpFlow(reads=("mlp_in",) if layer.has_shared_experts else (),
+                                   takes=("topk",) if layer.has_shared_experts else ("mlp_in", "topk"),
+                                   writes=("dispatch",), pinned=("rows_per_rank",)))
     def op_dispatch_a(self, state: State) -> None:
         x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
         # data parallel: the rows every rank agreed for this microbatch, when the step pinned them (no count exchange)
         rows = {"rows_per_rank": state.rows_per_rank} if "rows_per_rank" in state else {}
         state.dispatch = self.backend.dispatch_a(x.reshape(-1, x.shape[-1]), *state.pop("topk"), **rows)
 
+    @declares(lambda layer: OpFlow(takes="mlp_in", writes="shared_out") if layer.has_shared_experts else OpFlow())
     def op_shared_experts(self, state: State) -> None:
         if self.has_shared_experts:
             state.shared_out = self.shared_experts(state.pop("mlp_in"))
 
+    @declares(lambda layer: OpFlow(takes=("residual", "mlp_out") if layer.kind == "dense" else
+                                   ("residual", "routed_out", "shared_out") if layer.has_shared_experts else
+                                   ("residual", "routed_out"), writes="layer_out"))
     def op_output(self, state: State) -> None:
         residual = state.pop("residual")
         if self.kind == "dense":
@@ -96,6 +110,7 @@ class DecoderLayerOps(ExpertParallelOps):
                 mlp = mlp + state.pop("shared_out")
         state.layer_out = residual + mlp
 
+    @declares(takes="layer_out", returns="hidden_states", clears=True)
     def op_comm_postprocess_layer(self, state: State) -> dict[str, Any]:
         out = state.pop("layer_out")
         state.clear()  # every key a layer wrote was consumed: anything left is a leak

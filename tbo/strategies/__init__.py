@@ -13,6 +13,7 @@ from tbo.strategies.deepseek import deepseek_decode, deepseek_prefill
 from tbo.strategies.dense import DENSE_OPS, LayerStrategies, bind_layers, dense_like
 from tbo.strategies.qwen3_moe import qwen3_moe_decode, qwen3_moe_prefill
 from tbo.strategies.registry import get, names, register, unregister
+from tbo.strategies.sources import import_modules, parse_strategy, register_from_config
 
 for _factory in (deepseek_decode, deepseek_prefill, qwen3_moe_decode, qwen3_moe_prefill, afd_attention_dbo):
     register(_factory.__name__, _factory)
@@ -27,10 +28,13 @@ __all__ = [
     "deepseek_prefill",
     "dense_like",
     "get",
+    "import_modules",
     "names",
+    "parse_strategy",
     "qwen3_moe_decode",
     "qwen3_moe_prefill",
     "register",
+    "register_from_config",
     "sized_for",
     "unregister",
 ]

@@ -87,6 +87,7 @@ def bind_layers(layers: Sequence[Any], strategies: LayerStrategies, name: str | 
         _check_required_ops(strategy, layer)
     bound = OperationsStrategy.concat([s.bind(layer) for s, layer in zip(per_layer, layers)],
                                       name=name or per_layer[-1].name)
+    bound.check_flow()  # each layer was checked alone; this sees what one layer hands the next
     owners = [backend] if backend is not None else list({id(b): b for b in (getattr(layer, "backend", None)
                                                                            for layer in layers)}.values())
     for owner in owners if num_microbatches is not None else ():

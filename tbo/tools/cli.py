@@ -18,10 +18,12 @@ __all__ = ["main", "load_strategy"]
 
 
 def load_strategy(source: str, fragment: bool = False) -> OperationsStrategy:
-    """A strategy from a JSON file path, or a registered strategy's name.
+    """A strategy from a JSON file path, a registered strategy's name, or ``module:NAME``.
 
-    ``fragment=True`` reads a file without the transfer-ordering check, so that `tbo lint` can report what is wrong
-    with it instead of refusing to load it."""
+    ``module:NAME`` imports ``module`` (which may register strategies, as ``strategy_modules`` does in vLLM), then
+    takes ``NAME`` from the registry or, failing that, from the module: an `OperationsStrategy` or a function
+    returning one. ``fragment=True`` reads a file without the transfer-ordering check, so that `tbo lint` can report
+    what is wrong with it instead of refusing to load it."""
     path = Path(source)
     if path.is_file():
         try:
@@ -31,10 +33,37 @@ def load_strategy(source: str, fragment: bool = False) -> OperationsStrategy:
             raise StrategyError(str(exc)) from None
     from tbo import strategies
 
+    module_name, colon, name = source.rpartition(":")
+    if colon and module_name and name:
+        module = import_strategy_module(module_name)
+        if name in strategies.names():
+            return strategies.get(name)
+        found = getattr(module, name, None)
+        if callable(found) and not isinstance(found, OperationsStrategy):
+            found = found()
+        if not isinstance(found, OperationsStrategy):
+            raise StrategyError(f"{source!r}: {module_name} neither registers a strategy {name!r} nor defines one "
+                                f"(an OperationsStrategy or a function returning one); registered: "
+                                f"{', '.join(strategies.names())}")
+        return found if found.name else found._replace(name=name)
     if source in strategies.names():
         return strategies.get(source)
     raise StrategyError(f"{source!r} is neither a strategy JSON file nor a registered strategy "
-                        f"({', '.join(strategies.names())})")
+                        f"({', '.join(strategies.names())}), nor module:NAME. A strategy written in Python: pass "
+                        "module:NAME (or --import MODULE and its registered name), or write its JSON with "
+                        "`tbo show module:NAME --json > mine.json` (strategy.model_dump_json())")
+
+
+def import_strategy_module(name: str) -> Any:
+    """Import a module that defines or registers strategies; a failure names it (`tbo.strategies.import_modules`).
+
+    The working directory is searched first, as ``python -m`` does: the ``tbo`` command's own ``sys.path`` starts at
+    its script's folder, where a user's module never is."""
+    from tbo.strategies import import_modules
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return import_modules([name], what="--import")[0]
 
 
 def render_strategy(strategy: OperationsStrategy, delta: int | None, microbatches: int) -> str:
@@ -84,7 +113,23 @@ def _cmd_show(args: argparse.Namespace) -> int:
         except ValueError as exc:
             why = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
             raise StrategyError(f"--delta {args.delta}: {why}") from None
+    if args.json:
+        print(strategy.model_dump_json(indent=2))
+        return 0
     print(render_strategy(strategy, None, args.microbatches))
+    return 0
+
+
+def _cmd_ops(args: argparse.Namespace) -> int:
+    from tbo.tools.layer_kinds import LAYER_KINDS, kind_flows
+
+    kinds = [args.layer_kind] if args.layer_kind else list(LAYER_KINDS)
+    for i, kind in enumerate(kinds):
+        flows = kind_flows(kind)
+        print(f"{'' if i == 0 else chr(10)}{kind}: {LAYER_KINDS[kind].about}")
+        width = max(map(len, flows))
+        for name, flow in flows.items():
+            print(f"  {name:<{width}}  {'(undeclared)' if flow is None else flow.describe()}")
     return 0
 
 
@@ -95,6 +140,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     layer = load_strategy(args.strategy)
     strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
     costs = load_json_model(CostModel, args.costs, "costs file")
+    unpriced = costs.unpriced(layer)
+    if unpriced:
+        print(f"tbo simulate: warning: {args.costs} prices no op {', '.join(unpriced)}: each is charged the default "
+              f"cost ({costs.default.describe()}); add them to its 'ops'", file=sys.stderr)
     mode = args.mode or ("prefill" if "prefill" in (layer.name or "") else "decode")
     c = compare(strategy, costs, args.tokens)
     single, tbo = summary(c.single.trace), summary(c.tbo.trace)
@@ -124,27 +173,43 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         from tbo.core.inflight import InFlightLimit
 
         limit = InFlightLimit(args.max_in_flight, backend=f"--max-in-flight {args.max_in_flight}")
-    findings = lint(layer, args.microbatches, backend=limit, layers=args.layers)  # placed in the user's layer
+    ops = None
+    if args.layer_kind:
+        from tbo.tools.layer_kinds import kind_flows
+
+        ops = kind_flows(args.layer_kind)
+    findings = lint(layer, args.microbatches, backend=limit, layers=args.layers, ops=ops)  # in the user's layer
     for f in findings:
         print(f)
     errors = sum(f.level == "error" for f in findings)
     over = f", over {limit.backend}" if limit is not None else ""
+    kind = f", ops of {args.layer_kind}" if args.layer_kind else ""
     print(f"{layer.name or args.strategy}: {tally(findings)} ({args.layers} layers, {args.microbatches} "
-          f"microbatches{over})")
+          f"microbatches{over}{kind})")
     return 1 if errors else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tbo", description="Two-batch overlap: inspect strategies and schedules.")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first, so that the strategies it registers can be named (repeatable)")
     sub = parser.add_subparsers(dest="command", required=True)
+    from tbo.tools.layer_kinds import LAYER_KINDS
+
+    layer_kinds = list(LAYER_KINDS)
+    source = ("a registered strategy name (e.g. deepseek_decode), module:NAME (a strategy a Python module registers "
+              "or defines), or a strategy JSON file")
     show = sub.add_parser("show", help="print a strategy's stages and its interleaved schedule")
-    show.add_argument("strategy", help="a registered strategy name (e.g. deepseek_decode) or a strategy JSON file")
+    show.add_argument("strategy", help=source)
+    show.add_argument("--json", action="store_true",
+                      help="print the strategy's JSON (what a file, vLLM's 'strategies' key and model_validate_json "
+                           "read) instead of its schedule")
     show.add_argument("--delta", type=int, default=None,
                       help="delta_stages (default: the strategy's own); 0 to stages - 1, as the constructor checks")
     show.add_argument("--microbatches", type=at_most(MAX_MICROBATCHES), default=2, help="number of microbatches (default 2)")
     show.set_defaults(func=_cmd_show)
     sim = sub.add_parser("simulate", help="predict single-batch vs TBO step time from a cost model")
-    sim.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
+    sim.add_argument("strategy", help=source)
     sim.add_argument("--tokens", type=positive, required=True, help="tokens in the step")
     sim.add_argument("--costs", required=True, help="a CostModel JSON file (see tbo.tools.simulate.CostModel)")
     sim.add_argument("--layers", type=at_most(MAX_LAYERS), default=1, help="layers of the strategy to chain (default 1)")
@@ -155,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", help="write the simulated TBO trace as Chrome/Perfetto JSON")
     sim.set_defaults(func=_cmd_simulate)
     lint = sub.add_parser("lint", help="check a strategy for overlap bugs; exits 1 on errors")
-    lint.add_argument("strategy", help="a registered strategy name or a strategy JSON file")
+    lint.add_argument("strategy", help=source)
     lint.add_argument("--microbatches", type=at_most(MAX_MICROBATCHES), default=2)
     lint.add_argument("--layers", type=at_most(MAX_LAYERS), default=2, help="layers of the strategy to chain (default 2)")
     lint.add_argument("--backend", choices=("deepep_low_latency",),
@@ -164,7 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("--low-latency", action="store_true", help="the same as --backend deepep_low_latency")
     lint.add_argument("--max-in-flight", type=positive, default=None,
                       help="check against a limit of your own: at most N transfers (any kind) in flight at once")
+    lint.add_argument("--layer-kind", choices=layer_kinds,
+                      help="check the ops' names and data flow against this kind of layer's declared ops, as binding "
+                           "the strategy to it would (`tbo ops` lists them)")
     lint.set_defaults(func=_cmd_lint)
+    ops = sub.add_parser("ops", help="list the ops a kind of layer provides, with what each reads and writes")
+    ops.add_argument("--layer-kind", choices=layer_kinds, help="one kind (default: every kind)")
+    ops.set_defaults(func=_cmd_ops)
     from tbo.tools.predict.cli import add_parser as add_predict_parser
 
     add_predict_parser(sub)
@@ -181,6 +252,8 @@ EXIT_BROKEN_PIPE = 141
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        for module in args.imports:
+            import_strategy_module(module)
         status = int(args.func(args))
         sys.stdout.flush()  # a reader that left during the last lines is found here, not at interpreter exit
         return status

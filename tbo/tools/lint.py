@@ -16,8 +16,9 @@ several layers of it joined, where stage and index numbers would otherwise be th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
+from tbo.core.dataflow import OpFlow, closest_names
 from tbo.core.inflight import InFlightLimit, in_flight_violations, limit_of
 from tbo.core.operations import Yield
 from tbo.core.strategy import OperationsStrategy, OpVisit
@@ -87,7 +88,7 @@ class _Locator:
 
 
 def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: bool = False,
-         backend: Any = None, layers: int = 1) -> list[Finding]:
+         backend: Any = None, layers: int = 1, ops: Mapping[str, OpFlow | None] | None = None) -> list[Finding]:
     """Findings for ``strategy`` run as ``num_microbatches`` interleaved microbatches (errors first).
 
     ``layers``: lint that many copies of ``strategy`` joined as a model runs them (`OperationsStrategy.concat`), to
@@ -104,6 +105,11 @@ def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: b
     A launch with no compute after it before its wait, in any microbatch, is a ``no-overlap`` warning, except in the
     pipeline's drain: when every other microbatch has already finished, nothing is left to overlap the transfer
     whatever the strategy, and no warning would say what to change.
+
+    ``ops``: the ops a layer provides, by name, with their declared flows (`tbo.tools.layer_kinds.kind_flows`):
+    what binding to that layer refuses becomes errors here: an ``unknown-op`` (with the closest names), and every op
+    whose inputs are not there when it runs (``data-flow``, `tbo.core.dataflow`). An op that declares no flow is a
+    ``undeclared-op`` warning: the check trusts it, and checks no State key after it.
     """
     if layers < 1:
         raise ValueError(f"lint needs layers >= 1, got {layers}")
@@ -111,6 +117,8 @@ def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: b
     run = strategy if layers == 1 else OperationsStrategy.concat([strategy] * layers, name=strategy.name,
                                                                   fragment=True)
     at = _Locator(strategy, layers)
+    if ops is not None:
+        findings += _flow_findings(strategy, run, at, ops)
     order = run.transfer_order
     limit = backend if isinstance(backend, InFlightLimit) else limit_of(backend)
     if limit is None and low_latency:
@@ -148,6 +156,32 @@ def lint(strategy: OperationsStrategy, num_microbatches: int = 2, low_latency: b
                                        "or another's with a different delta_stages)", mb, stage, name,
                                        visit.index))
     return sorted(findings, key=lambda f: (f.level != "error", f.microbatch, f.layer or 0, f.stage))
+
+
+def _flow_findings(strategy: OperationsStrategy, run: OperationsStrategy, at: _Locator,
+                   ops: Mapping[str, OpFlow | None]) -> list[Finding]:
+    """Unknown ops and data-flow problems against a layer's declared ``ops``, each once, placed in the user's list
+    (the joined run adds what one layer hands the next)."""
+    findings, seen = [], set()
+    stage_of = {visit[0]: visit[1] for visit in strategy._flow_items()}
+    for index, name in ((i, item) for i, item in enumerate(strategy.operations) if isinstance(item, str)):
+        if name not in ops:
+            close = closest_names(name, ops)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            findings.append(Finding("error", "unknown-op", f"this layer has no op {name!r}{hint}; its ops: "
+                                    f"{', '.join(ops)}", 0, stage_of[index], name, index))
+        elif ops[name] is None and name not in seen:
+            findings.append(Finding("warning", "undeclared-op", f"{name!r} declares no data flow: nothing after it "
+                                    "is checked", 0, stage_of[index], name, index))
+        seen.add(name)
+    placed = set()
+    for p in strategy.flow_problems(catalog=ops) + (run.flow_problems(catalog=ops) if run is not strategy else []):
+        layer, stage, index = at(p.index) if run is not strategy else (None, p.stage, p.index)
+        if (index, p.key, p.code) in placed:
+            continue
+        placed.add((index, p.key, p.code))
+        findings.append(Finding("error", p.code, p.message, 0, stage, p.op, index, layer))
+    return findings
 
 
 def tally(findings: list[Finding]) -> str:

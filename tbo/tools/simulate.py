@@ -60,6 +60,14 @@ class Cost(BaseModel):
     peak_flops: Positive = 1e12
     mem_bw: Positive = 1e11
 
+    def describe(self) -> str:
+        """``constant 5e-06 s``, ``linear 3e-05 s + 4e-07 s/token``, ...: for messages."""
+        if self.kind == "constant":
+            return f"constant {self.seconds:g} s"
+        if self.kind == "linear":
+            return f"linear {self.seconds:g} s + {self.per_token:g} s/token"
+        return f"{self.kind} ({len(self.points)} points)" if self.kind == "table" else self.kind
+
     def __call__(self, tokens: int) -> float:
         if self.kind == "constant":
             return self.seconds
@@ -126,6 +134,12 @@ class CostModel(BaseModel):
         if overlapped and name in self.overlapped:
             return self.overlapped[name][1 if mb else 0](tokens)
         return self.ops.get(name, self.default)(tokens)
+
+    def unpriced(self, strategy: OperationsStrategy) -> list[str]:
+        """The ops of ``strategy`` that this model prices neither in ``ops`` nor in ``overlapped``: each is charged
+        ``default``, which `tbo simulate` warns about, naming them."""
+        names = dict.fromkeys(name for stage in strategy.stage_names for name in stage)
+        return [name for name in names if name not in self.ops and name not in self.overlapped]
 
     def role(self, name: str) -> tuple[str, str] | None:
         """("launch" | "wait", transfer kind) for a communication op, None for compute."""

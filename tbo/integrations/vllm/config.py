@@ -13,6 +13,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tbo import strategies
+from tbo.core.dataflow import closest_names
 from tbo.comm.emulated import parse_link_spec
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
 from tbo.integrations.vllm.errors import CONFIG_KEY, TboConfigError
@@ -32,8 +33,11 @@ class StrategyNames(BaseModel):
 
 def _check_strategy_name(name: str) -> str:
     if name not in strategies.names():
+        close = closest_names(name, strategies.names())
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
         raise ValueError(f"strategy {name!r} is not registered; accepted: 'auto' or one of "
-                         f"{', '.join(strategies.names())} (tbo.strategies.register adds your own)")
+                         f"{', '.join(strategies.names())} (your own: the 'strategies' key, by value, or "
+                         f"'strategy_modules', modules that register them){hint}")
     return name
 
 
@@ -93,6 +97,22 @@ class TboVllmConfig(BaseModel):
                                                              "after every counted step (replaced whole) and "
                                                              "at shutdown; '{rank}' is replaced by its rank in vLLM's "
                                                              "world (DP rank * TP size + TP rank)")
+    strategies: dict[str, Any] = Field(
+        default_factory=dict, description="your own strategies by value: name -> the JSON "
+                                          "OperationsStrategy.model_dump_json() writes (or that JSON as an object), "
+                                          "registered in every vLLM process; `strategy` names them")
+    strategy_modules: list[str] = Field(
+        default_factory=list, description="modules imported in every vLLM process before the strategy is resolved, "
+                                          "which register strategies (tbo.strategies.register)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _register_strategies(cls, data: Any) -> Any:
+        """Register the config's own strategies in this process first, so that `strategy` can name them: vLLM hands
+        ``additional_config`` to every process it starts, which is how they reach the engine core and its workers."""
+        if isinstance(data, Mapping):
+            strategies.register_from_config(data.get("strategies"), data.get("strategy_modules"))
+        return data
 
     @field_validator("strategy", mode="before")
     @classmethod

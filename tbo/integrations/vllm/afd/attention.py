@@ -23,6 +23,7 @@ import torch
 from tbo.afd.attention import AFDAttentionLayer
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
 from tbo.afd.group import AFDGroup, AFDPeerError, resolve_token
+from tbo.core.dataflow import declares
 from tbo.core.errors import CommTimeoutError
 from tbo.integrations.vllm.afd.config import AFDVllmConfig
 from tbo.integrations.vllm.model.layers import VllmDecoderLayer
@@ -90,6 +91,7 @@ class VllmAFDLayer(VllmDecoderLayer):
         self.kind = "afd"
         self.connector = link
 
+    @declares(takes="ffn_out", writes="layer_out")
     def op_output(self, state: Any) -> None:
         state.layer_out = state.pop("ffn_out")  # vLLM hands the residual on unadded: the next norm adds it
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from tbo.comm.types import DispatchFormat
+from tbo.core.dataflow import same_flow
 from tbo.core.state import State
 from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.model.layers import VllmDecoderLayer
@@ -74,6 +75,7 @@ class EpDecoderLayer(VllmDecoderLayer):
         return {"rows_per_rank": state.rows_per_rank}
 
     # ---- a microbatch of zero rows runs no vLLM kernel -----------------------------------------------------------
+    @same_flow(VllmDecoderLayer.op_comm_prepare_attn)
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,
                              residual: torch.Tensor | None = None) -> None:
         if not _empty(hidden_states):
@@ -81,31 +83,37 @@ class EpDecoderLayer(VllmDecoderLayer):
         state.residual = hidden_states if residual is None else residual
         state.attn_in = hidden_states
 
+    @same_flow(VllmDecoderLayer.op_attn_prepare)
     def op_attn_prepare(self, state: State) -> None:
         if not _empty(state.attn_in):
             super().op_attn_prepare(state)
 
+    @same_flow(VllmDecoderLayer.op_attn_core)
     def op_attn_core(self, state: State) -> None:
         if "qkv" not in state and _empty(state.attn_in):
             state.attn_out = state.pop("attn_in")
             return
         super().op_attn_core(state)
 
+    @same_flow(VllmDecoderLayer.op_comm_prepare_mlp)
     def op_comm_prepare_mlp(self, state: State) -> None:
         if not _empty(state.attn_out):
             return super().op_comm_prepare_mlp(state)
         state.pop("attn_out")
         state.mlp_in = state.residual
 
+    @same_flow(VllmDecoderLayer.op_mlp)
     def op_mlp(self, state: State) -> None:
         if not _empty(state.mlp_in):
             return super().op_mlp(state)
         state.mlp_out = state.pop("mlp_in")
 
+    @same_flow(VllmDecoderLayer.op_gate)
     def op_gate(self, state: State) -> None:
         if not _empty(state.mlp_in):
             super().op_gate(state)
 
+    @same_flow(VllmDecoderLayer.op_select_experts)
     def op_select_experts(self, state: State) -> None:
         if "router_logits" in state:
             return super().op_select_experts(state)
@@ -113,6 +121,7 @@ class EpDecoderLayer(VllmDecoderLayer):
         state.topk = (torch.empty((0, k), dtype=self._ids_dtype, device=x.device),
                       torch.empty((0, k), dtype=torch.float32, device=x.device))
 
+    @same_flow(VllmDecoderLayer.op_shared_experts)
     def op_shared_experts(self, state: State) -> None:
         if self.has_shared_experts and _empty(state.mlp_in):
             state.shared_out = state.pop("mlp_in")
@@ -124,6 +133,7 @@ class EpDecoderLayer(VllmDecoderLayer):
         it received by their local slot count, on the host)."""
         return [key for key in super().compute_keys() if key[0] != "experts"]
 
+    @same_flow(VllmDecoderLayer.op_experts)
     def op_experts(self, state: State) -> None:
         """vLLM's fused-experts kernel on the rows this rank received, with local expert ids, on this rank's
         (token, slot) pairs only: a slot naming an expert on another rank (-1) never reaches the kernel

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tbo.comm.types import DispatchFormat, payload_refusal
+from tbo.core.dataflow import OpFlow, declares
 from tbo.core.state import State
 from tbo.integrations.vllm.comm.backend import ModeBackends
 from tbo.integrations.vllm.model.compute import EAGER, Compute
@@ -150,6 +151,7 @@ class VllmDecoderLayer(ExpertParallelOps):
                 "rounding, not bit for bit", name)
 
     # ---- attention ---------------------------------------------------------------------------------------------
+    @declares(inputs="hidden_states", writes=("residual", "attn_in"))
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor,
                              residual: torch.Tensor | None = None) -> None:
         if residual is None:  # the first layer (the embeddings are the residual), or Granite's: its input is
@@ -159,6 +161,8 @@ class VllmDecoderLayer(ExpertParallelOps):
             attn_in, state.residual = self.compute.add_norm(self.layer.input_layernorm, hidden_states, residual)
             state.attn_in = attn_in
 
+    @declares(lambda layer: OpFlow(takes="attn_in", writes="qkv", pinned="positions") if layer.split_attention
+              else OpFlow())
     def op_attn_prepare(self, state: State) -> None:
         """Qwen3-MoE: the QKV projection, the q/k norms and rotary, with vLLM's modules, in its forward's order (so
         the other microbatch's dispatch has that compute to hide behind). Other attention modules (DeepSeek's MLA)
@@ -166,6 +170,8 @@ class VllmDecoderLayer(ExpertParallelOps):
         if self.split_attention:
             state.qkv = self.compute.qkv(self.attn, state.pop("attn_in"), state.positions)
 
+    @declares(lambda layer: OpFlow(takes="qkv" if layer.split_attention else "attn_in", writes="attn_out",
+                                   pinned=() if layer.split_attention else "positions"))
     def op_attn_core(self, state: State) -> None:
         if self.split_attention:
             state.attn_out = self.compute.attention_core(self.attn, *state.pop("qkv"))
@@ -184,6 +190,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         return _get_llama_4_scaling(original_max_position_embeddings=cfg["original_max_position_embeddings"],
                                     scaling_beta=cfg["beta"], positions=positions)
 
+    @declares(takes=("residual", "attn_out"), writes=("residual", "mlp_in"))
     def op_comm_prepare_mlp(self, state: State) -> None:
         if self.residual_multiplier is not None:  # Granite: the residual added here, the norm a plain one
             residual = state.pop("residual") + state.pop("attn_out") * self.residual_multiplier
@@ -194,6 +201,7 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.update(mlp_in=mlp_in, residual=residual)
 
     # ---- dense layers ------------------------------------------------------------------------------------------
+    @declares(takes="mlp_in", writes="mlp_out")
     def op_mlp(self, state: State) -> None:
         self._count_ffn()
         state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))  # its down projection all-reduces over TP
@@ -214,16 +222,21 @@ class VllmDecoderLayer(ExpertParallelOps):
         self.stats = counters[0] if counters else None
 
     # ---- MoE: router, dispatch, experts, combine ---------------------------------------------------------------
+    @declares(reads="mlp_in", writes="router_logits")
     def op_gate(self, state: State) -> None:
         logits = self.gate(state.mlp_in)  # the runner's gate or the block's (GPT-OSS's returns no bias)
         state.router_logits = logits[0] if isinstance(logits, tuple) else logits
 
+    @declares(reads="mlp_in", takes="router_logits", writes="topk")
     def op_select_experts(self, state: State) -> None:
         weights, ids = self.compute.route(self.runner.router, state.mlp_in, state.pop("router_logits"),
                                           self._topk_dtype)
         self._ids_dtype = ids.dtype  # the experts kernel wants it back (the NORMAL layout carries int64)
         state.topk = (ids, weights)
 
+    @declares(lambda layer: OpFlow(reads=("mlp_in",) if layer.has_shared_experts else (),
+                                   takes=("topk",) if layer.has_shared_experts else ("mlp_in", "topk"),
+                                   writes="dispatch", pinned="rows_per_rank"))
     def op_dispatch_a(self, state: State) -> None:
         x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")
         if self.experts.fp8:  # FP8 rows and their scales, by the quant method's own quantiser
@@ -235,10 +248,12 @@ class VllmDecoderLayer(ExpertParallelOps):
         `tbo.integrations.vllm.model.ep_layer.EpDecoderLayer`)."""
         return {}
 
+    @declares(lambda layer: OpFlow(takes="mlp_in", writes="shared_out") if layer.has_shared_experts else OpFlow())
     def op_shared_experts(self, state: State) -> None:
         if self.has_shared_experts:
             state.shared_out = self.compute.mlp(self.shared, state.pop("mlp_in"))
 
+    @declares(takes="dispatched", writes="expert_out")
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel, through the layer's quant method, on the tokens dispatched here: per token, the
         weighted sum over its local experts (the NORMAL layout's contract: combine only adds)."""
@@ -270,6 +285,9 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.expert_out = (self._masked(d.hidden, d.tokens_per_expert, self.runner.routed_experts.top_k), d.handle)
 
     # ---- output ------------------------------------------------------------------------------------------------
+    @declares(lambda layer: OpFlow(takes="mlp_out" if layer.kind == "dense" else
+                                   ("shared_out", "routed_out") if layer.has_shared_experts else "routed_out",
+                                   writes="layer_out"))
     def op_output(self, state: State) -> None:
         if self.kind == "dense":
             state.layer_out = state.pop("mlp_out")
@@ -283,6 +301,9 @@ class VllmDecoderLayer(ExpertParallelOps):
             out = self._all_reduce(out)
         state.layer_out = out
 
+    @declares(lambda layer: OpFlow(takes=("residual", "layer_out"), clears=True,
+                                   returns="hidden_states" if layer.residual_multiplier is not None else
+                                   ("hidden_states", "residual")))
     def op_comm_postprocess_layer(self, state: State) -> dict[str, Any]:
         if self.residual_multiplier is not None:  # Granite: the layer's output is the residual stream itself
             out = {"hidden_states": state.pop("residual") + state.pop("layer_out") * self.residual_multiplier}

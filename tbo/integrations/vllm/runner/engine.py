@@ -197,9 +197,11 @@ class TboEngine:
         self.rotary_fix = fix_rotary_embeddings(self._model)
         self.undo.push("the rotary fix", self.rotary_fix.restore)
         if self.rotary_fix:
-            logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform "
-                           "(vLLM's own tokens then depend on the batch); they run through 2-D copies here, see "
-                           "tbo.integrations.vllm.model.fixes", len(self.rotary_fix))
+            logger.warning("tbo: %d rotary-embedding module(s) rotate 3-D query/key views wrongly on this platform; "
+                           "they run through 2-D copies here. A model whose attention passes them 3-D views "
+                           "(DeepSeek's MLA) gets batch-dependent tokens from plain vLLM; one passing 2-D tensors "
+                           "(Qwen3-MoE) computes the same either way. See tbo.integrations.vllm.model.fixes",
+                           len(self.rotary_fix))
 
     def _choose_forwards(self) -> None:
         """Which forward each step runs, where vLLM's own runs the unsplit ones (`tbo.integrations.vllm.runner.
