@@ -170,6 +170,10 @@ def test_show_validates_delta_as_the_constructor_does(capsys):
     (["simulate", "deepseek_decode", "--tokens", "8"], '{"bandwidth": 0}', "field 'bandwidth': Input should be greater than 0"),
     (["simulate", "deepseek_decode", "--tokens", "8"], '{"latency_s": NaN}', "field 'latency_s': Input should be a finite number"),
     (["simulate", "deepseek_decode", "--tokens", "8"], '{"default": {"kind": "constant", "seconds": -1}}', "greater than or equal to 0"),
+    (["simulate", "deepseek_decode", "--tokens", "64"],
+     '{"transfers": {"dispatch": {"bytes_per_token": 1e308}}}', "bytes_per_token 1e+308) at 64 tokens is inf"),
+    (["simulate", "deepseek_decode", "--tokens", "64"],
+     '{"default": {"kind": "linear", "per_token": 1e308}}', "at 64 tokens is inf: a coefficient of the costs file"),
     (["lint", "deepseek_decode", "--layers", "100000"], None, "argument --layers: expected at most 1024"),
     (["show", "deepseek_decode", "--microbatches", "100000"], None, "argument --microbatches: expected at most 64"),
     (["predict", "step", "--hardware", "h800", "--model", "deepseek_v3", "--ep", "8", "--tokens-per-device", "8",
@@ -195,13 +199,15 @@ def test_hostile_inputs_are_one_line_naming_the_flag_or_field(tmp_path, capsys, 
     assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
 
 
-def test_a_hardware_file_with_infinite_flops_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("field", ["bf16_flops", "message_latency_s"])
+def test_a_hardware_file_with_an_infinite_figure_is_refused(tmp_path, capsys, field):
+    """An infinite latency used to predict negative milliseconds (issue 45): every figure must be finite."""
     from tbo.tools.predict.hardware import HARDWARE
 
     data = HARDWARE["h800"].model_dump()
-    data["bf16_flops"] = float("inf")
+    data[field] = float("inf")
     path = tmp_path / "hw.json"
     path.write_text(__import__("json").dumps(data))
     status = main(["predict", "step", "--hardware", str(path), "--model", "deepseek_v3", "--ep", "8",
                    "--tokens-per-device", "8", "--context", "100"])
-    assert status == 2 and "bf16_flops" in capsys.readouterr().err
+    assert status == 2 and field in capsys.readouterr().err

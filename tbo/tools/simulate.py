@@ -17,6 +17,7 @@ examples' printouts all apply. `recommend`, `find_threshold` and `tune` build on
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class Cost(BaseModel):
         return f"{self.kind} ({len(self.points)} points)" if self.kind == "table" else self.kind
 
     def __call__(self, tokens: int) -> float:
+        return _finite(self._seconds(tokens), f"the cost {self.describe()} at {tokens} tokens")
+
+    def _seconds(self, tokens: int) -> float:
         if self.kind == "constant":
             return self.seconds
         if self.kind == "linear":
@@ -77,6 +81,14 @@ class Cost(BaseModel):
             return max(_interpolate(self.points, tokens), 0.0)
         return self.seconds + max(self.flops_per_token * tokens / self.peak_flops,
                                   (self.weight_bytes + self.bytes_per_token * tokens) / self.mem_bw)
+
+
+def _finite(value: float, what: str) -> float:
+    """``value``, or a ValueError naming ``what``: each field is finite on its own (`NonNegative`), but a product of
+    two of them can overflow to infinity, which the trace cannot place (``int(inf)``) and a speedup cannot divide."""
+    if not math.isfinite(value):
+        raise ValueError(f"{what} is {value}: a coefficient of the costs file overflows; use a realistic value")
+    return value
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -100,7 +112,8 @@ class TransferCost(BaseModel):
     bytes_fixed: NonNegative = 0.0
 
     def nbytes(self, tokens: int) -> float:
-        return self.bytes_fixed + self.bytes_per_token * tokens
+        return _finite(self.bytes_fixed + self.bytes_per_token * tokens,
+                       f"a transfer's size (bytes_per_token {self.bytes_per_token:g}) at {tokens} tokens")
 
 
 class CostModel(BaseModel):

@@ -42,9 +42,9 @@ class Hardware(BaseModel):
     num_sms: int = Field(gt=0, description="streaming multiprocessors")
     nvlink_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="NVLink bandwidth per GPU per direction, bytes/s")
     nic_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="scale-out NIC bandwidth per GPU per direction, bytes/s")
-    message_latency_s: float = Field(ge=0, description="fixed time of one dispatch or combine beyond its bytes")
+    message_latency_s: float = Field(ge=0, allow_inf_nan=False, description="fixed time of one dispatch or combine beyond its bytes")
     gpus_per_node: int = Field(default=8, gt=0, description="GPUs sharing one NVLink domain")
-    memory_bytes: float | None = Field(default=None, gt=0,
+    memory_bytes: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                        description="HBM capacity per GPU, bytes (None: memory is not checked)")
 
     def peak_flops(self, dtype: Literal["bf16", "fp8"]) -> float:
@@ -131,7 +131,7 @@ class Efficiency(BaseModel):
     gemm_mfu: float = Field(default=0.6, gt=0, le=1)
     attention_mfu: float = Field(default=0.65, gt=0, le=1)
     hbm_efficiency: float = Field(default=0.8, gt=0, le=1)
-    kernel_overhead_s: float = Field(default=2e-6, ge=0)
+    kernel_overhead_s: float = Field(default=2e-6, ge=0, allow_inf_nan=False)
     nic_efficiency: float = Field(default=0.865, gt=0, le=1)
     nvlink_efficiency: float = Field(default=0.699, gt=0, le=1)
 

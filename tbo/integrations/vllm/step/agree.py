@@ -93,6 +93,9 @@ class StepAgreementHook:
         #: where `coordinate` counts the steps whose vLLM DP batch coordination ran its own all-reduce
         #: (``StepStats.vllm_dp_all_reduces``)
         self.stats = stats
+        #: the agreements made so far: the step number each one carries, so that ranks a step apart are named
+        #: (`agree_step`'s ``step``), not paired
+        self.steps_agreed = 0
 
     def __call__(self, step: Step, vetoed: bool) -> Step:
         adaptive = self.adaptive
@@ -102,7 +105,8 @@ class StepAgreementHook:
         # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
         timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
         try:
-            agreed = self.last = agree_step(vote, self.group, timeout, self.config)
+            agreed = self.last = agree_step(vote, self.group, timeout, self.config, step=self.steps_agreed)
+            self.steps_agreed += 1
         except CommTimeoutError as e:
             raise CommTimeoutError(f"{e}: a data-parallel peer did not reach this step: it stalled or died, or "
                                    "(offline, without vLLM's DP coordinator) it has no requests in this wave (none in "
