@@ -159,9 +159,10 @@ from .listening import _listening
 class _Server:
     """`AFDGroup.listen` in a thread, then an echo FFN loop (x * 2 + layer) until shutdown or a failure."""
 
-    def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0):
+    def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0, stall_layer=None, stall_s=0.0):
         self.port, self.failure, self.refusals, self.served = None, [], [], []
         self.listening_at_start: list[str] = []
+        self.stall_layer, self.stall_s = stall_layer, stall_s  # a slow FFN: layer stall_layer answers stall_s late
         self.thread = threading.Thread(target=self._run, args=(token, max_request_bytes, timeout_s), daemon=True)
         self.thread.start()
         while self.port is None and self.thread.is_alive():
@@ -187,6 +188,8 @@ class _Server:
                 if meta.shutdown:
                     break
                 self.served.append(meta)
+                if meta.layer_idx == self.stall_layer:
+                    time.sleep(self.stall_s)
                 ffn.send_ffn_output(x * 2 + meta.layer_idx, meta)
             ffn.flush()
         except Exception as e:  # noqa: BLE001 - for the test
@@ -329,6 +332,32 @@ def test_a_stale_answer_is_refused_by_its_step_and_a_failed_step_is_drained():
     engine.shutdown()
     group.close()
     server.thread.join(30)
+
+
+@pytest.mark.dist
+def test_a_timed_out_wait_poisons_the_pair_and_the_next_step_is_refused_by_name():
+    """Issue 45: a wait that timed out leaves its answer in flight, to arrive into the next step's receives. The
+    connector is poisoned, as the EP transport is: every later transfer is refused by name, naming the earlier
+    time-out, instead of timing out again ("timed out after 1s") with no word of why."""
+    server = _Server(stall_layer=1, stall_s=3.0)
+    group = AFDGroup.connect(server.address, timeout_s=20, connect_timeout_s=5)
+    engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 1.0, group=group)
+    x = torch.randn(2, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16)), x * 2)  # served in time: not poisoned
+    assert engine.poisoned is None
+    engine.send_attn_output(x, AFDMeta(1, 0, 1, 2, 16))  # the FFN answers layer 1 three seconds late
+    with pytest.raises(CommTimeoutError, match=r"afd_recv \(layer 1.* timed out after 1s"):
+        engine.recv_ffn_output(AFDMeta(1, 0, 1, 2, 16))
+    for transfer in (lambda: engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16)),
+                     lambda: engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))):
+        with pytest.raises(CommTimeoutError, match=r"refused: an earlier wait of this AFD pair timed out \(rank 0: "
+                                                   r"afd_recv \(layer 1.* timed out after 1s\).*rebuild the pair"):
+            transfer()
+    engine.shutdown()
+    group.close()
+    server.thread.join(30)
+    assert not server.thread.is_alive()
 
 
 @pytest.mark.dist

@@ -35,6 +35,7 @@ import torch
 
 from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, named_comm_error, wait_work
+from tbo.core.errors import CommTimeoutError
 
 __all__ = ["AFDMeta", "AFDConnector", "AFDTopology", "TorchDistributedAFDConnector", "HEADER_WORDS",
            "MAX_MICROBATCHES"]
@@ -205,6 +206,9 @@ class TorchDistributedAFDConnector:
         self._recv_seq: dict[int, int] = {}  #: per peer: of the next message expected from it
         self._step = 0  #: attention side: this step's number
         self._step_keys: set[tuple[int, int]] = set()  #: (layer, microbatch) sent in this step
+        #: why this connector refuses every later transfer: a wait that timed out (or found its peer gone) leaves
+        #: messages in flight that would pair with the next step's, as in `TorchDistributedTransport`
+        self.poisoned: str | None = None
 
     def _call(self, fn: Callable[[torch.Tensor, Any], Any], tensor: torch.Tensor, peer: Any, what: str) -> Any:
         """gloo raises a lost peer synchronously from ``send`` / ``recv``: as the named `CommTimeoutError` a wait
@@ -216,6 +220,20 @@ class TorchDistributedAFDConnector:
             if named is e:
                 raise
             raise named from e
+
+    def _wait(self, work: Any, timeout_s: float, what: str) -> None:
+        """`wait_work`; a time-out (or a lost peer) poisons the connector (`poisoned`)."""
+        try:
+            wait_work(work, timeout_s, what, f"rank {self.rank}")
+        except CommTimeoutError as e:
+            self.poisoned = self.poisoned or str(e)
+            raise
+
+    def _refuse_if_poisoned(self, what: str) -> None:
+        if self.poisoned is not None:
+            raise CommTimeoutError(f"rank {self.rank}: {what} refused: an earlier wait of this AFD pair timed out "
+                                   f"({self.poisoned}), and its messages may still arrive into this step's: rebuild "
+                                   "the pair (a new group and connector) before the next step")
 
     @staticmethod
     def _next_seq(counters: dict[int, int], peer: int) -> int:
@@ -267,7 +285,7 @@ class TorchDistributedAFDConnector:
     def _recv_payload(self, meta: AFDMeta, src: int, what: str) -> torch.Tensor:
         buffer = torch.empty(meta.nbytes + _TRAILER, dtype=torch.uint8, device=self.device)
         work = self._irecv(buffer, src)
-        wait_work(work, self.timeout_s, what)
+        self._wait(work, self.timeout_s, what)
         return self._payload(buffer, meta, src, work)
 
     def _header_buffer(self) -> torch.Tensor:
@@ -286,7 +304,7 @@ class TorchDistributedAFDConnector:
     def _recv_header(self, src: int | None, what: str, timeout_s: float) -> AFDMeta:
         header = self._header_buffer()
         work = self._irecv(header, src)
-        wait_work(work, timeout_s, what)
+        self._wait(work, timeout_s, what)
         meta = AFDMeta.decode(header, src if src is not None else work._source_rank())
         return self._check_seq(meta, self._next_seq(self._recv_seq, meta.src))
 
@@ -344,6 +362,7 @@ class TorchDistributedAFDConnector:
         """Send the stage's hidden states; over gloo, post the receives of its answer at once (`_Posted`): the
         FFN side answers each attention rank in the order it asked. A (layer, microbatch) sent again starts a new
         step."""
+        self._refuse_if_poisoned(f"afd send ({meta.describe()})")
         key = (meta.layer_idx, meta.microbatch_idx)
         if key in self._step_keys:
             self._step += 1
@@ -364,11 +383,12 @@ class TorchDistributedAFDConnector:
         return sent
 
     def recv_ffn_output(self, meta: AFDMeta) -> torch.Tensor:
+        self._refuse_if_poisoned(f"afd_recv ({meta.describe()})")
         peer = self.topology.ffn_peer(self.rank)
         what = f"afd_recv ({meta.describe()}) from FFN rank {peer}"
         answer = self._take_answer(meta)
         if answer is not None:
-            wait_work(answer.header_work, self.timeout_s, what)
+            self._wait(answer.header_work, self.timeout_s, what)
             got = self._check_seq(AFDMeta.decode(answer.header, peer), answer.seq)
             step = answer.step
         else:
@@ -381,7 +401,7 @@ class TorchDistributedAFDConnector:
                                f"{step}) was expected")
         if answer is None:
             return self._recv_payload(got, peer, what)
-        wait_work(answer.payload_work, self.timeout_s, what)
+        self._wait(answer.payload_work, self.timeout_s, what)
         return self._payload(answer.payload, got, peer, answer.payload_work)
 
     def _take_answer(self, meta: AFDMeta) -> _Posted | None:
@@ -403,6 +423,7 @@ class TorchDistributedAFDConnector:
     # ---- FFN side -----------------------------------------------------------------------------------------------
     def recv_attn_output(self) -> tuple[torch.Tensor, AFDMeta]:
         """The next request from any of this FFN rank's attention ranks, in arrival order."""
+        self._refuse_if_poisoned("afd: the next request")
         if self.max_request_bytes is not None:
             return self._recv_posted_request()
         peers = self.topology.attention_peers(self.rank)
@@ -410,7 +431,7 @@ class TorchDistributedAFDConnector:
         src = peers[0] if len(peers) == 1 else None
         header = self._header_buffer()
         work = self._irecv(header, src)
-        wait_work(work, self.idle_timeout_s, "afd: waiting for the next request from the attention ranks")
+        self._wait(work, self.idle_timeout_s, "afd: waiting for the next request from the attention ranks")
         meta = AFDMeta.decode(header, src if src is not None else work._source_rank())
         if meta.src not in peers:
             raise RuntimeError(f"FFN rank {self.rank} got a request from rank {meta.src}, which is not one of its "
@@ -432,7 +453,7 @@ class TorchDistributedAFDConnector:
         if current is None:
             header, header_work, seq = self._post_header(peer)
             current = _Posted(header, header_work, None, None, seq)
-        wait_work(current.header_work, self.idle_timeout_s,
+        self._wait(current.header_work, self.idle_timeout_s,
                   "afd: waiting for the next request from the attention ranks")
         meta = self._check_seq(AFDMeta.decode(current.header, peer), current.seq)
         if meta.shutdown:
@@ -448,9 +469,10 @@ class TorchDistributedAFDConnector:
         payload_work = self._irecv(self._buffer, peer)
         header, header_work, seq = self._post_header(peer)
         self._next = _Posted(header, header_work, None, None, seq)
-        wait_work(payload_work, self.timeout_s, f"afd payload ({meta.describe()}) from rank {peer}")
+        self._wait(payload_work, self.timeout_s, f"afd payload ({meta.describe()}) from rank {peer}")
         return self._payload(self._buffer, meta, peer, payload_work), meta
 
     def send_ffn_output(self, out: torch.Tensor, meta: AFDMeta) -> _Sent:
+        self._refuse_if_poisoned(f"afd answer ({meta.describe()})")
         return self._send(out, replace(meta, num_tokens=out.shape[0], hidden=out.shape[1], dtype=out.dtype),
                           meta.src)

@@ -67,14 +67,15 @@ def group_deadline(group: Any, timeout_s: float) -> Iterator[None]:
         backend._set_default_timeout(previous)
 
 
-def wait_work(work: Any, timeout_s: float, what: str) -> None:
-    """Wait for an async ``torch.distributed`` work handle, or raise `CommTimeoutError` after ``timeout_s``."""
+def wait_work(work: Any, timeout_s: float, what: str, label: str | None = None) -> None:
+    """Wait for an async ``torch.distributed`` work handle, or raise `CommTimeoutError` after ``timeout_s``, naming
+    ``label`` (default: this rank in the default group; a group of its own, such as an AFD pair's, names its own)."""
     try:
         completed = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        named = named_comm_error(exc, what, timeout_s)
+        named = named_comm_error(exc, what, timeout_s, label)
         if named is exc:
             raise
         raise named from exc
     if completed is False:  # some backends report a missed deadline by returning False
-        raise CommTimeoutError(f"{_rank_label()}: {what} timed out after {timeout_s:g}s")
+        raise CommTimeoutError(f"{label or _rank_label()}: {what} timed out after {timeout_s:g}s")
