@@ -139,7 +139,9 @@ def test_a_strategy_without_an_op_a_layer_needs_is_refused():
     from tbo.integrations.vllm.model.layers import VllmDecoderLayer
 
     layer = object.__new__(VllmDecoderLayer)
-    layer.__dict__.update(layer=object(), layer_idx=3, kind="moe", required_ops=("shared_experts",), backend=None)
+    layer.__dict__.update(layer=object(), layer_idx=3, kind="moe", required_ops=("shared_experts",), backend=None,
+                          split_attention=False, has_shared_experts=True, residual_multiplier=None,
+                          input_layernorm=object(), post_attention_layernorm=object())
     with pytest.raises(StrategyError, match=r"strategy qwen3_moe_decode has no op shared_experts, which "
                                             r"VllmDecoderLayer\(3, object, moe\) needs"):
         strategies.bind_layers([layer], "qwen3_moe_decode", num_microbatches=None)
