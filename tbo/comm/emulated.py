@@ -1,4 +1,5 @@
-"""`EmulatedLink`: make dispatch and combine take the time a real interconnect would, without burning CPU.
+"""`EmulatedLink`: make dispatch, combine and the tensor-parallel all-reduce take the time a real interconnect would,
+without burning CPU.
 
 On a 2-core machine real loopback traffic competes with compute for the CPU, so it cannot show overlap. The link
 wraps any backend and gives each transfer a completion time of ``latency + bytes / bandwidth``: transfers share the
@@ -159,7 +160,8 @@ def parse_link_spec(spec: str) -> tuple[float, float]:
 
 
 class EmulatedLink(BackendWrapper):
-    """An `EPBackend` wrapper whose transfers take ``latency_s + nbytes / bandwidth`` of (wall or simulated) time."""
+    """An `EPBackend` (or `tbo.comm.allreduce.TPAllReduce`) wrapper whose transfers take
+    ``latency_s + nbytes / bandwidth`` of (wall or simulated) time."""
 
     def __init__(self, inner: Any, latency_s: float, bandwidth_bytes_per_s: float,
                  clock: LinkClock | None = None) -> None:
@@ -219,6 +221,17 @@ class EmulatedLink(BackendWrapper):
         """Sleep until the booked transfer completes, then the inner `EPBackend.combine_b`."""
         self._wait(state.transfer)
         return self.inner.combine_b(state.inner)
+
+    def reduce_a(self, x: torch.Tensor, what: str = "all-reduce") -> _InFlight:
+        """The inner `tbo.comm.allreduce.TPAllReduce.reduce_a`, booked on the link as the bytes one rank sends in
+        a ring all-reduce (``wire_bytes``: ``2 (n - 1) / n`` times the payload; on one rank, the latency only)."""
+        inner = self.inner.reduce_a(x, what)
+        return _InFlight(inner, self._book("allreduce", int(getattr(inner, "wire_bytes", 0))))
+
+    def reduce_b(self, state: _InFlight) -> torch.Tensor:
+        """Sleep until the booked transfer completes, then the inner `TPAllReduce.reduce_b`."""
+        self._wait(state.transfer)
+        return self.inner.reduce_b(state.inner)
 
     def __repr__(self) -> str:
         return (f"EmulatedLink({self.inner!r}, latency={self.latency_s * 1e6:g}us, "

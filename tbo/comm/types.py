@@ -131,12 +131,16 @@ class EPBackend(Protocol):
 
 class BackendWrapper:
     """Base of backends that wrap another (an emulated link, a tracer, a copy-engine link): the topology and the
-    in-flight/drain contract are the inner backend's; a subclass overrides the four transfer methods it changes."""
+    in-flight/drain contract are the inner backend's; a subclass overrides the transfer methods it changes. The
+    inner one is an `EPBackend` (dispatch and combine) or a `tbo.comm.allreduce.TPAllReduce` (``reduce_a`` and
+    ``reduce_b``): each wrapper method passes on to the inner one's."""
 
-    def __init__(self, inner: EPBackend) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.rank, self.num_ranks = inner.rank, inner.num_ranks
-        self.num_experts, self.num_local_experts = inner.num_experts, inner.num_local_experts
+        # an EP backend's topology; a `tbo.comm.allreduce.TPAllReduce` has none (it wraps the same way)
+        self.num_experts = getattr(inner, "num_experts", 0)
+        self.num_local_experts = getattr(inner, "num_local_experts", 0)
 
     @property
     def in_flight(self) -> list[Any]:
@@ -188,6 +192,14 @@ class BackendWrapper:
     def combine_b(self, state: Any) -> torch.Tensor:
         """The inner backend's `EPBackend.combine_b`."""
         return self.inner.combine_b(state)
+
+    def reduce_a(self, x: torch.Tensor, what: str = "all-reduce") -> Any:
+        """The inner reducer's `tbo.comm.allreduce.TPAllReduce.reduce_a`."""
+        return self.inner.reduce_a(x, what)
+
+    def reduce_b(self, state: Any) -> torch.Tensor:
+        """The inner reducer's `tbo.comm.allreduce.TPAllReduce.reduce_b`."""
+        return self.inner.reduce_b(state)
 
 
 def payload_refusal(backend: Any, dtype: torch.dtype, fp8: bool) -> str | None:
