@@ -201,8 +201,15 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
                 on_refused(f"the engine at {peer} did not join: {reason}")
             return
         link = answer.get("link")
-        if link is not None and (not isinstance(link, str) or len(link) > 64):
-            raise HandshakeError(f"the join from {peer} has a malformed 'link' (a 'LATENCY_US,GBPS' string)")
+        if link is not None:
+            from tbo.comm.emulated import parse_link_spec
+
+            try:
+                if not isinstance(link, str) or len(link) > 64:
+                    raise ValueError("not a short string")
+                parse_link_spec(link)
+            except ValueError:
+                raise HandshakeError(f"the join from {peer} has a malformed 'link' (a 'LATENCY_US,GBPS' string)")
         with pending.lock:
             pending.winner = conn
             pending.joined = {"link": link}
