@@ -115,6 +115,10 @@ class AdaptiveConfig(BaseModel):
                                                         "token is lower by this share")
     window: int = Field(default=5, description="a choice's cost is the lower median of its last `window` times per "
                                                "token: robust to (window - 1) // 2 outliers")
+    microbatches: tuple[int, ...] = Field(default=(), description="the microbatch counts an engine's split steps "
+                                                                  "choose among, e.g. (2, 3) (empty: the engine's "
+                                                                  "num_microbatches alone); AdaptiveSplit itself "
+                                                                  "takes its choices as given")
     prior_slack: float = Field(default=0.25, description="with an estimate: a choice predicted slower than the "
                                                          "predicted best by more than this share is not warmed up "
                                                          "(explored only at the longest interval until measured)")
@@ -131,6 +135,8 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if any(not 2 <= m <= 16 for m in self.microbatches) or len(set(self.microbatches)) != len(self.microbatches):
+            raise ValueError(f"microbatches must be distinct counts in 2..16, got {list(self.microbatches)}")
         if not self.prior_slack >= 0:
             raise ValueError(f"prior_slack must be >= 0, got {self.prior_slack}")
         return self

@@ -160,7 +160,10 @@ class TboEngine:
         if self.config.split == "adaptive":
             from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
 
-            self.adaptive = AdaptiveSteps(self.config, self.names)
+            parallel = self.runner.vllm_config.parallel_config
+            transfers = (self.afd is not None or self.config.link is not None or self.ep_size > 1 or self.tp > 1
+                         or parallel.data_parallel_size > 1 or parallel.pipeline_parallel_size > 1)
+            self.adaptive = AdaptiveSteps(self.config, self.names, transfers=transfers)
         policy = self.config.split_policy() if self.adaptive is None else self.adaptive.policy
         #: decides each step (`tbo.integrations.vllm.step.decider`); the patches hand vLLM's calls to it
         self.decider = StepDecider(policy, adaptive=self.adaptive)
@@ -251,6 +254,12 @@ class TboEngine:
     def _install_data_parallel(self) -> None:
         if self.runner.vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.runner.dp import install_data_parallel
+
+            if self.adaptive is not None and len(self.adaptive.policies) > 1:
+                raise TboConfigError(f"adaptive microbatches {sorted(self.adaptive.policies)} with data parallelism: "
+                                     "the step agreement votes each rank's rows for one count, chosen before the "
+                                     "policy sees the agreed step; set adaptive.microbatches to "
+                                     f"[{self.config.num_microbatches}] (or leave it unset) under DP")
 
             install_data_parallel(self, self.undo)
 
