@@ -17,27 +17,39 @@ from tbo.harness.launch import RankError, launch
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_one_to_one_equals_colocated_forward(mode):
-    attention, ffn = launch(run_afd, 2, AFDCase(mode=mode, num_seqs=6, ctx=12, num_layers=3, repeats=1))
+    """Split into 2, 3 and 4 microbatches (and unsplit), each bit for bit the colocated model's forward."""
+    attention, ffn = launch(run_afd, 2, AFDCase(mode=mode, num_seqs=6, ctx=12, num_layers=3, repeats=1,
+                                                microbatches=(2, 3, 4)))
     assert attention.split and attention.max_diff == 0.0
     # microbatch metadata arrives intact: every layer, both microbatches, in the order the strategy sends them
     first_step = [(m.layer_idx, m.microbatch_idx, m.num_microbatches) for m in ffn.received[:6]]
     assert first_step == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
     assert all(m.hidden == 64 and m.dtype == torch.float32 and m.src == 0 for m in ffn.received)
     assert sum(m.num_tokens for m in ffn.received[:2]) == attention.tokens
-    # every step reached the FFN: 3 unsplit and 3 split (the first, 1 repeat, 1 traced), 3 layers each
-    assert Counter(m.num_microbatches for m in ffn.received) == {1: 3 * 3, 2: 3 * 3 * 2}
+    # every step reached the FFN: 3 unsplit and 3 split in two (the first, 1 repeat, 1 traced), 2 in three and 2 in
+    # four (the first, 1 repeat), 3 layers each; every microbatch of each count
+    assert Counter(m.num_microbatches for m in ffn.received) == {1: 3 * 3, 2: 3 * 3 * 2, 3: 2 * 3 * 3, 4: 2 * 3 * 4}
+    for n in (3, 4):
+        assert Counter(m.microbatch_idx for m in ffn.received if m.num_microbatches == n) == {k: 2 * 3 for k in
+                                                                                              range(n)}
     # the benchmark's accounting: FFN busy time per step for each mode, where each step's time went on the attention
-    assert set(ffn.ffn_busy_ms) == {1, 2}
+    assert set(ffn.ffn_busy_ms) == {1, 2, 3, 4}
     assert set(attention.attention_ms) == set(attention.wait_ms) == {"no_dbo", "dbo"}
 
 
 @pytest.mark.dist
 def test_two_to_one_topology():
+    """M:N at 2, 3 and 4 microbatches, over an emulated link (each direction 300 us): bit for bit the colocated
+    forward, every count from both attention ranks, and every message went over the link."""
     results = launch(run_afd, 3, AFDCase(mode="prefill", num_seqs=4, ctx=10, num_layers=2, repeats=1,
-                                         num_attention_ranks=2, num_ffn_ranks=1))
+                                         num_attention_ranks=2, num_ffn_ranks=1, microbatches=(2, 3, 4),
+                                         link="300,10"))
     assert [r.role for r in results] == ["attention", "attention", "ffn"]
-    assert all(r.max_diff == 0.0 for r in results[:2])
-    assert {m.src for m in results[2].received} == {0, 1}
+    assert all(r.max_diff == 0.0 and r.split for r in results[:2])
+    received = results[2].received
+    assert {(m.src, m.num_microbatches) for m in received} == {(a, n) for a in (0, 1) for n in (1, 2, 3, 4)}
+    # requests (and the shutdowns) over the attention ranks' links, answers over the FFN rank's
+    assert sum(r.link_messages for r in results[:2]) == len(received) + 2 and results[2].link_messages == len(received)
 
 
 @pytest.mark.dist
@@ -58,10 +70,17 @@ def test_ffn_death_raises_comm_timeout_with_context():
     assert "CommTimeoutError" in message and "rank 0: afd_recv (layer" in message and "microbatch" in message
 
 
-def test_config_rejects_three_microbatches_and_bad_topologies():
-    with pytest.raises(ValidationError, match="exactly 2 microbatches, got num_microbatches=3"):
-        AFDConfig(role="attention", num_microbatches=3)
-    AFDConfig(role="attention", num_microbatches=3, dbo=False)  # without DBO the microbatch count does not matter
+def test_config_takes_two_to_four_microbatches_and_refuses_bad_topologies():
+    for bad in (1, 5):
+        with pytest.raises(ValidationError, match=f"runs 2, 3, 4 microbatches, got num_microbatches={bad}"):
+            AFDConfig(role="attention", num_microbatches=bad)
+    AFDConfig(role="attention", num_microbatches=5, dbo=False)  # without DBO the microbatch count does not matter
+    three = AFDConfig(role="attention", num_microbatches=3)  # unset thresholds follow the count
+    assert (three.decode_token_threshold, three.prefill_token_threshold) == (3, 18)
+    with pytest.raises(ValidationError, match="decode_token_threshold=2 is lower than num_microbatches=3"):
+        AFDConfig(role="attention", num_microbatches=3, decode_token_threshold=2)
+    with pytest.raises(ValidationError, match=r"link spec must be 'LATENCY_US,GBPS' .* got '20'"):
+        AFDConfig(role="attention", link="20")
     with pytest.raises(ValidationError, match="multiple of num_ffn_ranks"):
         AFDConfig(role="ffn", num_attention_ranks=3, num_ffn_ranks=2)
     with pytest.raises(ValidationError, match="decode_token_threshold=1 is lower than num_microbatches=2"):
@@ -159,8 +178,10 @@ from .listening import _listening
 class _Server:
     """`AFDGroup.listen` in a thread, then an echo FFN loop (x * 2 + layer) until shutdown or a failure."""
 
-    def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0, stall_layer=None, stall_s=0.0):
+    def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0, stall_layer=None, stall_s=0.0,
+                 microbatches=None):
         self.port, self.failure, self.refusals, self.served = None, [], [], []
+        self.microbatches, self.peer_link = microbatches, None
         self.listening_at_start: list[str] = []
         self.stall_layer, self.stall_s = stall_layer, stall_s  # a slow FFN: layer stall_layer answers stall_s late
         self.thread = threading.Thread(target=self._run, args=(token, max_request_bytes, timeout_s), daemon=True)
@@ -175,13 +196,15 @@ class _Server:
     def _run(self, token, max_request_bytes, timeout_s):
         try:
             group = AFDGroup.listen("127.0.0.1:0", {"tbo_afd": 1}, timeout_s=timeout_s, token=token,
-                                    on_listening=self._on_listening, on_refused=self.refusals.append)
+                                    on_listening=self._on_listening, on_refused=self.refusals.append,
+                                    microbatches=self.microbatches)
+            self.peer_link = group.peer_link
         except Exception as e:  # noqa: BLE001 - for the test
             self.failure.append(e)
             return
         self.listening_after_join = _listening(self.port)
         ffn = TorchDistributedAFDConnector(AFDTopology(1, 1), timeout_s, group=group, idle_timeout_s=timeout_s,
-                                           max_request_bytes=max_request_bytes)
+                                           max_request_bytes=max_request_bytes, link=group.peer_link)
         try:
             while True:
                 x, meta = ffn.recv_attn_output()
@@ -208,7 +231,59 @@ class _Server:
 
 def _engine(address, **kw):
     group = AFDGroup.connect(address, timeout_s=20, connect_timeout_s=kw.pop("connect_timeout_s", 5), **kw)
-    return group, TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group)
+    return group, TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, link=kw.get("link"))
+
+
+@pytest.mark.dist
+def test_a_count_the_server_does_not_serve_is_refused_at_the_join_and_the_link_is_carried():
+    """Issue 50: a server of 2 and 3 microbatches refuses an engine of 4 by name at the join (and waits on); an
+    engine of 2 and 3 joins, its link travels in the join (the answers cross it too), and 3 microbatches of one
+    step round-trip intact."""
+    server = _Server(microbatches=[2, 3])
+    with pytest.raises(AFDPeerError, match=r"serves split steps of 2, 3 microbatches, and this engine's "
+                                           r"num_microbatches is 4: refused at the join"):
+        _engine(server.address, num_microbatches=[2, 4])
+    group, engine = _engine(server.address, num_microbatches=[2, 3], link="200,10")
+    assert any("did not join" in r and "num_microbatches is 4" in r for r in server.refusals), server.refusals
+    x = torch.randn(3, 16)
+    for mb in range(3):
+        engine.send_attn_output(x[mb:mb + 1], AFDMeta(0, mb, 3, 1, 16))
+    for mb in range(3):
+        assert torch.equal(engine.recv_ffn_output(AFDMeta(0, mb, 3, 1, 16)), x[mb:mb + 1] * 2)
+    engine.shutdown()
+    server.join()
+    assert not server.failure and server.peer_link == "200,10"
+    assert engine.link.stats.count == 4 and engine.link.latency_s == pytest.approx(200e-6)  # 3 requests, shutdown
+    group.close()
+    with pytest.raises(ValueError, match=r"microbatches \[5\]: an FFN server serves split steps of 2, 3, 4"):
+        AFDGroup.listen("127.0.0.1:0", {"tbo_afd": 1}, timeout_s=1, microbatches=[5])
+
+
+def test_the_link_delays_each_message_until_its_transfer_completes():
+    """`DelayedSends` on a clock the test moves: each message (header and payload together) goes to the transport
+    when its booked transfer completes, in order, never before."""
+    from tbo.afd.link import DelayedSends
+    from tbo.comm.emulated import LinkTimeline, SimulatedClock
+
+    clock = SimulatedClock()
+    timeline = LinkTimeline(1e-3, 1e6, clock)  # 1 ms, 1 MB/s: 1000 bytes take 1 ms more
+    sent = []
+    link = DelayedSends(timeline, lambda t, dst: sent.append((clock.now(), t.numel(), dst)) or _Done(), "test")
+    first = link.send([torch.zeros(10, dtype=torch.uint8), torch.zeros(990, dtype=torch.uint8)], 1, "afd_request")
+    second = link.send([torch.zeros(1000, dtype=torch.uint8)], 1, "afd_request")
+    for work in first + second:
+        assert work.wait(__import__("datetime").timedelta(seconds=10))
+    link.close()
+    assert [(round(t * 1e3, 6), n, dst) for t, n, dst in sent] == [(2.0, 10, 1), (2.0, 990, 1), (3.0, 1000, 1)]
+    assert timeline.stats.count == 2
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
 
 
 @pytest.mark.dist

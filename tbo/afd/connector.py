@@ -34,6 +34,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from tbo.afd.group import AFDGroup, AFDPeerError
+from tbo.afd.link import DelayedSends, link_timeline
+from tbo.comm.emulated import LinkTimeline
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, named_comm_error, wait_work
 from tbo.core.errors import CommTimeoutError
 
@@ -163,7 +165,8 @@ class TorchDistributedAFDConnector:
     def __init__(self, topology: AFDTopology, timeout_s: float = DEFAULT_TIMEOUT_S, group: Any = None,
                  idle_timeout_s: float = 600.0, *, device: Any = None,
                  check_request: Callable[[AFDMeta], None] | None = None,
-                 max_request_bytes: int | None = None, max_answer_bytes: int | None = None) -> None:
+                 max_request_bytes: int | None = None, max_answer_bytes: int | None = None,
+                 link: str | LinkTimeline | None = None) -> None:
         """``timeout_s`` bounds every wait inside a step; ``idle_timeout_s`` bounds how long an FFN rank waits for
         the next request, which includes the attention side's time between steps. ``group``: a registered
         process group, or an `AFDGroup`. ``device``: where received payloads go. ``check_request`` (FFN side)
@@ -172,7 +175,8 @@ class TorchDistributedAFDConnector:
         peer, each request's header receive is then posted before it arrives (`_Posted`), and its payload lands in
         a buffer of that size. ``max_answer_bytes`` (attention side): the largest answer the FFN side may send (its
         ``max_tokens`` of hidden states); each answer's receive is posted with that room (default: the request's
-        size)."""
+        size). ``link``: ``"LATENCY_US,GBPS"`` (or a `LinkTimeline`): this side's messages leave when an emulated
+        link of that latency and bandwidth delivers them (`tbo.afd.link`); None: at once."""
         import torch.distributed as dist
 
         self.topology, self.timeout_s, self.group = topology, timeout_s, group
@@ -209,6 +213,8 @@ class TorchDistributedAFDConnector:
         #: why this connector refuses every later transfer: a wait that timed out (or found its peer gone) leaves
         #: messages in flight that would pair with the next step's, as in `TorchDistributedTransport`
         self.poisoned: str | None = None
+        self.link = link_timeline(link)
+        self._delayed = None if self.link is None else DelayedSends(self.link, self._isend, str(self.rank))
 
     def _call(self, fn: Callable[[torch.Tensor, Any], Any], tensor: torch.Tensor, peer: Any, what: str) -> Any:
         """gloo raises a lost peer synchronously from ``send`` / ``recv``: as the named `CommTimeoutError` a wait
@@ -246,14 +252,18 @@ class TorchDistributedAFDConnector:
         """Header, then payload with its trailer (none for a shutdown message)."""
         meta = replace(meta, seq=self._next_seq(self._send_seq, dst))
         header = meta.encode().to(self.device) if self.device is not None else meta.encode()
-        works, buffers = [self._isend(header, dst)], [header]
+        buffers = [header]
         if tensor is not None:
             flat = tensor.contiguous().view(-1).view(torch.uint8)
             wire = torch.empty(flat.numel() + _TRAILER, dtype=torch.uint8, device=flat.device)
             wire[:flat.numel()].copy_(flat)
             wire[flat.numel():].copy_(torch.tensor([meta.seq], dtype=torch.int64).view(torch.uint8))
-            works.append(self._isend(wire, dst))
             buffers.append(wire)
+        if self._delayed is not None:  # header and payload leave together, when the emulated link delivers them
+            kind = "afd_request" if self.topology.is_attention(self.rank) else "afd_answer"
+            works = self._delayed.send(buffers, dst, kind)
+        else:
+            works = [self._isend(b, dst) for b in buffers]
         sent = _Sent(tuple(works), tuple(buffers))
         self._sent.append(sent)
         while len(self._sent) > _KEEP_SENDS:  # long answered by now: waiting costs nothing and frees the buffers

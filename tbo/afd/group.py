@@ -23,11 +23,11 @@ from __future__ import annotations
 import datetime
 import json
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["AFDGroup", "AFDPeerError", "parse_address", "parse_json", "resolve_token", "TOKEN_ENV", "BACKENDS",
+__all__ = ["AFDGroup", "AFDPeerError", "check_counts", "parse_address", "parse_json", "resolve_token", "TOKEN_ENV", "BACKENDS",
            "is_loopback"]
 
 #: the environment variable both sides read the shared secret from when it is not given explicitly
@@ -140,6 +140,32 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 
 
+def _served(microbatches: Sequence[int] | None) -> list[int]:
+    from tbo.afd.config import AFD_MICROBATCH_COUNTS
+
+    served = sorted(set(AFD_MICROBATCH_COUNTS if microbatches is None else microbatches))
+    wrong = [n for n in served if n not in AFD_MICROBATCH_COUNTS]
+    if wrong or not served:
+        raise ValueError(f"microbatches {list(microbatches or [])}: an FFN server serves split steps of "
+                         f"{', '.join(map(str, AFD_MICROBATCH_COUNTS))} microbatches")
+    return served
+
+
+def check_counts(info: dict[str, Any], counts: Sequence[int], where: str) -> None:
+    """Refuse, naming both, a microbatch count the FFN server at ``where`` does not serve (its description's
+    ``microbatches``; a server that publishes none serves two, the seed's)."""
+    served = info.get("microbatches", [2])
+    if not isinstance(served, list) or not all(isinstance(n, int) for n in served):
+        raise AFDPeerError(f"the FFN server at {where} says it serves microbatches {str(served)[:80]}: not a list of "
+                           "counts (another version?)")
+    missing = [n for n in counts if n not in served]
+    if missing:
+        raise AFDPeerError(f"the FFN server at {where} serves split steps of {', '.join(map(str, served))} "
+                           f"microbatches, and this engine's num_microbatches is {', '.join(map(str, missing))}: "
+                           "refused at the join (start the server with --microbatches including it, or set "
+                           "num_microbatches to a count it serves)")
+
+
 class AFDGroup:
     """Point-to-point between the two ranks of one AFD pair (rank 0 attention, rank 1 FFN).
 
@@ -158,6 +184,8 @@ class AFDGroup:
         self.backend = "nccl" if backend == "nccl" else "tcp"
         self.channel = SocketChannel(sock, rank, where, max_message_bytes, send_timeout_s=timeout_s)
         self.pg: Any = None
+        #: FFN side: the emulated link (``"LATENCY_US,GBPS"``) the engine asked for at the join, or None
+        self.peer_link: str | None = None
         if self.backend == "nccl":
             from torch.distributed import ProcessGroupNCCL
 
@@ -175,16 +203,19 @@ class AFDGroup:
     def listen(cls, address: str, info: dict[str, Any], *, backend: str = "tcp", timeout_s: float = 600.0,
                on_listening: Any = None, token: str | None = None,
                on_refused: Callable[[str], None] | None = None, max_message_bytes: int = 1 << 30,
-               handshake_s: float = 10.0) -> "AFDGroup":
+               handshake_s: float = 10.0, microbatches: Sequence[int] | None = None) -> "AFDGroup":
         """The FFN side (rank 1): listen on ``address`` (port 0: a free one) and on nothing else, call
         ``on_listening(host, port)``, and serve handshakes for up to ``timeout_s`` until one engine joined.
         ``token``: the shared secret both sides prove they know; a connection that does not is refused (told to the
         engine, and to ``on_refused(message)``) and the server waits on. ``info``: what it serves, handed to the
         engine once the server proved itself. ``max_message_bytes``: the largest message the engine may send.
-        The port is closed once the engine joined."""
+        ``microbatches``: the counts of a split step this server serves (default all of `AFD_MICROBATCH_COUNTS`;
+        published in ``info``, checked by the engine at the join). The port is closed once the engine joined; the
+        link the engine asked for is ``peer_link``."""
         if token is not None and not token:
             raise ValueError("the shared secret is empty: give a non-empty one, or none")
         host, port = parse_address(address, "--listen")
+        info = {**info, "microbatches": _served(microbatches)}
         json.dumps(info)  # the description must be JSON: refused here, not at the first claim
         sock = _bound_socket(host, port)
         port = sock.getsockname()[1]
@@ -197,25 +228,39 @@ class AFDGroup:
         except BaseException:
             sock.close()
             raise
-        conn = accept_engine(sock, token, info, timeout_s, where, on_refused, handshake_s)  # closes ``sock``
+        conn, joined = accept_engine(sock, token, info, timeout_s, where, on_refused, handshake_s)  # closes ``sock``
         peer = conn.getpeername()
-        return cls(conn, 1, backend, timeout_s, f"the engine at {peer[0]}:{peer[1]}", max_message_bytes)
+        group = cls(conn, 1, backend, timeout_s, f"the engine at {peer[0]}:{peer[1]}", max_message_bytes)
+        group.peer_link = joined.get("link")
+        return group
 
     @classmethod
     def connect(cls, address: str, *, backend: str = "tcp", connect_timeout_s: float = 10.0,
                 timeout_s: float = 60.0, check_info: Any = None, token: str | None = None,
-                max_message_bytes: int = 1 << 30) -> "AFDGroup":
+                max_message_bytes: int = 1 << 30, num_microbatches: int | Sequence[int] | None = None,
+                link: str | None = None) -> "AFDGroup":
         """The attention side (rank 0): reach the FFN server at ``address``, prove the secret (``token``), check
-        the server's proof, pass its description to ``check_info`` (which raises on a mismatch), then join. All
-        of it is bounded by ``connect_timeout_s``; a connect that failed or gave up closed its connection, so it
-        never claims the server later."""
+        the server's proof, check that it serves every count in ``num_microbatches`` (the counts this engine's
+        split steps may have; refused by name here, not mid-step), pass its description to ``check_info`` (which
+        raises on a mismatch), then join, asking for ``link`` (``"LATENCY_US,GBPS"``: the server's answers then
+        cross an emulated link of that latency, as this side's requests do). All of it is bounded by
+        ``connect_timeout_s``; a connect that failed or gave up closed its connection, so it never claims the
+        server later."""
         if token is not None and not token:
             raise ValueError("the shared secret is empty: give a non-empty one, or none")
         from tbo.afd.handshake import claim_server
 
         host, port = parse_address(address, "the FFN server address")
         where = f"{host}:{port}"
-        conn, _info = claim_server(host, port, token, connect_timeout_s, check_info, where)
+        counts = [num_microbatches] if isinstance(num_microbatches, int) else list(num_microbatches or [])
+
+        def check(info: dict[str, Any]) -> None:
+            check_counts(info, counts, where)
+            if check_info is not None:
+                check_info(info)
+
+        conn, _info = claim_server(host, port, token, connect_timeout_s, check, where,
+                                   join=None if link is None else {"link": link})
         return cls(conn, 0, backend, max(timeout_s, connect_timeout_s), f"the FFN server at {where}",
                    max_message_bytes)
 

@@ -9,7 +9,10 @@ not having one. Here the FFN server listens on one socket, and every connection 
 2. engine -> server ``claim``: a fresh nonce ``ne`` and ``HMAC(secret, "engine" | ns | ne)``;
 3. server -> engine ``verdict``: refused (why), or accepted with ``HMAC(secret, "server" | ns | ne)`` and the
    description of what it serves;
-4. engine -> server ``join`` (or why not): the engine checked the server's proof, then the description.
+4. engine -> server ``join`` (or why not): the engine checked the server's proof, then the description (the model,
+   the largest request, the microbatch counts the server serves: a count it does not serve is refused here, by
+   name, not mid-step); the join carries what the engine asks of the pair (an emulated ``link``, a string the
+   server parses itself).
 
 Both proofs cover both nonces and a role label: a proof recorded from one connection verifies on no other (fresh
 nonces), and the server's proof is not an engine's (the label), so neither can be replayed or reflected. The secret
@@ -129,6 +132,7 @@ class _Pending:
         self.serving = False  # a claim was accepted and its join is awaited
         self.done = threading.Event()
         self.listener: socket.socket | None = None
+        self.joined: dict[str, Any] = {}  #: what the winner's join asked (``link``)
 
     def add(self, conn: socket.socket) -> None:
         with self.lock:
@@ -196,8 +200,19 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
             if on_refused is not None:
                 on_refused(f"the engine at {peer} did not join: {reason}")
             return
+        link = answer.get("link")
+        if link is not None:
+            from tbo.comm.emulated import parse_link_spec
+
+            try:
+                if not isinstance(link, str) or len(link) > 64:
+                    raise ValueError("not a short string")
+                parse_link_spec(link)
+            except ValueError:
+                raise HandshakeError(f"the join from {peer} has a malformed 'link' (a 'LATENCY_US,GBPS' string)")
         with pending.lock:
             pending.winner = conn
+            pending.joined = {"link": link}
             pending.done.set()
         if pending.listener is not None:  # wakes the accept loop at once (accept fails on a shut-down listener)
             try:
@@ -217,9 +232,10 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
 
 
 def accept_engine(listener: socket.socket, token: str | None, info: dict[str, Any], timeout_s: float, where: str,
-                  on_refused: Callable[[str], None] | None = None, handshake_s: float = 10.0) -> socket.socket:
-    """Serve handshakes on ``listener`` until one engine joined (returned, connected) or ``timeout_s`` passed;
-    the listener is closed either way. Each connection has ``handshake_s`` to finish."""
+                  on_refused: Callable[[str], None] | None = None,
+                  handshake_s: float = 10.0) -> tuple[socket.socket, dict[str, Any]]:
+    """Serve handshakes on ``listener`` until one engine joined (returned, connected, with what its join asked) or
+    ``timeout_s`` passed; the listener is closed either way. Each connection has ``handshake_s`` to finish."""
     from tbo.afd.group import AFDPeerError
 
     pending = _Pending()
@@ -251,14 +267,16 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
         pending.drop_all()
     assert winner is not None
     winner.settimeout(None)
-    return winner
+    return winner, pending.joined
 
 
 # ---- the engine's side ---------------------------------------------------------------------------------------------
 def claim_server(host: str, port: int, token: str | None, timeout_s: float,
-                 check_info: Callable[[dict[str, Any]], None] | None, where: str) -> tuple[socket.socket, dict]:
-    """Connect, claim, check the server's proof and description, join; the connected socket and the description.
-    Everything is bounded by ``timeout_s``; on any failure the connection is closed (so it claims nothing)."""
+                 check_info: Callable[[dict[str, Any]], None] | None, where: str,
+                 join: dict[str, Any] | None = None) -> tuple[socket.socket, dict]:
+    """Connect, claim, check the server's proof and description, join (with ``join``'s fields: ``link``); the
+    connected socket and the description. Everything is bounded by ``timeout_s``; on any failure the connection is
+    closed (so it claims nothing)."""
     from tbo.afd.group import TOKEN_ENV, AFDPeerError
 
     deadline = time.monotonic() + timeout_s
@@ -303,7 +321,7 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
             except Exception as e:
                 send_frame(sock, {"join": False, "error": str(e)[:300]}, deadline)
                 raise
-            send_frame(sock, {"join": True}, deadline)
+            send_frame(sock, {**(join or {}), "join": True}, deadline)
         except HandshakeError as e:
             raise AFDPeerError(f"{where} did not complete a tbo AFD handshake within {timeout_s:g}s "
                                f"(connect_timeout_s={timeout_s:g}): {e} "

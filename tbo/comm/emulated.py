@@ -18,7 +18,7 @@ import torch
 from tbo.util.intervals import interval_union
 from tbo.comm.types import BackendWrapper, DispatchOutput
 
-__all__ = ["EmulatedLink", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer", "parse_link_spec"]
+__all__ = ["EmulatedLink", "LinkTimeline", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer", "parse_link_spec"]
 
 
 class LinkClock(Protocol):
@@ -158,24 +158,19 @@ def parse_link_spec(spec: str) -> tuple[float, float]:
     return latency_us * 1e-6, gbps * 1e9
 
 
-class EmulatedLink(BackendWrapper):
-    """An `EPBackend` wrapper whose transfers take ``latency_s + nbytes / bandwidth`` of (wall or simulated) time."""
+class LinkTimeline:
+    """The link's timing alone: each booked transfer completes ``latency + nbytes / bandwidth`` after it was booked,
+    transfers sharing the bandwidth in FIFO order. `EmulatedLink` books expert traffic on it; AFD's link
+    (`tbo.afd.link`) books the hidden states between attention and FFN ranks on it."""
 
-    def __init__(self, inner: Any, latency_s: float, bandwidth_bytes_per_s: float,
-                 clock: LinkClock | None = None) -> None:
+    def __init__(self, latency_s: float, bandwidth_bytes_per_s: float, clock: LinkClock | None = None) -> None:
         if latency_s < 0 or bandwidth_bytes_per_s <= 0:
             raise ValueError(f"latency_s must be >= 0 and bandwidth > 0, got {latency_s}, {bandwidth_bytes_per_s}")
-        super().__init__(inner)
         self.latency_s = latency_s
         self.bandwidth = bandwidth_bytes_per_s
         self.clock: LinkClock = clock or WallClock()
         self.stats = LinkStats()
         self._free_at = float("-inf")  # when the link finishes the bytes already queued (FIFO)
-
-    @classmethod
-    def from_spec(cls, inner: Any, spec: str, clock: LinkClock | None = None) -> "EmulatedLink":
-        """``"LATENCY_US,GBPS"``, e.g. ``"20,50"``: 20 us latency, 50 GB/s (see `parse_link_spec`)."""
-        return cls(inner, *parse_link_spec(spec), clock)
 
     def transfer_time(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth
@@ -183,7 +178,8 @@ class EmulatedLink(BackendWrapper):
     def reset_stats(self) -> None:
         self.stats = LinkStats()
 
-    def _book(self, kind: str, nbytes: int) -> Transfer:
+    def book(self, kind: str, nbytes: int) -> Transfer:
+        """A transfer of ``nbytes`` launched now: when it completes."""
         now = self.clock.now()
         start = max(now, self._free_at)
         self._free_at = start + nbytes / self.bandwidth
@@ -191,10 +187,28 @@ class EmulatedLink(BackendWrapper):
         self.stats.add(transfer)
         return transfer
 
-    def _wait(self, transfer: Transfer) -> None:
+    def wait(self, transfer: Transfer) -> None:
+        """Sleep until ``transfer`` completes (the time slept is its ``exposed`` part)."""
         transfer.wait_start = self.clock.now()
         self.clock.sleep_until(transfer.complete)
         transfer.wait_end = max(self.clock.now(), transfer.wait_start)
+
+    def describe(self) -> str:
+        return f"latency={self.latency_s * 1e6:g}us, bandwidth={self.bandwidth / 1e9:g}GB/s"
+
+
+class EmulatedLink(LinkTimeline, BackendWrapper):
+    """An `EPBackend` wrapper whose transfers take ``latency_s + nbytes / bandwidth`` of (wall or simulated) time."""
+
+    def __init__(self, inner: Any, latency_s: float, bandwidth_bytes_per_s: float,
+                 clock: LinkClock | None = None) -> None:
+        LinkTimeline.__init__(self, latency_s, bandwidth_bytes_per_s, clock)
+        BackendWrapper.__init__(self, inner)
+
+    @classmethod
+    def from_spec(cls, inner: Any, spec: str, clock: LinkClock | None = None) -> "EmulatedLink":
+        """``"LATENCY_US,GBPS"``, e.g. ``"20,50"``: 20 us latency, 50 GB/s (see `parse_link_spec`)."""
+        return cls(inner, *parse_link_spec(spec), clock)
 
     def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                    **agreed: Any) -> _InFlight:
@@ -202,24 +216,23 @@ class EmulatedLink(BackendWrapper):
         before ``topk_weights``, unlike ``torch.topk``)."""
         inner = self.inner.dispatch_a(hidden, topk_idx, topk_weights, **agreed)
         nbytes = getattr(inner, "nbytes", 0) or hidden.nbytes * topk_idx.shape[1]
-        return _InFlight(inner, self._book("dispatch", nbytes))
+        return _InFlight(inner, self.book("dispatch", nbytes))
 
     def dispatch_b(self, state: _InFlight) -> DispatchOutput:
         """Sleep until the booked transfer completes, then the inner `EPBackend.dispatch_b`."""
-        self._wait(state.transfer)
+        self.wait(state.transfer)
         return self.inner.dispatch_b(state.inner)
 
     def combine_a(self, expert_out: torch.Tensor, handle: Any) -> _InFlight:
         """The inner `EPBackend.combine_a`, booked on the link."""
         inner = self.inner.combine_a(expert_out, handle)
         nbytes = getattr(inner, "nbytes", 0) or expert_out.nbytes
-        return _InFlight(inner, self._book("combine", nbytes))
+        return _InFlight(inner, self.book("combine", nbytes))
 
     def combine_b(self, state: _InFlight) -> torch.Tensor:
         """Sleep until the booked transfer completes, then the inner `EPBackend.combine_b`."""
-        self._wait(state.transfer)
+        self.wait(state.transfer)
         return self.inner.combine_b(state.inner)
 
     def __repr__(self) -> str:
-        return (f"EmulatedLink({self.inner!r}, latency={self.latency_s * 1e6:g}us, "
-                f"bandwidth={self.bandwidth / 1e9:g}GB/s)")
+        return f"EmulatedLink({self.inner!r}, {self.describe()})"

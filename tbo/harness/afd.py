@@ -1,8 +1,9 @@
 """The AFD workload: attention ranks step the reference model with remote FFNs, FFN ranks serve them.
 
 Behind `examples/afd_dbo.py`, `benchmarks/afd.py` and the AFD tests. Each attention rank has its own batch; every
-step is run without DBO (one microbatch) and with DBO (two microbatches, when the policy splits it), timed, and compared with
-the colocated model's plain `forward()`.
+step is run without DBO (one microbatch) and split into each of ``microbatches`` (2 by default; 3 or 4 ping-pong),
+timed, and compared with the colocated model's plain `forward()`. ``link``: an emulated link between the two sides
+(`tbo.afd.link`), so that a round trip shows on one machine.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class AFDCase:
     batch_invariant: bool = True
     timeout_s: float = 30.0
     ffn_dies_after: int | None = None  #: an FFN rank exits (os._exit) after serving this many requests
+    microbatches: tuple[int, ...] = (2,)  #: the split counts measured (the first is ``dbo_ms``)
+    link: str | None = None  #: ``"LATENCY_US,GBPS"`` between attention and FFN ranks, each direction
 
 
 @dataclass
@@ -51,17 +54,23 @@ class AFDResult:
     split: bool = False
     max_diff: float = 0.0
     no_dbo_ms: list[float] = field(default_factory=list)
-    dbo_ms: list[float] = field(default_factory=list)
+    dbo_ms: list[float] = field(default_factory=list)  #: at the first of the case's microbatch counts
+    split_ms: dict[int, list[float]] = field(default_factory=dict)  #: step times by microbatch count
     received: list[AFDMeta] = field(default_factory=list)
     ffn_busy_ms: dict[int, float] = field(default_factory=dict)  #: FFN rank: compute per step, by number of microbatches
     #: per mode ("no_dbo", "dbo"), from one traced step: attention-side compute, and time spent waiting for FFN
     #: results (``afd_recv``: FFN compute plus transfers, less whatever the other microbatch hid)
     attention_ms: dict[str, float] = field(default_factory=dict)
     wait_ms: dict[str, float] = field(default_factory=dict)
+    link_messages: int = 0  #: messages this rank sent over the emulated link (0 without one)
 
     @property
     def speedup(self) -> float:
         return statistics.median(self.no_dbo_ms) / statistics.median(self.dbo_ms)
+
+    def speedup_at(self, num_microbatches: int) -> float:
+        """No overlap's median step time over this count's."""
+        return statistics.median(self.no_dbo_ms) / statistics.median(self.split_ms[num_microbatches])
 
 
 def model_config(case: AFDCase) -> ModelConfig:
@@ -72,8 +81,9 @@ def model_config(case: AFDCase) -> ModelConfig:
 def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
     topology = AFDTopology(case.num_attention_ranks, case.num_ffn_ranks)
     config = AFDConfig(role="attention" if topology.is_attention(rank) else "ffn",
-                       num_attention_ranks=case.num_attention_ranks, num_ffn_ranks=case.num_ffn_ranks)
-    connector = TorchDistributedAFDConnector(topology, case.timeout_s)
+                       num_attention_ranks=case.num_attention_ranks, num_ffn_ranks=case.num_ffn_ranks,
+                       num_microbatches=case.microbatches[0], link=case.link)
+    connector = TorchDistributedAFDConnector(topology, case.timeout_s, link=config.link)
     model = ReferenceModel(model_config(case))
     if config.role == "ffn":
         server = AFDFFNServer(model, connector)
@@ -82,7 +92,8 @@ def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
         server.serve()
         steps = Counter(m.num_microbatches for m in server.received if (m.layer_idx, m.microbatch_idx) == (0, 0))
         return AFDResult(rank, "ffn", received=list(server.received),
-                         ffn_busy_ms={n: s * 1e3 / steps[n] for n, s in server.busy_s.items()})
+                         ffn_busy_ms={n: s * 1e3 / steps[n] for n, s in server.busy_s.items()},
+                         link_messages=_link_messages(connector))
     return _attention(rank, case, config, model, connector)
 
 
@@ -102,18 +113,24 @@ def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceMode
     afd = AFDAttentionModel(model, connector)
     batch = make_batch(model, case.mode, case.num_seqs, case.ctx, seed=rank)
     mode = ForwardMode.EXTEND if case.mode == "prefill" else ForwardMode.DECODE
-    plan = config.split_policy().plan(mode, batch.num_tokens, list(batch.meta.extend_lens)
-                                      if case.mode == "prefill" else None)
+    lens = list(batch.meta.extend_lens) if case.mode == "prefill" else None
+    thresholds = {"decode_token_threshold", "prefill_token_threshold"}  # each count's own defaults
+    plans = {n: AFDConfig(**{**config.model_dump(exclude=thresholds), "num_microbatches": n}).split_policy().plan(
+        mode, batch.num_tokens, lens) for n in case.microbatches}
+    plan = plans[case.microbatches[0]]
     reference = model.forward(batch.ids, batch.meta, batch.cache.clone())
     result = AFDResult(rank, "attention", batch.num_tokens, plan is not None)
     try:
-        dbo = afd.forward(batch.ids, batch.meta, batch.cache.clone(), plan)
-        single = afd.forward(batch.ids, batch.meta, batch.cache.clone(), None)
-        result.max_diff = max(float((dbo - reference).abs().max()), float((single - reference).abs().max()))
+        for n, split in [*plans.items(), (1, None)]:  # each count, then unsplit: each equal to the colocated model
+            got = afd.forward(batch.ids, batch.meta, batch.cache.clone(), split)
+            result.max_diff = max(result.max_diff, float((got - reference).abs().max()))
+            result.split_ms[n] = []
+        del result.split_ms[1]
+        result.dbo_ms = result.split_ms[case.microbatches[0]]
         for _ in range(case.repeats):
-            for use_dbo, times in ((False, result.no_dbo_ms), (True, result.dbo_ms)):
+            for times, step_plan in [(result.no_dbo_ms, None)] + [(result.split_ms[n], plans[n]) for n in plans]:
                 t0 = time.perf_counter()
-                afd.forward(batch.ids, batch.meta, batch.cache.clone(), plan if use_dbo else None)
+                afd.forward(batch.ids, batch.meta, batch.cache.clone(), step_plan)
                 times.append((time.perf_counter() - t0) * 1e3)
         for name, step_plan in (("no_dbo", None), ("dbo", plan)):  # one more traced step each: where time goes
             tracer = Tracer()
@@ -124,5 +141,10 @@ def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceMode
     finally:
         if case.ffn_dies_after is None:
             connector.shutdown()
+    result.link_messages = _link_messages(connector)
     return result
+
+
+def _link_messages(connector: TorchDistributedAFDConnector) -> int:
+    return 0 if connector.link is None else connector.link.stats.count
 

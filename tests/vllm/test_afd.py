@@ -133,11 +133,11 @@ c.flush()
 class Server:
     """``tbo afd-ffn`` on a free loopback port (``--listen 127.0.0.1:0``; it prints the port it got)."""
 
-    def __init__(self, model: Path, dtype: str, idle_timeout_s: float = 120.0) -> None:
+    def __init__(self, model: Path, dtype: str, idle_timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen", "127.0.0.1:0", "--dtype",
-             dtype, "--idle-timeout-s", str(idle_timeout_s), "--timeout-s", "20"],
+             dtype, "--idle-timeout-s", str(idle_timeout_s), "--timeout-s", "20", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self._stdout: list[str] = []
         while True:
@@ -242,25 +242,34 @@ def test_qwen3_moe_fp32_afd_tokens_equal_vllm_colocated(models, servers):
 
 
 @needs_vllm
-def test_three_stages_then_the_ffn_server_is_killed_mid_generation(models, servers):
-    """N = 3 stages, checked as two are; then SIGKILL the server while a generate call runs: the engine fails
-    naming the FFN server, well within a minute."""
+def test_three_stages_over_a_link_then_the_ffn_server_is_killed_mid_generation(models, servers):
+    """A server of 2 and 3 microbatches refuses an engine of 4 at the join, by name, and waits on. N = 3 stages
+    over an emulated link (each direction 200 us; the server learns it at the join), checked as two are: tokens
+    equal vLLM's, every split step in 3, every stage over the link. Then SIGKILL the server while a generate call
+    runs: the engine fails naming the FFN server, well within a minute."""
     from tbo.integrations.vllm import stats
 
     model = models["qwen3_moe"]
-    server = servers(model, "float32")
+    server = servers(model, "float32", extra=("--microbatches", "2,3"))
     llm = _llm(model, dtype="float32")
     try:
         want = _tokens(_generate(llm, SCENARIOS["decode"]))
     finally:
         _free(llm)
+    with pytest.raises(Exception, match=rf"the FFN server at {re.escape(server.address)} serves split steps of 2, 3 "
+                                        r"microbatches, and this engine's num_microbatches is 4: refused at the join"):
+        _llm(model, {"num_microbatches": 4, "afd": {"ffn": server.address}}, dtype="float32")
+    gc.collect()
     llm = _llm(model, {"num_microbatches": 3, "decode_token_threshold": 3, "prefill_token_threshold": 12,
-                       "afd": {"ffn": server.address, "timeout_s": 20}}, dtype="float32")
+                       "link": "200,20", "afd": {"ffn": server.address, "timeout_s": 20}}, dtype="float32")
     try:
+        link = llm.llm_engine.model_executor.driver_worker.worker.model_runner.tbo.afd.link.connector.link
+        before = link.stats.count
         out, delta = _run(llm, SCENARIOS["decode"])
         assert _tokens(out) == want
         _assert_remote(delta, 3)
         assert delta["split_steps"] > 0 and delta["microbatches"] == 3 * delta["split_steps"], delta
+        assert link.latency_s == pytest.approx(200e-6) and link.stats.count - before == delta["afd_stages_sent"]
 
         start = stats()["afd_stages_sent"]
 

@@ -83,7 +83,9 @@ class TboVllmConfig(BaseModel):
                                     "groups of 128), quantised by that method's own quantiser; True: required, "
                                     "refused by name where not; False: the model's dtype always")
     link: str | None = Field(default=None, description="emulated link 'LATENCY_US,GBPS' around the backend "
-                                                        "(tbo.comm.EmulatedLink): makes overlap visible on a CPU")
+                                                        "(tbo.comm.EmulatedLink), or with afd between the engine "
+                                                        "and the FFN server (tbo.afd.link): makes overlap visible "
+                                                        "on a CPU")
     afd: AFDVllmConfig | None = Field(default=None, description="attention-FFN disaggregation: {'ffn': "
                                       "'HOST:PORT', ...}; the FFN runs in `tbo afd-ffn` (docs/vllm-afd.md)")
     comm_timeout_s: float = Field(default=60.0, gt=0, description="data parallel + expert parallel: the deadline "

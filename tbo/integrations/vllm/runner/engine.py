@@ -118,7 +118,8 @@ class TboEngine:
         from tbo.integrations.vllm.afd.attention import AFDAttentionSide
         from tbo.integrations.vllm.afd.config import AFD_STRATEGY
 
-        self.afd = AFDAttentionSide(self.runner, self.config.afd, [self.stats], llama_4_scaling=self.llama_4_scaling)
+        self.afd = AFDAttentionSide(self.runner, self.config.afd, [self.stats], llama_4_scaling=self.llama_4_scaling,
+                                    num_microbatches=self.config.num_microbatches, link=self.config.link)
         self.undo.push("the AFD attention side", self.afd.close)
         self.backend, self.layers = None, self.afd.layers
         self.names = StrategyNames(decode=AFD_STRATEGY, prefill=AFD_STRATEGY)
