@@ -119,12 +119,20 @@ class TboEngine:
         from tbo.integrations.vllm.afd.config import AFD_STRATEGY
 
         self.afd = AFDAttentionSide(self.runner, self.config.afd, [self.stats], llama_4_scaling=self.llama_4_scaling,
-                                    num_microbatches=self.config.num_microbatches, link=self.config.link)
+                                    num_microbatches=self._split_counts(), link=self.config.link)
         self.undo.push("the AFD attention side", self.afd.close)
         self.backend, self.layers = None, self.afd.layers
         self.names = StrategyNames(decode=AFD_STRATEGY, prefill=AFD_STRATEGY)
         self.strategies = dict.fromkeys(("decode", "prefill"), strategies.bind_layers(
             self.layers, strategies.get(AFD_STRATEGY)))
+
+    def _split_counts(self) -> list[int]:
+        """The microbatch counts this engine's split steps may have: ``adaptive.microbatches`` under ``split:
+        "adaptive"`` where set (the AFD server must serve each, checked at the join), else ``num_microbatches``."""
+        adaptive = self.config.adaptive
+        if self.config.split == "adaptive" and adaptive is not None and adaptive.microbatches:
+            return sorted(adaptive.microbatches)
+        return [self.config.num_microbatches]
 
     def _build_moe_layers(self) -> None:
         from vllm.distributed import get_tensor_model_parallel_world_size
