@@ -21,6 +21,17 @@ splitting: a split must beat unsplit by it to be taken, and gives way as soon as
 that a split is never kept where it does not pay (the band is as wide as a symmetric one, so ties do not flap). It starts from a prior when given one (the predictor's
 `tbo.tools.predict.split_policy` for a named GPU and EP size, or any `SplitPolicy`), and from unsplit otherwise.
 
+More choices must not mean more exploring: every choice it warms up costs its steps wherever it loses, and a short run
+(a few dozen steps of a bucket) is all warm-up. So it uses what is known before anything runs, an `Estimate`: each
+choice's predicted time relative to unsplit (the simulator's, `tbo.tools.afd_pipeline.estimate` for AFD's counts, or
+the structural `nothing_to_hide`: a step with no transfer to hide cannot gain by splitting). A choice is *doubtful*
+when its prediction says it cannot gain (>= 1) or is slower than the predicted best by more than ``prior_slack``, and,
+without a prediction, when it splits into more microbatches than a split already measured not to pay (a third
+microbatch hides more of a transfer, but fragments compute more: it can pay only where splitting pays at all). A
+doubtful choice is not warmed up; it is explored only at the longest interval (every ``8 x`` its even share) until
+measured to pay, so a prior that is wrong is still corrected, within a bounded number of steps. A choice predicted
+slower than the incumbent but not doubtful is warmed up once, not ``warmup_samples`` times.
+
 It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
 the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
 each keeps a replica of one table, every rank's measurement of a step travels in the next step's agreement, and every
@@ -30,6 +41,7 @@ equal and so do their choices.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -37,8 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tbo.split.plan import SplitPolicy
 
-__all__ = ["AdaptiveConfig", "AdaptiveSplit", "Choice", "STEP_KINDS", "UNSPLIT", "bucket_of", "bucket_label",
-           "prior_from_policy"]
+__all__ = ["AdaptiveConfig", "AdaptiveSplit", "CANNOT_GAIN", "Choice", "Estimate", "STEP_KINDS", "UNSPLIT",
+           "bucket_of", "bucket_label", "nothing_to_hide", "prior_from_policy"]
 
 #: the step kinds a table is kept for: a decode-only step, a prefill-only step, and chunked prefill beside decodes
 STEP_KINDS = ("decode", "prefill", "mixed")
@@ -103,6 +115,13 @@ class AdaptiveConfig(BaseModel):
                                                         "token is lower by this share")
     window: int = Field(default=5, description="a choice's cost is the lower median of its last `window` times per "
                                                "token: robust to (window - 1) // 2 outliers")
+    microbatches: tuple[int, ...] = Field(default=(), description="the microbatch counts an engine's split steps "
+                                                                  "choose among, e.g. (2, 3) (empty: the engine's "
+                                                                  "num_microbatches alone); AdaptiveSplit itself "
+                                                                  "takes its choices as given")
+    prior_slack: float = Field(default=0.25, description="with an estimate: a choice predicted slower than the "
+                                                         "predicted best by more than this share is not warmed up "
+                                                         "(explored only at the longest interval until measured)")
 
     @model_validator(mode="after")
     def _check(self) -> "AdaptiveConfig":
@@ -116,10 +135,29 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if any(not 2 <= m <= 16 for m in self.microbatches) or len(set(self.microbatches)) != len(self.microbatches):
+            raise ValueError(f"microbatches must be distinct counts in 2..16, got {list(self.microbatches)}")
+        if not self.prior_slack >= 0:
+            raise ValueError(f"prior_slack must be >= 0, got {self.prior_slack}")
         return self
 
 
 Prior = Callable[[str, int], Choice]
+#: ``estimate(kind, num_tokens)``: each choice's predicted step time relative to unsplit's (1.0); a choice left out
+#: has no prediction. It must be deterministic (data-parallel replicas call it on every rank).
+Estimate = Callable[[str, int], Mapping[Choice, float]]
+#: a split's estimate where nothing can make it pay: no transfer to hide, only compute to fragment
+CANNOT_GAIN = 1.0
+
+
+def nothing_to_hide(choices: Mapping[str, Sequence[Choice]]) -> Estimate:
+    """The estimate of a deployment with no transfer to hide (one rank, no expert parallelism, no AFD, no link):
+    splitting only fragments compute, so every split is predicted `CANNOT_GAIN`."""
+
+    def estimate(kind: str, num_tokens: int) -> Mapping[Choice, float]:
+        return {c: CANNOT_GAIN for c in choices.get(kind, ()) if c.split}
+
+    return estimate
 
 
 def prior_from_policy(policy: SplitPolicy, choices: Mapping[str, Sequence[Choice]]) -> Prior:
@@ -141,6 +179,7 @@ class _Table:
 
     choices: tuple[Choice, ...]
     incumbent: int
+    predicted: list[float | None] = field(default_factory=list)  #: the estimate's, relative to unsplit (1.0)
     cost: list[float | None] = field(default_factory=list)
     recent: list[list[float]] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
@@ -152,6 +191,7 @@ class _Table:
 
     def __post_init__(self) -> None:
         k = len(self.choices)
+        self.predicted = (self.predicted or [None] * k)
         self.cost, self.samples, self.tried, self.last = [None] * k, [0] * k, [0] * k, [-1] * k
         self.recent = [[] for _ in range(k)]
 
@@ -160,11 +200,14 @@ class AdaptiveSplit:
     """The per-step split decision, learned from step times. `choose` before a step, `observe` after it.
 
     ``choices`` maps each step kind to what a step of that kind may run (`UNSPLIT` is always one of them; a kind
-    not given gets unsplit only). ``prior(kind, tokens)`` names the starting incumbent of a new bucket.
+    not given gets unsplit only). ``prior(kind, tokens)`` names the starting incumbent of a new bucket;
+    ``estimate(kind, tokens)`` predicts each choice's cost (module docstring: what it spares exploring), and names the
+    starting incumbent where no ``prior`` does (the predicted cheapest, a split only when predicted cheaper than
+    unsplit by the hysteresis margin).
     """
 
     def __init__(self, choices: Mapping[str, Iterable[Choice]], config: AdaptiveConfig | None = None,
-                 prior: Prior | None = None) -> None:
+                 prior: Prior | None = None, estimate: Estimate | None = None) -> None:
         unknown = set(choices) - set(STEP_KINDS)
         if unknown:
             raise ValueError(f"unknown step kind(s) {sorted(unknown)}; accepted: {', '.join(STEP_KINDS)}")
@@ -177,6 +220,7 @@ class AdaptiveSplit:
             self.choices[kind] = (UNSPLIT, *(c for c in given if c != UNSPLIT))
         self.config = config if config is not None else AdaptiveConfig()
         self.prior = prior
+        self.estimate = estimate
         self.tables: dict[tuple[str, int], _Table] = {}
 
     def _table(self, kind: str, num_tokens: int) -> _Table:
@@ -186,9 +230,49 @@ class AdaptiveSplit:
         table = self.tables.get(key)
         if table is None:
             choices = self.choices[kind]
-            start = self.prior(kind, 1 << key[1]) if self.prior is not None else UNSPLIT
-            table = self.tables[key] = _Table(choices, choices.index(start) if start in choices else 0)
+            predicted = self._predicted(kind, key[1], choices)
+            if self.prior is not None:
+                start = self.prior(kind, 1 << key[1])
+                inc = choices.index(start) if start in choices else 0
+            else:
+                no = float("inf")
+                inc = min(range(len(choices)), key=lambda i: (
+                    (no if predicted[i] is None else predicted[i]) if i else 1 - self.config.hysteresis, i))
+            table = self.tables[key] = _Table(choices, inc, predicted)
         return table
+
+    def _predicted(self, kind: str, bucket: int, choices: tuple[Choice, ...]) -> list[float | None]:
+        """The estimate for a bucket, at its middle size, per choice (unsplit 1.0); None without an estimate."""
+        if self.estimate is None:
+            return [None] * len(choices)
+        got = self.estimate(kind, (3 << bucket) >> 1)
+        out: list[float | None] = [1.0]
+        for c in choices[1:]:
+            value = got.get(c)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"the estimate of {c} for {kind} steps is {value!r}: expected a finite time "
+                                 "relative to unsplit, >= 0")
+            out.append(None if value is None else float(value))
+        return out
+
+    def _doubtful(self, table: _Table, i: int, fits: Sequence[int]) -> bool:
+        """Whether choice ``i`` is spared the warm-up and explored only at the longest interval until measured: its
+        prediction says it cannot gain or is far slower than the predicted best; or, unpredicted, it splits into more
+        microbatches than a split already measured not to pay, or than every split measured so far (module
+        docstring)."""
+        choice, pred = table.choices[i], table.predicted
+        if not choice.split:
+            return False
+        if pred[i] is not None:
+            best = min(pred[j] for j in fits if pred[j] is not None)
+            return pred[i] >= CANNOT_GAIN or pred[i] > best * (1 + self.config.prior_slack)
+        fewest = min(c.num_microbatches for c in table.choices if c.split)
+        if choice.num_microbatches == fewest:
+            return False
+        unsplit = table.cost[0]
+        return unsplit is None or not any(
+            table.cost[j] is not None and table.cost[j] < unsplit for j in fits
+            if table.choices[j].split and table.choices[j].num_microbatches < choice.num_microbatches)
 
     # ---- the decision -----------------------------------------------------------------------------------------
 
@@ -209,11 +293,13 @@ class AdaptiveSplit:
         # cheaper takes over before the next round (a bucket of few steps, a prefill size seen once per wave, runs
         # its winner from its third step, not after the incumbent's own warm-up); a round explores each challenger
         # once, so the warm-up explores each other choice at most warmup_samples times in the bucket's life
-        warming = [i for i in fits if table.tried[i] < cfg.warmup_samples]
+        doubtful = {i for i in challengers if self._doubtful(table, i, fits)}
+        warming = [i for i in fits if table.tried[i] < self._warmup(table, i, pick) and i not in doubtful]
         if warming:
             pick = min(warming, key=lambda i: (table.tried[i], i != pick, i))
         elif challengers and rationed + 1 <= cfg.explore_share * steps:
-            due = [i for i in challengers if steps - table.last[i] >= self._interval(table, i, pick, len(challengers))]
+            due = [i for i in challengers
+                   if steps - table.last[i] >= self._interval(table, i, pick, len(challengers), i in doubtful)]
             if due:
                 pick, rationed = min(due, key=lambda i: (table.last[i], i)), rationed + 1
         table.incumbent, table.steps, table.rationed = inc, steps, rationed
@@ -222,16 +308,30 @@ class AdaptiveSplit:
         table.last[pick] = steps
         return pick
 
-    def _interval(self, table: _Table, i: int, inc: int, challengers: int) -> float:
+    def _warmup(self, table: _Table, i: int, inc: int) -> int:
+        """Warm-up samples of choice ``i``: ``warmup_samples``, but one where the estimate predicts it slower than the
+        incumbent (its one sample checks the prediction; unsplit's is the reference a split must beat)."""
+        pred = table.predicted
+        slower = i != inc and pred[i] is not None and pred[inc] is not None and pred[i] > pred[inc]
+        return min(self.config.warmup_samples, 1) if slower else self.config.warmup_samples
+
+    def _interval(self, table: _Table, i: int, inc: int, challengers: int, doubtful: bool = False) -> float:
         """Steps between two explorations of challenger ``i`` (against incumbent ``inc``): ``challengers`` share the
         ``explore_share`` of steps evenly, and one measured slower than the incumbent by a share ``x`` runs at most
         ``explore_cost / x`` of them, so that what exploring costs stays within ``explore_cost`` of the time
         (exploring a split that doubles a step every twentieth step would cost 5%). It is revisited at least every
         eight times the even interval, so that a cost that changes is still followed within a bounded number of
-        steps (three samples turn the lower median of five)."""
+        steps (three samples turn the lower median of five). A doubtful challenger waits the longest interval until
+        measured cheaper than the incumbent; one with a prediction is judged by it against the incumbent's until
+        measured."""
         cfg = self.config
         even = challengers / cfg.explore_share
         mine, theirs = table.cost[i], table.cost[inc]
+        if doubtful and (mine is None or (theirs and mine > theirs)):  # not measured to pay: the longest interval
+            return _MAX_BACKOFF * even
+        pred = table.predicted
+        if mine is None and pred[i] is not None and pred[inc]:  # the predicted ratio stands in for a measured one
+            mine, theirs = pred[i], pred[inc]
         if mine is None or not theirs or mine <= theirs:  # unmeasured, or not slower: the even share
             return even
         slower = mine / theirs - 1
@@ -277,6 +377,8 @@ class AdaptiveSplit:
             out.append({"kind": kind, "tokens": bucket_label(bucket), "choice": str(t.choices[self._settled(t)]),
                         "steps": t.steps, "explored": t.explored,
                         "estimates": {str(c): t.cost[i] for i, c in enumerate(t.choices)},
+                        "predicted": {str(c): t.predicted[i] for i, c in enumerate(t.choices)
+                                      if t.predicted[i] is not None},
                         "samples": {str(c): t.samples[i] for i, c in enumerate(t.choices)}})
         return out
 

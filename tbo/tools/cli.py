@@ -137,6 +137,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from tbo.tools.simulate import CostModel, compare, recommend
     from tbo.tools.trace import save_chrome_json, save_png, summary
 
+    if args.afd:
+        return _simulate_afd(args)
+    if args.strategy is None or args.costs is None:
+        raise ValueError("tbo simulate needs a STRATEGY and --costs COSTS.json (or --afd COSTS.json for an AFD "
+                         "pipeline)")
     layer = load_strategy(args.strategy)
     strategy = OperationsStrategy.concat([layer] * args.layers, name=layer.name)
     costs = load_json_model(CostModel, args.costs, "costs file")
@@ -157,6 +162,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(f"wrote {save_chrome_json(c.tbo.trace, args.trace)}")
     if args.png:
         print(f"wrote {save_png(c.tbo.trace, args.png)}")
+    return 0
+
+
+def _simulate_afd(args: argparse.Namespace) -> int:
+    """``tbo simulate --afd COSTS.json``: the AFD pipeline at each microbatch count (`tbo.tools.afd_pipeline`)."""
+    from tbo.tools.afd_pipeline import AFDCosts, parse_counts, report
+
+    costs = load_json_model(AFDCosts, args.afd, "AFD costs file")
+    if args.layers != 1:
+        costs = costs.model_copy(update={"num_layers": args.layers})
+    for line in report(costs, args.tokens, parse_counts(args.microbatches)):
+        print(line)
     return 0
 
 
@@ -209,10 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--microbatches", type=at_most(MAX_MICROBATCHES), default=2, help="number of microbatches (default 2)")
     show.set_defaults(func=_cmd_show)
     sim = sub.add_parser("simulate", help="predict single-batch vs TBO step time from a cost model")
-    sim.add_argument("strategy", help=source)
+    sim.add_argument("strategy", nargs="?", help=source + " (not with --afd)")
     sim.add_argument("--tokens", type=positive, required=True, help="tokens in the step")
-    sim.add_argument("--costs", required=True, help="a CostModel JSON file (see tbo.tools.simulate.CostModel)")
-    sim.add_argument("--layers", type=at_most(MAX_LAYERS), default=1, help="layers of the strategy to chain (default 1)")
+    sim.add_argument("--costs", help="a CostModel JSON file (see tbo.tools.simulate.CostModel)")
+    sim.add_argument("--afd", metavar="COSTS.json",
+                     help="instead: an AFD pipeline's costs (tbo.tools.afd_pipeline.AFDCosts): attention and FFN "
+                          "stage costs and the link; prints each microbatch count and which one pays")
+    sim.add_argument("--microbatches", default="2,3,4", help="--afd: the microbatch counts to compare (default 2,3,4)")
+    sim.add_argument("--layers", type=at_most(MAX_LAYERS), default=1,
+                     help="layers of the strategy to chain (default 1; --afd: replaces the file's num_layers)")
     sim.add_argument("--mode", choices=("decode", "prefill"), default=None,
                      help="the step's phase, as the verdict reports it (default: prefill for a strategy whose name "
                           "says prefill, else decode)")

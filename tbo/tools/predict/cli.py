@@ -174,6 +174,23 @@ def _cmd_tp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_afd(args: argparse.Namespace) -> int:
+    from tbo.comm.emulated import parse_link_spec
+    from tbo.tools.afd_pipeline import parse_counts, report
+    from tbo.tools.predict.afd import afd_costs
+
+    p = predict(args.hardware, args.model, _deployment(args))
+    latency, bandwidth = parse_link_spec(args.link) if args.link else (None, None)
+    costs = afd_costs(p, latency, bandwidth)
+    print(f"# {p.model.name} on {p.hardware.name} as AFD: {p.deployment.mode}, {args.tokens_per_device} tokens per "
+          f"attention GPU, context {p.deployment.context}, experts over EP{p.deployment.ep}; "
+          f"per layer unsplit: attention {costs.attention(args.tokens_per_device) * 1e6:.1f} us, "
+          f"FFN {costs.ffn(args.tokens_per_device) * 1e6:.1f} us")
+    for line in report(costs, args.tokens_per_device, parse_counts(args.microbatches)):
+        print(line)
+    return 0
+
+
 def _deployment_args(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
     p.add_argument("--model", required=True, help=f"{', '.join(MODELS)} or a Hugging Face config.json")
@@ -217,6 +234,13 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     _deployment_args(step)
     step.add_argument("--costs-out", help="write the predicted CostModel JSON (for tbo simulate)")
     step.set_defaults(func=_cmd_step)
+    afd = cmds.add_parser("afd", help="AFD at N microbatches: which count keeps the attention side busy across "
+                                      "the round trip (MegaScale-Infer's ping-pong condition)")
+    _deployment_args(afd)
+    afd.add_argument("--link", metavar="LATENCY_US,GBPS",
+                     help="the attention-FFN link, each way (default: the hardware's message latency and NIC)")
+    afd.add_argument("--microbatches", default="2,3,4", help="the counts to compare (default 2,3,4)")
+    afd.set_defaults(func=_cmd_afd)
     sweep = cmds.add_parser("sweep", help="plot speedup against tokens per device, one line per EP size (PNG)")
     _deployment_args(sweep, many=True)
     sweep.add_argument("--out", default="tbo_predict_sweep.png", help="PNG path")

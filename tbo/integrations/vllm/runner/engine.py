@@ -119,12 +119,20 @@ class TboEngine:
         from tbo.integrations.vllm.afd.config import AFD_STRATEGY
 
         self.afd = AFDAttentionSide(self.runner, self.config.afd, [self.stats], llama_4_scaling=self.llama_4_scaling,
-                                    num_microbatches=self.config.num_microbatches, link=self.config.link)
+                                    num_microbatches=self._split_counts(), link=self.config.link)
         self.undo.push("the AFD attention side", self.afd.close)
         self.backend, self.layers = None, self.afd.layers
         self.names = StrategyNames(decode=AFD_STRATEGY, prefill=AFD_STRATEGY)
         self.strategies = dict.fromkeys(("decode", "prefill"), strategies.bind_layers(
             self.layers, strategies.get(AFD_STRATEGY)))
+
+    def _split_counts(self) -> list[int]:
+        """The microbatch counts this engine's split steps may have: ``adaptive.microbatches`` under ``split:
+        "adaptive"`` where set (the AFD server must serve each, checked at the join), else ``num_microbatches``."""
+        adaptive = self.config.adaptive
+        if self.config.split == "adaptive" and adaptive is not None and adaptive.microbatches:
+            return sorted(adaptive.microbatches)
+        return [self.config.num_microbatches]
 
     def _build_moe_layers(self) -> None:
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -161,7 +169,10 @@ class TboEngine:
         if self.config.split == "adaptive":
             from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
 
-            self.adaptive = AdaptiveSteps(self.config, self.names)
+            parallel = self.runner.vllm_config.parallel_config
+            transfers = (self.afd is not None or self.config.link is not None or self.ep_size > 1 or self.tp > 1
+                         or parallel.data_parallel_size > 1 or parallel.pipeline_parallel_size > 1)
+            self.adaptive = AdaptiveSteps(self.config, self.names, transfers=transfers)
         policy = self.config.split_policy() if self.adaptive is None else self.adaptive.policy
         #: decides each step (`tbo.integrations.vllm.step.decider`); the patches hand vLLM's calls to it
         self.decider = StepDecider(policy, adaptive=self.adaptive)
@@ -252,6 +263,12 @@ class TboEngine:
     def _install_data_parallel(self) -> None:
         if self.runner.vllm_config.parallel_config.data_parallel_size > 1:
             from tbo.integrations.vllm.runner.dp import install_data_parallel
+
+            if self.adaptive is not None and len(self.adaptive.policies) > 1:
+                raise TboConfigError(f"adaptive microbatches {sorted(self.adaptive.policies)} with data parallelism: "
+                                     "the step agreement votes each rank's rows for one count, chosen before the "
+                                     "policy sees the agreed step; set adaptive.microbatches to "
+                                     f"[{self.config.num_microbatches}] (or leave it unset) under DP")
 
             install_data_parallel(self, self.undo)
 

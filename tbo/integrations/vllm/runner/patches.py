@@ -225,15 +225,18 @@ class RunnerPatches:
         with self.microbatching():
             return self.runner._allow_microbatching(int(arguments["num_reqs"]), arguments["num_scheduled_tokens_np"])
 
-    def _decide(self, arguments: dict[str, Any], allowed: bool, padded_tokens: int) -> Step:
-        """tbo's own decision (`tbo.integrations.engine.step.decide`) on the runner's batch."""
+    def _decide(self, arguments: dict[str, Any], allowed: bool, padded_tokens: int,
+                policy: SplitPolicy | None = None) -> Step:
+        """tbo's own decision (`tbo.integrations.engine.step.decide`) on the runner's batch, with ``policy`` (the
+        adaptive split's for a microbatch count it chose) or the decider's."""
         num_reqs = int(arguments["num_reqs"])
         batch = self.runner.input_batch
         past_prompt = batch.num_computed_tokens_cpu[:num_reqs] >= batch.num_prompt_tokens[:num_reqs]
         # speculative decoding: this step's draft tokens per request, as the runner's batch holds them (set from
         # the scheduler's scheduled_spec_decode_tokens before the step is decided)
         drafts = [len(t) for t in batch.spec_token_ids[:num_reqs]] if self.runner.speculative_config else None
-        return decide(self.policy, arguments["num_scheduled_tokens_np"][:num_reqs], past_prompt, allowed=allowed,
+        return decide(policy or self.policy, arguments["num_scheduled_tokens_np"][:num_reqs], past_prompt,
+                      allowed=allowed,
                       padded_tokens=padded_tokens, drafts=drafts)
 
     def slices(self, original: Callable[..., Any], should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
@@ -266,5 +269,5 @@ class _RunnerCall:
     def allowed(self) -> bool:
         return self.patches._allowed(self.arguments)
 
-    def own(self, allowed: bool, padded_tokens: int) -> Step:
-        return self.patches._decide(self.arguments, allowed, padded_tokens)
+    def own(self, allowed: bool, padded_tokens: int, policy: SplitPolicy | None = None) -> Step:
+        return self.patches._decide(self.arguments, allowed, padded_tokens, policy)

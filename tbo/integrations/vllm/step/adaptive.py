@@ -8,7 +8,11 @@ the prefill strategy. The measurement is the step's wall time from ``execute_mod
 per-op timing.
 
 The plan of a step the policy splits is `SplitPolicy`'s with the lowest thresholds (every microbatch gets a token):
-the adaptive choice replaces the thresholds, nothing else. A choice that finds no acceptable cut (vLLM's prefix-cache
+the adaptive choice replaces the thresholds, nothing else. With ``adaptive: {"microbatches": [2, 3]}`` the choices
+include the microbatch count: every strategy at every count, the step planned again with the chosen count's policy
+(one engine; under data parallelism the count stays ``num_microbatches``, refused otherwise at engine start). An
+engine with no transfer to hide (one rank, no link, no AFD) gives the policy the prior that no split can gain
+(`tbo.split.adaptive.nothing_to_hide`): it does not warm splits up, and explores them only at its longest interval. A choice that finds no acceptable cut (vLLM's prefix-cache
 veto, a lopsided batch with cuts between requests only) runs unsplit and is measured as unsplit.
 
 With data parallelism (`agreed`) every rank must run the same choice, with no collective of its own: each rank keeps
@@ -23,33 +27,45 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from tbo.integrations.vllm.config import StrategyNames, TboVllmConfig
 from tbo.integrations.engine.step import Step
 from tbo.split import SplitPolicy
-from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, prior_from_policy
+from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, nothing_to_hide, prior_from_policy
 from tbo.split.agree import StepAgreement
 
 __all__ = ["AdaptiveSteps"]
 
 
 class AdaptiveSteps:
-    """Per engine: chooses each step's split from measured costs, and measures the step it chose."""
+    """Per engine: chooses each step's split from measured costs, and measures the step it chose.
 
-    def __init__(self, config: TboVllmConfig, names: StrategyNames) -> None:
-        n = config.num_microbatches
-        decode, prefill = Choice(names.decode, n), Choice(names.prefill, n)
-        choices = {"decode": [decode, prefill], "prefill": [prefill], "mixed": [prefill]}
-        #: the split's shape once a choice splits: every threshold at its lowest
-        self.policy = SplitPolicy(num_microbatches=n, decode_token_threshold=n, prefill_token_threshold=n,
-                                  token_distribution_threshold=config.token_distribution_threshold,
-                                  allow_cut_sequences=config.allow_cut_sequences,
-                                  pad_to_multiple=config.pad_to_multiple)
+    ``transfers``: whether a step has communication splitting could hide (expert or tensor parallelism, data
+    parallelism, AFD, an emulated link); without, every split is predicted not to gain (`nothing_to_hide`), so the
+    policy spares the warm-up that would cost a short run."""
+
+    def __init__(self, config: TboVllmConfig, names: StrategyNames, transfers: bool = True) -> None:
+        adaptive = config.adaptive
+        counts = sorted(adaptive.microbatches if adaptive is not None and adaptive.microbatches
+                        else (config.num_microbatches,))
+        choices: dict[str, list[Choice]] = {"decode": [], "prefill": [], "mixed": []}
+        for n in counts:  # the fewest first: unpredicted, a count above the fewest waits until fewer pay
+            decode, prefill = Choice(names.decode, n), Choice(names.prefill, n)
+            choices["decode"] += [decode, prefill]
+            choices["prefill"].append(prefill)
+            choices["mixed"].append(prefill)
+        #: the split's shape once a choice of ``n`` microbatches splits: every threshold at its lowest
+        self.policies = {n: SplitPolicy(num_microbatches=n, decode_token_threshold=n, prefill_token_threshold=n,
+                                        token_distribution_threshold=config.token_distribution_threshold,
+                                        allow_cut_sequences=config.allow_cut_sequences,
+                                        pad_to_multiple=config.pad_to_multiple) for n in counts}
+        #: the decider's policy: the most microbatches (one attention metadata builder each), so every count fits
+        self.policy = self.policies[counts[-1]]
         # thresholds the user set (tbo predict's, say) seed the policy; unset, every bucket starts unsplit
         seeded = {"decode_token_threshold", "prefill_token_threshold"} & config.model_fields_set
         prior = prior_from_policy(config.split_policy(), choices) if seeded else None
-        self.split = AdaptiveSplit(choices, config.adaptive, prior)
+        self.split = AdaptiveSplit(choices, adaptive, prior, None if transfers else nothing_to_hide(choices))
         self._mode_of = {names.decode: "decode", names.prefill: "prefill"}
         #: the step in flight: its kind, tokens, what ran, and when it started (None: no step to measure)
         self._running: tuple[str, int, Choice, float] | None = None
@@ -58,11 +74,17 @@ class AdaptiveSteps:
         self._agreed: tuple[str, int, Choice] | None = None
         self.measured_ns = -1
 
-    def decide(self, step: Step) -> Step:
-        """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept or dropped, and the
-        strategy it runs. Starts the step's clock."""
+    def decide(self, step: Step, replan: Callable[[SplitPolicy], Step] | None = None) -> Step:
+        """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept, planned again with the
+        chosen count's policy (``replan``) where it has another count, or dropped; and the strategy it runs. Starts
+        the step's clock."""
         self._running = None
         choice = self.split.choose(step.mode, step.num_tokens)
+        if choice.split and step.plan is not None and step.plan.num_microbatches != choice.num_microbatches:
+            if replan is None:
+                raise RuntimeError(f"the adaptive split chose {choice}, but the step was planned with "
+                                   f"{step.plan.num_microbatches} microbatches and nothing can plan it again")
+            step = replan(self.policies[choice.num_microbatches])
         if choice.split and step.plan is not None:
             ran, step = choice, replace(step, agreed_strategy=self._mode_of[choice.strategy])
         else:

@@ -43,8 +43,8 @@ class RunnerCall(Protocol):
     def allowed(self) -> bool:
         """vLLM's prefix-cache veto, asked as if its microbatching were on: False vetoes a split."""
 
-    def own(self, allowed: bool, padded_tokens: int) -> Step:
-        """tbo's own decision on the runner's batch."""
+    def own(self, allowed: bool, padded_tokens: int, policy: SplitPolicy | None = None) -> Step:
+        """tbo's own decision on the runner's batch (with ``policy``: planned with it instead of the decider's)."""
 
 
 class StepDecider:
@@ -91,8 +91,11 @@ class StepDecider:
         if self.graphs is not None and self.graphs.holds(decision.full_graph, decision.batch_desc):
             return self._settled(call, decision)
         desc = decision.batch_desc
-        step = call.own(call.allowed() and desc.num_reqs in (None, call.num_reqs), desc.num_tokens)
-        self.step = step if self.adaptive is None else self.adaptive.decide(step)  # one decision, told once
+        allowed = call.allowed() and desc.num_reqs in (None, call.num_reqs)
+        step = call.own(allowed, desc.num_tokens)
+        if self.adaptive is not None:  # the measured choice's; planned again where it chose another count
+            step = self.adaptive.decide(step, lambda policy: call.own(allowed, desc.num_tokens, policy))
+        self.step = step  # one decision, told once
         return decision.split(self.step.runner_split)
 
     def _settled(self, call: RunnerCall, decision: VllmDecision) -> tuple[Any, ...]:
