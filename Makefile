@@ -96,7 +96,7 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS) | $(SGLANG_PY)
 
 test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_PY) -c "import sglang; print('sglang', sglang.__version__)"
-	$(SGLANG_PY) -m pytest -q tests/sglang/
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m pytest -q tests/sglang/
 
 $(DOCS_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install -q -e ".[test,plot,hf,docs]"
