@@ -110,8 +110,9 @@ def greedy(e: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[i
 
 def read_stats(path: Path) -> dict[str, Any]:
     """tbo's counters of the engine's scheduler process, from its ``stats_file`` (empty before its first step)."""
-    return json.loads(path.read_text()) if path.exists() else {"steps": 0, "split_steps": 0, "cut_requests": 0,
-                                                                   "split_steps_by_mode": {}}
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"steps": 0, "split_steps": 0, "microbatches": 0, "cut_requests": 0, "split_steps_by_mode": {}}
 
 
 def start_failure(model: Path, tbo: dict[str, Any], timeout_s: int = ENGINE_DEADLINE_S) -> str:
