@@ -60,7 +60,7 @@ LIBRARY_ORDER = [
     (("runtime",), "the forward seam, CUDA graphs, profiling"),
     (("models",), "the reference model"),
     (("afd",), "attention-FFN disaggregation: connector, wire format, FFN loop"),
-    (("integrations",), "Hugging Face and vLLM (AFD inside vLLM reuses tbo.afd)"),
+    (("integrations",), "Hugging Face, vLLM and SGLang (AFD inside vLLM reuses tbo.afd)"),
 ]
 _LIBRARY_ROW = {pkg: row for row, (pkgs, _) in enumerate(LIBRARY_ORDER) for pkg in pkgs}
 
