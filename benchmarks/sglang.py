@@ -18,12 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+# this file is benchmarks/sglang.py: its folder on sys.path would shadow the sglang package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 ENGINE_ARGS = dict(device="cpu", skip_tokenizer_init=True, attention_backend="torch_native", disable_cuda_graph=True,
-                   max_total_tokens=8192, mem_fraction_static=0.05, dtype="float32", log_level="error")
+                   max_total_tokens=8192, mem_fraction_static=0.05, dtype="float32", log_level="error",
+                   disable_radix_cache=True)  # every timed run computes its prompts (no prefix-cache hits)
 
 
 def save_model(path: Path, args: argparse.Namespace) -> Path:
@@ -74,7 +79,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--link", default="200,0.05", help="the emulated link 'LATENCY_US,GBPS' of the split comparison")
+    p.add_argument("--link", default="100,0.1", help="the emulated link 'LATENCY_US,GBPS' of the split comparison")
     args = p.parse_args()
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
