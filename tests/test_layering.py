@@ -60,7 +60,7 @@ LIBRARY_ORDER = [
     (("runtime",), "the forward seam, CUDA graphs, profiling"),
     (("models",), "the reference model"),
     (("afd",), "attention-FFN disaggregation: connector, wire format, FFN loop"),
-    (("integrations",), "Hugging Face and vLLM (AFD inside vLLM reuses tbo.afd)"),
+    (("integrations",), "Hugging Face, vLLM and SGLang (AFD inside vLLM reuses tbo.afd)"),
 ]
 _LIBRARY_ROW = {pkg: row for row, (pkgs, _) in enumerate(LIBRARY_ORDER) for pkg in pkgs}
 
@@ -206,6 +206,65 @@ def test_the_vllm_room_imports_point_down(path: Path):
               for line, target in _imports(path)
               if _room_unit(target) not in (None, here) and _VLLM_ROW[_room_unit(target)] >= _VLLM_ROW[here]]
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+#: The SGLang integration is a room too, ordered the same way. It shares the engine-neutral pieces
+#: (`tbo.integrations.engine`) and, from the vLLM room, only what imports no vLLM and serves both engines: the config
+#: schema (one schema for both: `TBO_SGLANG_CONFIG` holds vLLM's additional_config["tbo"]) and the adaptive split's
+#: per-engine steps.
+SGLANG_ROOM = "tbo.integrations.sglang"
+SGLANG_ORDER = [
+    (("errors",), "TboSglangError and refuse(): the one message shape"),
+    (("config",), "TBO_SGLANG_CONFIG: the shared schema, read at engine start (no SGLang)"),
+    (("stats",), "the process registry of the engines' stats"),
+    (("model",), "admission by structure, the layer as ops over SGLang's modules"),
+    (("step",), "the split decision, the microbatches' ForwardBatches from SGLang's filter_batch"),
+    (("runner",), "the engine built in undoable steps, the layer loop, the microbatch contexts"),
+    (("plugin",), "the entry point (sglang.srt.plugins)"),
+    (("__init__",), "the package's front door"),
+]
+_SGLANG_ROW = {unit: row for row, (units, _) in enumerate(SGLANG_ORDER) for unit in units}
+SGLANG_SHARED_FROM_VLLM = ("tbo.integrations.vllm.config", "tbo.integrations.vllm.step.adaptive")
+SGLANG_MODULES = [p for p in INTEGRATION_MODULES if _module_name(p).startswith(SGLANG_ROOM)]
+
+
+def _sglang_unit(module: str) -> str | None:
+    if module == SGLANG_ROOM:
+        return "__init__"
+    if not module.startswith(SGLANG_ROOM + "."):
+        return None
+    return module[len(SGLANG_ROOM) + 1:].split(".")[0]
+
+
+def test_the_sglang_room_order_names_every_unit():
+    units = {_sglang_unit(_module_name(p)) for p in SGLANG_MODULES}
+    assert units == set(_SGLANG_ROW), f"every unit of {SGLANG_ROOM} has one row in SGLANG_ORDER: {units ^ set(_SGLANG_ROW)}"
+    assert len({p.parent.name for p in SGLANG_MODULES if p.parent.name != "sglang"}) >= 3
+
+
+@pytest.mark.parametrize("path", SGLANG_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_sglang_room_imports_point_down_and_take_from_vllm_only_what_is_shared(path: Path):
+    here = _sglang_unit(_module_name(path))
+    broken = [f"line {line}: {here} imports {target} ({_sglang_unit(target)}), not below it in SGLANG_ORDER"
+              for line, target in _imports(path)
+              if _sglang_unit(target) not in (None, here) and _SGLANG_ROW[_sglang_unit(target)] >= _SGLANG_ROW[here]]
+    broken += [f"line {line}: imports {target} from the vLLM room (shared: {', '.join(SGLANG_SHARED_FROM_VLLM)})"
+               for line, target in _imports(path)
+               if (target.startswith(VLLM_ROOM + ".") or target == VLLM_ROOM or target.split(".")[0] == "vllm")
+               and target not in SGLANG_SHARED_FROM_VLLM]
+    assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("path", [p for p in INTEGRATION_MODULES if _module_name(p).startswith(VLLM_ROOM)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_vllm_room_imports_no_sglang(path: Path):
+    wrong = [(line, t) for line, t in _imports(path) if t.split(".")[0] == "sglang" or t.startswith(SGLANG_ROOM)]
+    assert not wrong, f"{path.relative_to(ROOT)} imports SGLang: {wrong}"
+
+
+@pytest.mark.parametrize("path", SGLANG_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_sglang_room_has_small_modules_and_functions(path: Path):
+    test_the_vllm_room_has_small_modules_and_functions(path)
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "integrations" / "engine").rglob("*.py")),

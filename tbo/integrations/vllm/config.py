@@ -20,7 +20,7 @@ from tbo.integrations.vllm.errors import CONFIG_KEY, TboConfigError
 from tbo.split import SplitPolicy
 from tbo.split.adaptive import AdaptiveConfig
 
-__all__ = ["TboConfigError", "TboVllmConfig", "StrategyNames", "parse_config", "CONFIG_KEY"]
+__all__ = ["TboConfigError", "TboVllmConfig", "StrategyNames", "describe_error", "parse_config", "CONFIG_KEY"]
 
 class StrategyNames(BaseModel):
     """The registry names of the strategy for decode-only steps and for steps with prefill."""
@@ -165,7 +165,9 @@ class TboVllmConfig(BaseModel):
         return StrategyNames(decode=self.strategy, prefill=self.strategy)
 
 
-def _describe(error: ValidationError) -> str:
+def describe_error(error: ValidationError) -> str:
+    """A pydantic error on the schema as one line per key: an unknown key with the accepted ones, a bad value with
+    why (shared with the SGLang plugin, whose switch holds the same JSON)."""
     lines = []
     for e in error.errors():
         where = ".".join(str(p) for p in e["loc"]) or "tbo"
@@ -197,5 +199,5 @@ def parse_config(additional_config: Any) -> TboVllmConfig | None:
         config = TboVllmConfig(**raw)
         config.split_policy()
     except ValidationError as e:
-        raise TboConfigError(f"additional_config['tbo']: {_describe(e)}") from None
+        raise TboConfigError(f"additional_config['tbo']: {describe_error(e)}") from None
     return config

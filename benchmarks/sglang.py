@@ -1,0 +1,102 @@
+"""tbo in a real SGLang engine (sglang 0.5.23 on CPU): SGLang alone, SGLang + tbo unsplit, and, over an emulated
+link, tbo unsplit against tbo split. Prints each engine's decode and prefill wall time.
+
+Targets (reported, not asserted): tbo's unsplit overhead is at most 3% of SGLang's time; over a link whose transfers
+take about as long as the layers' compute, tbo split is at least 1.3x tbo unsplit over that link.
+
+A tiny random Qwen3-MoE (``--hidden``, ``--layers``, ``--experts``) is saved in a temporary directory; nothing is
+downloaded. Each engine is started alone (one at a time), warmed up, timed over ``--repeats`` runs (the minimum is
+reported), and shut down. The decode figure is a batch of ``--batch`` requests generating ``--new`` tokens (its
+prefill included, a small share); the prefill figure is the same batch with long prompts generating one token. On 2
+shared cores timing is noisy: run it several times and report the range.
+
+    SGLANG_USE_CPU_ENGINE=1 .venv-sglang/bin/python benchmarks/sglang.py     # after make test-sglang
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# this file is benchmarks/sglang.py: its folder on sys.path would shadow the sglang package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+ENGINE_ARGS = dict(device="cpu", skip_tokenizer_init=True, attention_backend="torch_native", disable_cuda_graph=True,
+                   max_total_tokens=8192, mem_fraction_static=0.05, dtype="float32", log_level="error",
+                   disable_radix_cache=True)  # every timed run computes its prompts (no prefix-cache hits)
+
+
+def save_model(path: Path, args: argparse.Namespace) -> Path:
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=args.hidden // 4, num_experts=args.experts, num_experts_per_tok=2,
+        max_position_embeddings=1024, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def measure(model: Path, tbo: dict | None, args: argparse.Namespace) -> dict[str, float]:
+    import sglang as sgl
+
+    os.environ.pop("TBO_SGLANG_CONFIG", None)
+    if tbo is not None:
+        os.environ["TBO_SGLANG_CONFIG"] = json.dumps(tbo)
+    e = sgl.Engine(model_path=str(model), **ENGINE_ARGS)
+    os.environ.pop("TBO_SGLANG_CONFIG", None)
+    try:
+        short = [[(7 * i + j) % 250 + 1 for j in range(4)] for i in range(args.batch)]
+        long = [[(11 * i + j) % 250 + 1 for j in range(args.prompt)] for i in range(args.batch)]
+        out = {}
+        for name, prompts, new in (("decode", short, args.new), ("prefill", long, 1)):
+            e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": new})  # warm-up
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": new})
+                times.append(time.perf_counter() - t0)
+            out[name] = min(times)
+        return out
+    finally:
+        e.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--link", default="100,0.1", help="the emulated link 'LATENCY_US,GBPS' of the split comparison")
+    args = p.parse_args()
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(Path(tmp) / "qwen3_moe", args)
+        never = {"decode_token_threshold": 10**6, "prefill_token_threshold": 10**6}
+        always = {"decode_token_threshold": 2, "prefill_token_threshold": 2, "strategy": "qwen3_moe_prefill"}
+        runs = {"sglang": measure(model, None, args), "tbo unsplit": measure(model, never, args),
+                "tbo unsplit, link": measure(model, {**never, "link": args.link}, args),
+                "tbo split, link": measure(model, {**always, "link": args.link}, args)}
+    for name, r in runs.items():
+        print(f"{name:20s} decode {r['decode'] * 1e3:8.1f} ms   prefill {r['prefill'] * 1e3:8.1f} ms")
+    for mode in ("decode", "prefill"):
+        overhead = runs["tbo unsplit"][mode] / runs["sglang"][mode] - 1
+        speedup = runs["tbo unsplit, link"][mode] / runs["tbo split, link"][mode]
+        print(f"{mode}: tbo unsplit overhead {overhead * 100:+.1f}% (target <= 3%); "
+              f"split over the link {speedup:.2f}x unsplit (target >= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()

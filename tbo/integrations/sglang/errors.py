@@ -1,0 +1,38 @@
+"""The SGLang plugin's one error type and its one message shape: what a refused engine is told.
+
+SGLang has no per-engine extension config like vLLM's ``additional_config``, so tbo's switch is the environment
+variable `ENV` (the same JSON as vLLM's ``additional_config["tbo"]``). A configuration or model tbo cannot run must
+fail the engine's start naming the culprit and what is accepted: every message here reads ``TBO_SGLANG_CONFIG with
+<settings>: <detail>``, a refusal's detail ``not supported (<why>); accepted: <accepted>`` (`refuse`). This module
+imports nothing of SGLang or pydantic, so every module of the room can raise it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NoReturn
+
+__all__ = ["ENV", "TboSglangError", "config_error", "refuse"]
+
+#: the environment variable holding the JSON config; unset: the plugin stays idle
+ENV = "TBO_SGLANG_CONFIG"
+
+
+class TboSglangError(ValueError):
+    """``TBO_SGLANG_CONFIG``, or the engine or model it was given to, is something tbo cannot run; the message names
+    the culprit and what is accepted."""
+
+
+def _describe(settings: str | Mapping[str, Any]) -> str:
+    if isinstance(settings, str):
+        return settings
+    return " and ".join(f"{name}={value!r}" for name, value in settings.items())
+
+
+def config_error(settings: str | Mapping[str, Any], detail: str) -> TboSglangError:
+    """``TBO_SGLANG_CONFIG with <settings>: <detail>``."""
+    return TboSglangError(f"{ENV} with {_describe(settings)}: {detail}")
+
+
+def refuse(settings: str | Mapping[str, Any], accepted: str, why: str) -> NoReturn:
+    """Refuse ``settings``: ``TBO_SGLANG_CONFIG with <settings>: not supported (<why>); accepted: <accepted>``."""
+    raise config_error(settings, f"not supported ({why}); accepted: {accepted}")

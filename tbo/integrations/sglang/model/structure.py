@@ -1,0 +1,107 @@
+"""Where an SGLang model's pieces are, found from its modules rather than its name, and what tbo refuses.
+
+tbo runs the layer loop of a model whose inner model (``model.model``) has SGLang's usual ends (``embed_tokens``,
+``layers``, ``norm``, the residual stream started by ``residual_batch.start``) and whose decoder layers have SGLang's
+layer-boundary stages (``attn_boundary``, ``ffn_boundary``: the residual adds and norms), a ``self_attn`` module and
+an MLP: a MoE block with a router ``gate``, a ``topk`` and ``experts`` (Qwen3-MoE's ``mlp``, Mixtral's
+``block_sparse_moe``), or a dense MLP. That covers the models that call SGLang's ``model_forward_stages``
+(Qwen2/3-MoE, ...) and those that do not (Mixtral): admission reads the structure, never the class name. A model
+tbo cannot reproduce is refused at load, naming the layer and the missing feature.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from tbo.integrations.sglang.errors import TboSglangError
+
+__all__ = ["LayerStructure", "ModelStructure", "model_structure"]
+
+#: attribute names of a decoder layer's MLP, in the order they are looked for
+_MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "moe")
+#: attributes of a MoE block beside its routed experts that tbo does not reproduce (yet): refused by name
+_UNSUPPORTED_MOE = {"shared_expert": "a shared expert", "shared_experts": "shared experts"}
+
+
+@dataclass(frozen=True)
+class LayerStructure:
+    """One decoder layer's pieces."""
+
+    attn: Any
+    ffn: Any
+    ffn_name: str
+    kind: str  #: "moe" or "dense"
+    split_attention: bool  #: attention as two ops (``forward_prepare`` / ``forward_core``, Qwen3-MoE's)
+    ffn_takes_batch: bool  #: the MLP's forward takes the ForwardBatch as a second argument
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """The inner model and its layers' pieces."""
+
+    inner: Any
+    layers: list[Any]
+    structures: list[LayerStructure]
+    architecture: str
+
+    @property
+    def top_k(self) -> int:
+        return next(int(s.ffn.topk.topk_config.top_k) for s in self.structures if s.kind == "moe")
+
+    @property
+    def num_experts(self) -> int:
+        return next(int(s.ffn.experts.num_experts) for s in self.structures if s.kind == "moe")
+
+
+def _refuse(where: str, feature: str) -> TboSglangError:
+    return TboSglangError(f"TBO_SGLANG_CONFIG: {where}: not supported ({feature}); tbo runs SGLang MoE models whose "
+                          "decoder layers have SGLang's layer-boundary stages, an attention module and a MoE block "
+                          "of gate, topk and experts (Qwen3-MoE, Mixtral, ...)")
+
+
+def model_structure(model: Any) -> ModelStructure:
+    """The structure of SGLang's ``model`` (the ``*ForCausalLM``), or `TboSglangError` naming the part and the
+    feature tbo cannot run."""
+    arch = type(model).__name__
+    inner = getattr(model, "model", None)
+    missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(inner, name)]
+    if inner is None or missing:
+        raise _refuse(f"model {arch}", f"no inner model with {', '.join(missing or ['embed_tokens, layers, norm'])}")
+    pp = getattr(inner, "pp_group", None)
+    if pp is not None and not (pp.is_first_rank and pp.is_last_rank):
+        raise _refuse(f"model {arch}", "pipeline parallelism")
+    start, end = getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(inner.layers))
+    layers = [inner.layers[i] for i in range(start, end)]
+    structures = [layer_structure(layer, start + i) for i, layer in enumerate(layers)]
+    if not any(s.kind == "moe" for s in structures):
+        raise _refuse(f"model {arch}, layer {start} ({type(layers[0]).__name__})",
+                      "no MoE layer: tbo overlaps the expert dispatch, which this model does not have")
+    return ModelStructure(inner, layers, structures, arch)
+
+
+def layer_structure(layer: Any, index: int) -> LayerStructure:
+    """One decoder layer's pieces, or `TboSglangError` naming the layer and the missing feature."""
+    where = f"layer {index} ({type(layer).__name__})"
+    for name in ("attn_boundary", "ffn_boundary", "self_attn"):
+        if not hasattr(layer, name):
+            raise _refuse(where, f"no {name!r}: a layer without SGLang's layer-boundary stages and attention module")
+    ffn_name = next((n for n in _MLP_NAMES if hasattr(layer, n)), None)
+    if ffn_name is None:
+        raise _refuse(where, f"no MLP module (looked for {', '.join(_MLP_NAMES)})")
+    ffn = getattr(layer, ffn_name)
+    attn = layer.self_attn
+    split = callable(getattr(attn, "forward_prepare", None)) and callable(getattr(attn, "forward_core", None))
+    moe = all(hasattr(ffn, n) for n in ("gate", "topk", "experts"))
+    if moe:
+        for attr, feature in _UNSUPPORTED_MOE.items():
+            if getattr(ffn, attr, None) is not None:
+                raise _refuse(f"{where}, {ffn_name} ({type(ffn).__name__})", feature)
+        if getattr(ffn, "_use_mega_moe", False):
+            raise _refuse(f"{where}, {ffn_name}", "SGLang's MegaMoE")
+        takes_batch = False
+    else:
+        params = list(inspect.signature(ffn.forward).parameters)
+        takes_batch = "forward_batch" in params
+    return LayerStructure(attn, ffn, ffn_name, "moe" if moe else "dense", split, takes_batch)

@@ -1,0 +1,44 @@
+"""Each microbatch's ops run under that microbatch's own SGLang forward context.
+
+SGLang's layers find per-step state outside their arguments: the ForwardContext (the attention backend and the MoE
+runner's ``moe_num_token_non_padded``) and the current ForwardBatch (`set_forward_batch`, read by eager regions of
+the attention). `MicrobatchContexts`, an `Observer`, enters microbatch k's (its own child ForwardBatch in both) when
+one of its stages starts and leaves it when the stage ends, so the step's own context is current between stages.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Sequence
+
+from tbo.core.observer import Observer
+
+__all__ = ["MicrobatchContexts"]
+
+
+class MicrobatchContexts(Observer):
+    """Makes microbatch k's forward context and batch current for the duration of each of its stages."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        from sglang.srt.model_executor.forward_context import forward_context, get_forward_context
+        from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
+
+        self._ctx, self._set_batch = forward_context, set_forward_batch
+        self._step_ctx = get_forward_context()  # the step's, which the runner entered
+        self.batches = list(batches)
+        self._active: ExitStack | None = None
+
+    def on_stage_start(self, mb: int, stage: int) -> None:
+        stack = ExitStack()
+        stack.enter_context(self._ctx(self._step_ctx, forward_batch=self.batches[mb]))
+        stack.enter_context(self._set_batch(self.batches[mb]))
+        self._active = stack
+
+    def on_stage_end(self, mb: int, stage: int) -> None:
+        active, self._active = self._active, None
+        if active is not None:
+            active.close()
+
+    def close(self) -> None:
+        if self._active is not None:  # a stage raised: put the step's context back
+            self.on_stage_end(-1, -1)

@@ -1,0 +1,105 @@
+"""The model's layer loop through tbo: what runs in place of the inner model's ``forward`` (``Qwen2MoeModel``'s,
+which Qwen3-MoE inherits and whose loop calls SGLang's ``model_forward_stages`` under SGLang's own TBO, and
+``MixtralModel``'s, which has no such seam: one seam serves both).
+
+The embedding stays SGLang's (``embed_tokens``), the layers run through `model_forward_maybe_tbo` as
+`SglangDecoderLayer` ops with the step's strategy, and the final norm is SGLang's ``residual_batch.final_norm``,
+applied per microbatch by the last layer. On a step tbo splits, each microbatch gets its own ForwardBatch (SGLang's
+``filter_batch``: `tbo.integrations.sglang.step.batch.children`) with its own residual stream, and its stages run in
+its own forward context (`MicrobatchContexts`); the outputs are merged back in token order.
+
+Diagnostics never fail a step: a ``stats_file`` that cannot be written is logged once per distinct error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from tbo.core.observer import as_observer
+from tbo.integrations.engine.stats import StatsFile, StepStats
+from tbo.integrations.sglang.runner.contexts import MicrobatchContexts
+from tbo.integrations.sglang.step.batch import children, decide_batch
+from tbo.runtime.forward import model_forward_maybe_tbo
+from tbo.runtime.op_times import OpTimes
+from tbo.split import SplitPolicy
+from tbo.split.plan import MicrobatchSlice
+
+__all__ = ["LayerLoop"]
+
+logger = logging.getLogger("sglang.tbo")
+
+
+class LayerLoop:
+    """Callable in place of the inner model's ``forward`` (same arguments, same result)."""
+
+    def __init__(self, inner: Any, layers: list[Any], strategies: dict[str, Any], backend: Any,
+                 policy: SplitPolicy, *, adaptive: Any = None, stats: StepStats | None = None,
+                 stats_file: StatsFile | None = None, op_times: bool = False) -> None:
+        self.inner, self.layers, self.strategies, self.backend = inner, layers, strategies, backend
+        self.policy, self.adaptive = policy, adaptive
+        self.stats = StepStats() if stats is None else stats
+        self.stats_file, self.op_times = stats_file, op_times
+        self.stats_file_failures, self._stats_file_error = 0, ""
+        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+        self._residual = residual_batch
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any,
+                 input_embeds: torch.Tensor | None = None, pp_proxy_tensors: Any = None, **kwargs: Any) -> Any:
+        hidden = self.inner.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        step = decide_batch(self.policy if self.adaptive is None else self.adaptive.policy, forward_batch)
+        if step is not None and self.adaptive is not None:
+            step = self.adaptive.decide(step)
+        plan = step.plan if step is not None else None
+        if plan is None:
+            batches, observer = [forward_batch], None
+            self._residual.start(forward_batch)
+        else:
+            if hidden.shape[0] != plan.num_tokens:
+                raise RuntimeError(f"tbo planned {plan.num_tokens} tokens but the model got {hidden.shape[0]}")
+            batches = children(forward_batch, plan)
+            for child in batches:
+                self._residual.start(child)
+            observer = MicrobatchContexts(batches)
+
+        def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
+            fb = batches[0 if mb is None else mb.microbatch_idx]
+            return {"positions": positions if mb is None else fb.positions, "forward_batch": fb}
+
+        timer = OpTimes() if self.op_times and step is not None else None
+        mode = step.strategy_mode if step is not None else "prefill"
+        t0 = time.perf_counter()
+        out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, self.strategies[mode], plan,
+                                      pinned=pinned, backend=self.backend,
+                                      observer=as_observer([observer, timer]))
+        if step is not None:
+            self._count(step, plan, timer, time.perf_counter() - t0)
+        return out["hidden_states"]
+
+    def _count(self, step: Any, plan: Any, timer: OpTimes | None, layers_s: float) -> None:
+        self.stats.record(step.mode, step.num_tokens, 1 if plan is None else plan.num_microbatches,
+                          plan is not None and plan.two_chunk)
+        if timer is not None:
+            self.stats.add_op_times(timer.seconds, timer.calls, layers_s)
+        if self.adaptive is not None:
+            self.adaptive.step_done()
+        self.write_stats()
+
+    def write_stats(self) -> None:
+        """Write ``stats_file`` (if set). A diagnostic: a failure is logged (each distinct error once), never
+        raised."""
+        if self.stats_file is None:
+            return
+        try:
+            self.stats_file.write(self.stats)
+        except Exception as e:  # noqa: BLE001 - whatever the write raises, the engine goes on
+            self.stats_file_failures += 1
+            message = f"{type(e).__name__}: {e}"
+            if message != self._stats_file_error:
+                self._stats_file_error = message
+                logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
+                               self.stats_file.path, message)
