@@ -151,14 +151,17 @@ class TboVllmConfig(BaseModel):
                            token_distribution_threshold=self.token_distribution_threshold,
                            pad_to_multiple=self.pad_to_multiple, allow_cut_sequences=self.allow_cut_sequences)
 
-    def strategy_names(self, shared_experts: bool) -> StrategyNames:
-        """The registry names to run. ``"auto"`` follows the layers' structure: with a shared expert (in any MoE
-        layer) the strategies that overlap it with the dispatch (``deepseek_decode``, ``deepseek_prefill``),
-        without one the same shapes less that op (``qwen3_moe_decode``, ``qwen3_moe_prefill``)."""
+    def strategy_names(self, shared_experts: bool, *, dense: bool = False) -> StrategyNames:
+        """The registry names to run. ``"auto"`` follows the layers' structure: a model with no MoE layer (``dense``,
+        admitted under tensor parallelism) the dense TP strategies, whose all-reduces are transfers
+        (``dense_tp_decode``, ``dense_tp_prefill``); with a shared expert (in any MoE layer) the strategies that
+        overlap it with the dispatch (``deepseek_decode``, ``deepseek_prefill``), without one the same shapes less
+        that op (``qwen3_moe_decode``, ``qwen3_moe_prefill``)."""
         if isinstance(self.strategy, StrategyNames):
             return self.strategy
         if self.strategy == "auto":
-            shape = "deepseek" if shared_experts else "qwen3_moe"  # the strategies' shape, not the model's name
+            # the strategies' shape, not the model's name
+            shape = "dense_tp" if dense else "deepseek" if shared_experts else "qwen3_moe"
             return StrategyNames(decode=f"{shape}_decode", prefill=f"{shape}_prefill")
         return StrategyNames(decode=self.strategy, prefill=self.strategy)
 

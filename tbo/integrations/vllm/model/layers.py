@@ -35,6 +35,7 @@ from tbo.integrations.vllm.model.compute import EAGER, Compute
 from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.model.quant import ExpertsCall, batch_dependent_scales
 from tbo.integrations.vllm.model.structure import layer_structure
+from tbo.integrations.vllm.model.tp import TensorParallelOps, reduction_sites
 from tbo.models.layer_ops import ExpertParallelOps
 
 __all__ = ["VllmDecoderLayer", "reduce_plan"]
@@ -59,7 +60,7 @@ def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool
     return reduce_shared, reduce_final
 
 
-class VllmDecoderLayer(ExpertParallelOps):
+class VllmDecoderLayer(TensorParallelOps, ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
     #: the engine's `StepStats`, which count local_ffn_calls (the engine sets them; None: not counted)
@@ -111,6 +112,17 @@ class VllmDecoderLayer(ExpertParallelOps):
             from vllm.distributed import tensor_model_parallel_all_reduce
 
             self._all_reduce = tensor_model_parallel_all_reduce
+
+    def defer_reductions(self, deferred: frozenset[str], reducer: Any) -> None:
+        """Run the reductions ``deferred`` (``"attn"``, ``"mlp"``) as ``reducer``'s transfers, in the strategy's
+        ``*_reduce_a/_b`` ops (`tbo.integrations.vllm.model.tp`), instead of inside vLLM's modules."""
+        if "mlp" in deferred and self.runner is not None and not self.reduce_final and \
+                getattr(reducer, "num_ranks", 1) > 1:
+            raise TboConfigError(f"{self!r}: its strategy reduces the MoE output (mlp_reduce_a/_b) but vLLM's MoE "
+                                 "runner makes no final all-reduce of it here (its kernel's output comes reduced, or "
+                                 "the model reduces later itself): a strategy without mlp_reduce_a/_b runs it")
+        self.sites = reduction_sites(self.layer, self.attn, self.ffn, self.runner is None, self.layer_idx)
+        self.deferred, self.reducer = frozenset(deferred), reducer
 
     def __repr__(self) -> str:
         return f"VllmDecoderLayer({self.layer_idx}, {type(self.layer).__name__}, {self.kind})"
@@ -173,11 +185,12 @@ class VllmDecoderLayer(ExpertParallelOps):
     @declares(lambda layer: OpFlow(takes="qkv" if layer.split_attention else "attn_in", writes="attn_out",
                                    pinned=() if layer.split_attention else "positions"))
     def op_attn_core(self, state: State) -> None:
-        if self.split_attention:
-            state.attn_out = self.compute.attention_core(self.attn, *state.pop("qkv"))
-        else:
-            extra = {"llama_4_scaling": self._scaling(state.positions)} if self._attn_takes_scaling else {}
-            state.attn_out = self.compute.attention(self.attn, state.positions, state.pop("attn_in"), extra)
+        with self.deferring("attn"):  # o_proj's partial sum, where the strategy reduces it (attn_reduce_a/_b)
+            if self.split_attention:
+                state.attn_out = self.compute.attention_core(self.attn, *state.pop("qkv"))
+            else:
+                extra = {"llama_4_scaling": self._scaling(state.positions)} if self._attn_takes_scaling else {}
+                state.attn_out = self.compute.attention(self.attn, state.positions, state.pop("attn_in"), extra)
 
     def _scaling(self, positions: torch.Tensor) -> torch.Tensor | None:
         """vLLM's ``_get_llama_4_scaling`` for these positions (elementwise per token: a microbatch's slice of the
@@ -204,7 +217,8 @@ class VllmDecoderLayer(ExpertParallelOps):
     @declares(takes="mlp_in", writes="mlp_out")
     def op_mlp(self, state: State) -> None:
         self._count_ffn()
-        state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))  # its down projection all-reduces over TP
+        with self.deferring("mlp"):  # its down projection all-reduces over TP, or leaves that to mlp_reduce_a/_b
+            state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))
 
     def _count_ffn(self) -> None:
         if self.stats is not None:
@@ -297,7 +311,7 @@ class VllmDecoderLayer(ExpertParallelOps):
             shared = self._all_reduce(shared)
         # DeepSeek's routed_scaling_factor on the routed part, then the shared part added, as vLLM's runner does
         out = self.compute.moe_output(self.runner, state.pop("routed_out"), shared)
-        if self.reduce_final:
+        if self.reduce_final and "mlp" not in self.deferred:  # deferred: mlp_reduce_a/_b run it
             out = self._all_reduce(out)
         state.layer_out = out
 
