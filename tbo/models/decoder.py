@@ -33,6 +33,7 @@ from tbo.models.cache import AttentionMetadata, KVCache, StaticAttentionMetadata
 from tbo.models.config import ModelConfig
 from tbo.models.functional import attend, attend_padded, attend_static, linear, pointwise, rms_norm, rope, swiglu
 from tbo.models.layer_ops import DecoderLayerOps
+from tbo.models.tensor_parallel import shard_layer, tp_reduced
 
 if TYPE_CHECKING:
     from tbo.runtime.cuda_graph import GraphRunner
@@ -80,10 +81,13 @@ def _moved(value: Any, device: torch.device | str) -> Any:
 
 
 class DecoderLayer(DecoderLayerOps):
-    """One decoder layer. ``kind`` is ``"dense"`` (SwiGLU MLP) or ``"moe"`` (router, shared and routed experts)."""
+    """One decoder layer. ``kind`` is ``"dense"`` (SwiGLU MLP) or ``"moe"`` (router, shared and routed experts).
+
+    ``reducer``: a `tbo.comm.TPAllReduce` over the tensor-parallel group; over more than one rank the layer keeps
+    its rank's slice and sums its row-parallel outputs over the group (`tbo.models.tensor_parallel`)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, backend: Any,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, reducer: Any = None) -> None:
         c, dt = config, config.torch_dtype
         self.config, self.layer_idx, self.backend = c, layer_idx, backend
         self.kind = "dense" if layer_idx < c.first_k_dense else "moe"
@@ -98,6 +102,7 @@ class DecoderLayer(DecoderLayerOps):
             i = c.dense_intermediate
             self.mlp_w = (_init(g, h, i, scale=h**-0.5, dtype=dt), _init(g, h, i, scale=h**-0.5, dtype=dt),
                           _init(g, i, h, scale=i**-0.5, dtype=dt))
+            shard_layer(self, reducer)
             self.to(device)
             return
         e, i = c.num_experts, c.moe_intermediate
@@ -110,6 +115,7 @@ class DecoderLayer(DecoderLayerOps):
         if e % backend.num_ranks:
             raise ValueError(f"num_experts={e} is not divisible by the backend's {backend.num_ranks} ranks")
         self._expert_base = backend.rank * backend.num_local_experts
+        shard_layer(self, reducer)
         self.to(device)
 
     def to(self, device: torch.device | str | None) -> "DecoderLayer":
@@ -149,7 +155,7 @@ class DecoderLayer(DecoderLayerOps):
         pos = meta.positions(x.device)
         if pos.shape[0] < t:  # padding rows: any position; their outputs are discarded
             pos = torch.cat([pos, pos.new_zeros(t - pos.shape[0])])
-        shape = (t, c.num_heads, c.head_dim)
+        shape = (t, self.num_local_heads, c.head_dim)
         q = rope(linear(x, self.wq, self.bi).view(shape), pos, c.rope_theta, self.bi)
         k = rope(linear(x, self.wk, self.bi).view(shape), pos, c.rope_theta, self.bi)
         return q, k, linear(x, self.wv, self.bi).view(shape)
@@ -249,16 +255,20 @@ class DecoderLayer(DecoderLayerOps):
         What an attention-FFN disaggregated deployment runs on the FFN side.
         """
         if self.kind == "dense":
-            return swiglu(x, *self.mlp_w, self.bi)
+            return tp_reduced(self, swiglu(x, *self.mlp_w, self.bi), "mlp_reduce")
         idx, weights = self._select(linear(x, self.w_router, self.bi))
         dispatched = self.backend.dispatch_b(self.backend.dispatch_a(x, idx, weights))
         out = run_experts(dispatched, self.local_expert, self.stacked_experts)
-        routed = self.backend.combine_b(self.backend.combine_a(out, dispatched.handle))
-        return routed + self.shared_experts(x) if self.has_shared_experts else routed
+        routed = tp_reduced(self, self.backend.combine_b(self.backend.combine_a(out, dispatched.handle)),
+                            "moe_reduce")
+        if not self.has_shared_experts:
+            return routed
+        return routed + tp_reduced(self, self.shared_experts(x), "shared_reduce")
 
     def forward(self, hidden: torch.Tensor, meta: Metadata, cache: Cache) -> torch.Tensor:
         """The layer without ops: the reference the op path and every strategy must equal."""
-        residual = hidden + self._attention(*self._qkv(self.attn_norm(hidden), meta), meta, cache)
+        attn = tp_reduced(self, self._attention(*self._qkv(self.attn_norm(hidden), meta), meta, cache), "attn_reduce")
+        residual = hidden + attn
         return residual + self.ffn(self.mlp_norm(residual))
 
     # ---- the ops that touch this layer's own modules (the rest come from DecoderLayerOps) ----------------------
@@ -290,15 +300,17 @@ class ReferenceModel:
     then moved, so a CPU and a GPU build hold the same weights. `to` moves a built model.
     """
 
-    def __init__(self, config: ModelConfig, backend: Any = None, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: Any = None, device: torch.device | str | None = None,
+                 reducer: Any = None) -> None:
         self.config = config
+        self.reducer = reducer
         self.backend = backend if backend is not None else LocalBackend(config.num_experts)
         g = torch.Generator().manual_seed(config.seed)
         dt = config.torch_dtype
         self.embedding = _init(g, config.vocab_size, config.hidden_size, scale=1.0, dtype=dt)
         self.final_norm = 1 + _init(g, config.hidden_size, scale=0.1, dtype=dt)
         self.lm_head = _init(g, config.hidden_size, config.vocab_size, scale=config.hidden_size**-0.5, dtype=dt)
-        self.layers = [DecoderLayer(config, i, self.backend) for i in range(config.num_layers)]
+        self.layers = [DecoderLayer(config, i, self.backend, reducer=reducer) for i in range(config.num_layers)]
         self._bound: dict[Any, OperationsStrategy] = {}
         self.to(device)
 
@@ -349,10 +361,18 @@ class ReferenceModel:
                 pass
             return bound
 
+    def auto_strategy(self, meta: Metadata) -> str:
+        """``strategy="auto"``: the registered strategy this model's layers call for (`tbo.strategies.auto_names`),
+        decode's for a step of one token per sequence, else prefill's."""
+        names = strategies.auto_names_for_layers(self.layers)
+        decode = meta.is_decode if isinstance(meta, StaticAttentionMetadata) else set(meta.extend_lens) <= {1}
+        return names.decode if decode else names.prefill
+
     def forward_tbo(self, input_ids: torch.Tensor, meta: Metadata, cache: Cache, strategy: Any,
                     plan: SplitPlan | None, rows_per_rank: Sequence[Sequence[int]] | None = None,
                     **kwargs: Any) -> torch.Tensor:
         """Logits of every token through the ops: overlapped over ``plan``, or as one batch when it is None.
+        ``strategy``: a strategy, a registered name, per-kind strategies, or ``"auto"`` (`auto_strategy`).
 
         ``rows_per_rank[m]``: data parallel, the token rows every rank dispatches in microbatch ``m`` (one entry
         unsplit), agreed by all of them (`tbo.split.agree`): the dispatch then sends by them, with no count
@@ -361,6 +381,8 @@ class ReferenceModel:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
         if plan is not None and plan.num_tokens != meta.num_tokens:
             raise ValueError(f"the plan covers {plan.num_tokens} tokens but the batch has {meta.num_tokens}")
+        if isinstance(strategy, str) and strategy == "auto":
+            strategy = self.auto_strategy(meta)
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             values = {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
@@ -384,7 +406,9 @@ class ReferenceModel:
     # ---- static cache and CUDA graphs ---------------------------------------------------------------------------
     def static_cache(self, num_slots: int, max_len: int) -> StaticKVCache:
         """A `StaticKVCache` for this model on its device: ``num_slots`` sequences of up to ``max_len`` tokens."""
-        return StaticKVCache.for_model(self.config, num_slots, max_len, self.device)
+        heads = self.layers[0].num_local_heads  # this rank's heads under tensor parallelism
+        return StaticKVCache.for_model(self.config.model_copy(update={"num_heads": heads}), num_slots, max_len,
+                                       self.device)
 
     def decode_step(self, cache: StaticKVCache, strategy: Any, slots_in_order: bool = False) -> Any:
         """A decode step as `tbo.runtime.cuda_graph.GraphRunner` calls it: ``step(inputs, plan) -> logits``, where

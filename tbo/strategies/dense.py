@@ -26,7 +26,15 @@ LayerStrategies = Union[OperationsStrategy, str, Mapping[str, Union[OperationsSt
 
 
 def dense_like(strategy: OperationsStrategy) -> OperationsStrategy:
-    """The dense-layer strategy that can be joined with ``strategy``: same delta and SM budget, one stage."""
+    """The dense-layer strategy that can be joined with ``strategy``: same delta and SM budget, one stage; for a
+    tensor-parallel strategy (its layers' outputs are partial sums), the dense TP list, its reductions overlapped,
+    with ``strategy``'s lead (`tbo.strategies.tensor_parallel`)."""
+    from tbo.strategies.tensor_parallel import DENSE_TP_OPS, is_tp
+
+    if is_tp(strategy):
+        return OperationsStrategy(operations=list(DENSE_TP_OPS), delta_stages=strategy.delta_stages,
+                                  deep_gemm_num_sms=strategy.deep_gemm_num_sms,
+                                  name=f"dense_for_{strategy.name or 'strategy'}")
     return OperationsStrategy(operations=DENSE_OPS, delta_stages=0, deep_gemm_num_sms=strategy.deep_gemm_num_sms,
                               name=f"dense_for_{strategy.name or 'strategy'}")
 
