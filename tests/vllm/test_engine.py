@@ -838,7 +838,8 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path,
     workers, which write them to ``stats_file``. Both models against plain vLLM TP=2; for DeepSeek-V3 the reference
     workers get the rotary fix through a test-only vLLM plugin (`_ROTARY_PLUGIN`), and each of tbo's workers
     reduces every MoE layer's shared expert with the routed output over TP (vLLM's MoE runner's rule), which the
-    equal tokens then check against vLLM's own reduce."""
+    equal tokens then check against vLLM's own reduce. ``strategy: "auto"`` runs ``moe_tp_*`` here: those reductions
+    (and attention's, and the dense layer's MLP's) are tbo's transfers (`tbo.integrations.vllm.model.tp`)."""
     script = _tp2_script(tmp_path)
     if model == "qwen3_moe":
         prompts, engine, plugins, mode = SCENARIOS["mixed"], ENGINE, None, "mixed"
@@ -862,6 +863,13 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path,
     for f in files:
         s = json.loads(Path(f).read_text())
         assert s["split_steps"] > 0 and s["split_steps_by_mode"][mode] > 0, (f, s)
+        # strategy "auto" at TP = 2: moe_tp_*, every layer's all-reduces tbo's transfers (attention's, the MoE
+        # output's once as vLLM's runner makes it, a dense layer's MLP): two per layer and microbatch of every step
+        # (op_times: every step runs tbo's loop, an unsplit one as one microbatch)
+        layers, parts = len(workers[0]["deferred"]), s["microbatches"] + s["steps"] - s["split_steps"]
+        assert s["tp_reductions"] == 2 * layers * parts > 0, (f, s)
+    for w in workers:
+        assert all(d == (["attn", "moe"] if kind == "moe" else ["attn", "mlp"]) for kind, d in w["deferred"]), workers
 
 
 # ---- the served path: vLLM's OpenAI-compatible server, a subprocess ----------------------------------------------

@@ -113,14 +113,19 @@ class VllmDecoderLayer(TensorParallelOps, ExpertParallelOps):
 
             self._all_reduce = tensor_model_parallel_all_reduce
 
+    @property
+    def moe_reduces_once(self) -> bool:
+        """Whether vLLM's MoE runner reduces this layer's output once, whole, after the sum of its parts (what the
+        TP strategies' ``moe_reduce``/``shared_reduce`` then do in its place)."""
+        return self.runner is not None and self.reduce_final and not self.reduce_shared
+
     def defer_reductions(self, deferred: frozenset[str], reducer: Any) -> None:
         """Run the reductions ``deferred`` (``"attn"``, ``"mlp"``) as ``reducer``'s transfers, in the strategy's
         ``*_reduce_a/_b`` ops (`tbo.integrations.vllm.model.tp`), instead of inside vLLM's modules."""
-        if "mlp" in deferred and self.runner is not None and not self.reduce_final and \
-                getattr(reducer, "num_ranks", 1) > 1:
-            raise TboConfigError(f"{self!r}: its strategy reduces the MoE output (mlp_reduce_a/_b) but vLLM's MoE "
-                                 "runner makes no final all-reduce of it here (its kernel's output comes reduced, or "
-                                 "the model reduces later itself): a strategy without mlp_reduce_a/_b runs it")
+        if "moe" in deferred and not self.moe_reduces_once:
+            raise TboConfigError(f"{self!r}: its strategy reduces the MoE output (moe_reduce_a/_b) but vLLM's MoE "
+                                 "runner does not reduce it once here (its kernel's output comes reduced, or the "
+                                 "model reduces later itself): a strategy without moe_reduce_a/_b runs it")
         self.sites = reduction_sites(self.layer, self.attn, self.ffn, self.runner is None, self.layer_idx)
         self.deferred, self.reducer = frozenset(deferred), reducer
 
@@ -267,6 +272,16 @@ class VllmDecoderLayer(TensorParallelOps, ExpertParallelOps):
         if self.has_shared_experts:
             state.shared_out = self.compute.mlp(self.shared, state.pop("mlp_in"))
 
+    @declares(lambda layer: OpFlow(reads=("mlp_in",) if layer.has_shared_experts else (),
+                                   takes=("topk",) if layer.has_shared_experts else ("mlp_in", "topk"),
+                                   writes="routed_out", pinned="rows_per_rank"))
+    def op_routed_experts(self, state: State) -> None:
+        """Dispatch, the experts and combine in one op, nothing yielded between (the TP strategies': every rank
+        holds every expert's slice, so no row crosses ranks and there is no transfer to overlap; the routed output
+        is a partial sum, which ``moe_reduce``/``shared_reduce`` reduce)."""
+        for op in (self.op_dispatch_a, self.op_dispatch_b, self.op_experts, self.op_combine_a, self.op_combine_b):
+            op(state)
+
     @declares(takes="dispatched", writes="expert_out")
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel, through the layer's quant method, on the tokens dispatched here: per token, the
@@ -299,21 +314,31 @@ class VllmDecoderLayer(TensorParallelOps, ExpertParallelOps):
         state.expert_out = (self._masked(d.hidden, d.tokens_per_expert, self.runner.routed_experts.top_k), d.handle)
 
     # ---- output ------------------------------------------------------------------------------------------------
-    @declares(lambda layer: OpFlow(takes="mlp_out" if layer.kind == "dense" else
-                                   ("shared_out", "routed_out") if layer.has_shared_experts else "routed_out",
-                                   writes="layer_out"))
+    @declares(lambda layer: OpFlow() if layer.kind == "moe" and "moe" in getattr(layer, "deferred", ()) else
+              OpFlow(takes="mlp_out" if layer.kind == "dense" else
+                     ("shared_out", "routed_out") if layer.has_shared_experts else "routed_out", writes="layer_out"))
     def op_output(self, state: State) -> None:
+        """The layer's output: a dense layer's MLP output, or a MoE layer's as vLLM's runner makes it (reduced over
+        TP by its rule); nothing where the strategy reduces the MoE output (``moe_reduce``/``shared_reduce`` made
+        it: `tbo.integrations.vllm.model.tp`)."""
         if self.kind == "dense":
             state.layer_out = state.pop("mlp_out")
+            return
+        if "moe" in self.deferred:
             return
         shared = state.pop("shared_out") if self.has_shared_experts else None
         if self.reduce_shared:  # the routed part came reduced from the kernel: reduce the shared part alone
             shared = self._all_reduce(shared)
         # DeepSeek's routed_scaling_factor on the routed part, then the shared part added, as vLLM's runner does
         out = self.compute.moe_output(self.runner, state.pop("routed_out"), shared)
-        if self.reduce_final and "mlp" not in self.deferred:  # deferred: mlp_reduce_a/_b run it
+        if self.reduce_final:
             out = self._all_reduce(out)
         state.layer_out = out
+
+    def _moe_output(self, state: State) -> torch.Tensor:
+        """This rank's part of the MoE output, for the strategy's reduction (vLLM's runner's sum, unreduced)."""
+        shared = state.pop("shared_out") if self.has_shared_experts else None
+        return self.compute.moe_output(self.runner, state.pop("routed_out"), shared)
 
     @declares(lambda layer: OpFlow(takes=("residual", "layer_out"), clears=True,
                                    returns="hidden_states" if layer.residual_multiplier is not None else

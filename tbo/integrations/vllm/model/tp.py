@@ -25,15 +25,16 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator
 
-from tbo.core.dataflow import declares
+from tbo.core.dataflow import OpFlow, declares
 from tbo.core.state import State
 from tbo.integrations.vllm.errors import TboConfigError
+from tbo.models.layer_ops import TensorParallelOps as LibraryTensorParallelOps
 
 __all__ = ["REDUCE_OPS", "ReductionSites", "TensorParallelOps", "deferred_by", "reduce_off", "reducing_linears",
            "reduction_sites"]
 
 #: where -> the op that launches its reduction: a strategy that names it defers that reduction
-REDUCE_OPS = {"attn": "attn_reduce_a", "mlp": "mlp_reduce_a"}
+REDUCE_OPS = {"attn": "attn_reduce_a", "mlp": "mlp_reduce_a", "moe": "moe_reduce_a"}
 
 
 def reducing_linears(module: Any) -> list[tuple[str, Any]]:
@@ -86,43 +87,67 @@ def deferred_by(strategy: Any) -> frozenset[str]:
     return frozenset(where for where, op in REDUCE_OPS.items() if op in names)
 
 
-class TensorParallelOps:
-    """The deferred reductions' ops (the module docstring). The engine sets `reducer` and `deferred`."""
+def _moe_flow(layer: Any, pair: str, half: str) -> OpFlow:
+    """The flow of a MoE layer's ``moe_reduce``/``shared_reduce`` op (``pair``, ``half`` "a" or "b") under vLLM's
+    rule: one reduction of the layer's output, launched by the last of the two pairs whose inputs are there (the
+    shared pair where the layer has a shared expert, the routed one otherwise); the other pair does nothing."""
+    if "moe" not in getattr(layer, "deferred", ()) or pair != ("shared" if layer.has_shared_experts else "moe"):
+        return OpFlow()
+    if half == "b":
+        return OpFlow(takes=f"{pair}_reduce", writes="layer_out")
+    return OpFlow(takes=("routed_out", "shared_out") if layer.has_shared_experts else "routed_out",
+                  writes=f"{pair}_reduce")
 
-    #: a `tbo.comm.allreduce.TPAllReduce` over vLLM's TP group (in an `EmulatedLink` with ``link``); None: no TP here
-    reducer: Any = None
+
+class TensorParallelOps(LibraryTensorParallelOps):
+    """The library's reduction ops (`tbo.models.layer_ops.TensorParallelOps`: attention's and a dense MLP's
+    partial sums), counted into the engine's stats, and a MoE layer's output reduced as vLLM's MoE runner reduces
+    it: once, the routed part scaled and the shared part added first (``moe_reduce`` and ``shared_reduce`` then
+    make one all-reduce between them, `_moe_flow`; the ``output`` op has nothing left to do). Reducing the two
+    parts apart would round otherwise than vLLM. The engine sets `reducer` and `deferred` before it binds the
+    strategies (the ops' declared flows read `deferred`)."""
+
     #: the reductions this layer's strategy runs as transfers (`deferred_by`); the others stay inside vLLM's modules
     deferred: frozenset[str] = frozenset()
     sites: ReductionSites = ReductionSites(None, None)
     stats: Any = None
     kind: str = "dense"
+    has_shared_experts: bool = False
 
     def deferring(self, where: str) -> ContextManager[None]:
         """The scope a module of ``where`` runs in: its projection's reduction off where this layer defers it."""
         linear = getattr(self.sites, where)
         return reduce_off(linear) if where in self.deferred and linear is not None else nullcontext()
 
-    def _reduce_a(self, x: Any, what: str) -> Any:
-        if self.stats is not None:
+    def _reducer(self, op: str) -> Any:
+        if op.endswith("_a") and self.stats is not None:
             self.stats.tp_reductions += 1
-        return self.reducer.reduce_a(x, what)
+        return super()._reducer(op)
 
-    @declares(takes="attn_out", writes="attn_reduce")
-    def op_attn_reduce_a(self, state: State) -> None:
-        """Launch the all-reduce of the attention's partial sum (``o_proj`` ran without its own)."""
-        state.attn_reduce = self._reduce_a(state.pop("attn_out"), f"layer {getattr(self, 'layer_idx', '?')} "
-                                                                  "attn_reduce")
+    def _moe_output(self, state: State) -> Any:  # provided by the layer: vLLM's scaled routed + shared output
+        raise NotImplementedError
 
-    @declares(takes="attn_reduce", writes="attn_out")
-    def op_attn_reduce_b(self, state: State) -> None:
-        state.attn_out = self.reducer.reduce_b(state.pop("attn_reduce"))
+    def _launch_output(self, state: State, pair: str) -> None:
+        if _moe_flow(self, pair, "a").writes:
+            state.update(**{f"{pair}_reduce": self._reducer(f"{pair}_reduce_a").reduce_a(self._moe_output(state),
+                                                                                            f"{pair}_reduce")})
 
-    @declares(takes="mlp_out", writes="mlp_reduce")
-    def op_mlp_reduce_a(self, state: State) -> None:
-        """Launch the all-reduce of a dense MLP's partial sum (its ``down_proj`` ran without its own)."""
-        state.mlp_reduce = self._reduce_a(state.pop("mlp_out"), f"layer {getattr(self, 'layer_idx', '?')} "
-                                                                "mlp_reduce")
+    def _wait_output(self, state: State, pair: str) -> None:
+        if _moe_flow(self, pair, "b").writes:
+            state.layer_out = self._reducer(f"{pair}_reduce_b").reduce_b(state.pop(f"{pair}_reduce"))
 
-    @declares(takes="mlp_reduce", writes="mlp_out")
-    def op_mlp_reduce_b(self, state: State) -> None:
-        state.mlp_out = self.reducer.reduce_b(state.pop("mlp_reduce"))
+    @declares(lambda layer: _moe_flow(layer, "moe", "a"))
+    def op_moe_reduce_a(self, state: State) -> None:
+        self._launch_output(state, "moe")
+
+    @declares(lambda layer: _moe_flow(layer, "moe", "b"))
+    def op_moe_reduce_b(self, state: State) -> None:
+        self._wait_output(state, "moe")
+
+    @declares(lambda layer: _moe_flow(layer, "shared", "a"))
+    def op_shared_reduce_a(self, state: State) -> None:
+        self._launch_output(state, "shared")
+
+    @declares(lambda layer: _moe_flow(layer, "shared", "b"))
+    def op_shared_reduce_b(self, state: State) -> None:
+        self._wait_output(state, "shared")

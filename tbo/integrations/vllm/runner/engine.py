@@ -141,7 +141,8 @@ class TboEngine:
             self._build_moe_layers(current_platform.device_type)
         else:  # dense: its tensor-parallel all-reduces are what tbo overlaps
             build_dense_layers(self)
-        defer_reductions(self, current_platform.device_type)
+        defer_reductions(self, current_platform.device_type)  # before binding: the ops' flows depend on it
+        self.strategies = {mode: self._bind(getattr(self.names, mode), mode) for mode in ("decode", "prefill")}
 
     def _build_moe_layers(self, platform: str) -> None:
         """A MoE model's layers, the expert-parallel backend they dispatch through, and their strategies."""
@@ -165,8 +166,10 @@ class TboEngine:
         layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
         self.layers = [layer_cls(layer, self.backend, i, self.tp, llama_4_scaling=self.llama_4_scaling,
                                  fp8_dispatch=self.fp8_dispatch) for i, layer in enumerate(model.layers)]
-        self.names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
-        self.strategies = {mode: self._bind(getattr(self.names, mode), mode) for mode in ("decode", "prefill")}
+        from tbo.integrations.vllm.runner.tp import moe_tp_eligible
+
+        self.names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers),
+                                           tensor_parallel=moe_tp_eligible(self))
 
     def _build_split(self) -> None:
         """The split policy: the config's thresholds, or (``split: "adaptive"``) measured step costs
