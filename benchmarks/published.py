@@ -1,4 +1,5 @@
-"""Hold `tbo.tools.predict` against published measurements: DeepEP's kernel tables and SGLang's TBO gains.
+"""Hold `tbo.tools.predict` against published measurements: DeepEP's kernel tables, SGLang's TBO gains, and the
+tensor-parallel all-reduce's overlap in vLLM (DBO++'s prefill gain, RFC #56126's crossover and trap).
 
 Every figure is predicted from specs alone (hardware presets, the model's config, the deployment) with the same
 efficiency factors. Three of them (NIC and NVLink efficiency, per-message latency) are fitted once here, to the
@@ -136,6 +137,36 @@ def sglang_rows(eff: Efficiency) -> list[Row]:
     return rows
 
 
+def tp_rows() -> list[Row]:
+    """Dense models under tensor parallelism (issue 48): the all-reduce overlapped (`predict_tp`).
+
+    DBO++ (vllm #44677) reports +8.1% prefill throughput for Qwen3-32B at TP 4; its GPUs and prompts are not in the
+    issue: H100 SXM over NVLink with 8192-token steps of 4096-token prompts are assumed. RFC vllm#56126 (dense, DP 1,
+    4 GPUs over PCIe) found splitting to pay from 64-128 tokens, and halves falling under the all-reduce's two-shot
+    cut-off; its model and GPUs are not in the issue either: 4 L40S on PCIe Gen4 are assumed, and two dense models
+    are predicted (a small one, and Qwen3-32B), each row saying which."""
+    from tbo.tools.predict.tensor_parallel import predict_tp
+
+    rows = []
+    p = predict_tp("h100", "qwen3-32b", tp=4, link="nvlink", mode="prefill", context=4096)
+    rows.append(_gain_row("vLLM DBO++ prefill Qwen3-32B TP4, 8192 tok (H100 NVLink assumed)", (0.081, 0.081),
+                          p.speedup(8192), "issue row, nothing fitted to it"))
+    for model in ("llama-3.1-8b", "qwen3-32b"):
+        d = predict_tp("l40s", model, tp=4, link="pcie4", mode="decode", context=1024)
+        n = d.crossover(range(2, 1025, 2))
+        err = 0.0 if n is not None and 64 <= n <= 128 else (abs(n / 64 - 1) if n is not None and n < 64 else
+                                                             abs(n / 128 - 1) if n is not None else 1.0)
+        rows.append(Row(f"vLLM RFC 56126 crossover, {model} TP4 (4 L40S PCIe4 assumed)", "64..128 tok",
+                        f"{n} tok", err, "issue row (crossover scan)"))
+    d = predict_tp("l40s", "llama-3.1-8b", tp=4, link="pcie4", mode="decode", context=1024)
+    (whole, algo_w), (half, algo_h) = d.allreduce(64), d.allreduce(32)
+    ratio = 2 * half / whole
+    rows.append(Row("vLLM RFC 56126 trap, 64 tok: split all-reduce link time / unsplit", "> 1 (slower algorithm)",
+                    f"{ratio:.2f}x ({algo_h} halves)", 0.0 if ratio > 1 and algo_h != algo_w else 1.0,
+                    "issue row (one-shot cut-off)"))
+    return rows
+
+
 def main() -> int:
     nic, nvl, lat = fit_link_factors(comm_rows())
     shipped = DEFAULT_EFFICIENCY
@@ -150,7 +181,7 @@ def main() -> int:
     if (abs(nic - shipped.nic_efficiency) > 0.002 or abs(nvl - shipped.nvlink_efficiency) > 0.002
             or abs(lat - H800.message_latency_s) > 0.2e-6):
         print("WARNING: the shipped factors differ from this fit; update tbo/tools/predict/hardware.py")
-    rows = deepep_rows(shipped, H800) + sglang_rows(shipped)
+    rows = deepep_rows(shipped, H800) + sglang_rows(shipped) + tp_rows()
     widths = [max(len(r.config) for r in rows), 18, 14]
     print(f"\n{'configuration':<{widths[0]}}  {'published':>{widths[1]}}  {'predicted':>{widths[2]}}  rel. error  note")
     for r in rows:

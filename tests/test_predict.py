@@ -313,8 +313,8 @@ def test_published_benchmark_runs_and_reports():
                          text=True, timeout=300, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr
     out = run.stdout
-    rows = re.findall(r"^(DeepEP|SGLang) .*  (\d+\.\d{3})   (.*)$", out, re.M)
-    assert len(rows) == 26 and all(math.isfinite(float(e)) for _, e, _ in rows)
+    rows = re.findall(r"^(DeepEP|SGLang|vLLM) .*  (\d+\.\d{3})   (.*)$", out, re.M)
+    assert len(rows) == 30 and all(math.isfinite(float(e)) for _, e, _ in rows)
     assert sum(1 for _, _, note in rows if note == "fit") == 10
     assert "WARNING" not in out  # the shipped factors are what the fit gives
     last = out.strip().splitlines()[-1]
@@ -334,6 +334,13 @@ def test_published_benchmark_runs_and_reports():
             outside = max(lo - predicted, predicted - hi, 0.0)
             assert outside <= 10.0, f"{config}: {outside:.1f} pp outside {lo:+}%..{hi:+}%"
     assert sum(note.startswith("issue row") for *_, note in gains) == 2
+    # issue 48: DBO++'s +8.1% prefill within 10 pp and with its sign; #56126's crossover in 64..128 tokens for one
+    # of the two assumed models; its trap (halves under the one-shot cut-off) predicted
+    dbo = re.search(r"^vLLM DBO\+\+ .*\s+\+8\.1%\s+([-+]\d+\.\d)%", out, re.M)
+    assert dbo and 0 < float(dbo.group(1)) and abs(float(dbo.group(1)) - 8.1) <= 10.0
+    crossings = re.findall(r"^vLLM RFC 56126 crossover, .*  (\d+\.\d{3})   ", out, re.M)
+    assert len(crossings) == 2 and min(float(e) for e in crossings) == 0.0
+    assert re.search(r"^vLLM RFC 56126 trap, .*one-shot halves\)\s+0\.000 ", out, re.M)
 
 
 # ---- what DeepEP's SMs and buffers ask (issue 21) ---------------------------------------------------------------------

@@ -16,7 +16,8 @@ Behaviour, per place it runs:
   rank and the op, within the deadline, never a hang; and as the EP transports do, the reducer is then *poisoned*:
   the timed-out operation is still live inside the process group, so every later ``reduce_a`` is refused by name
   until the group and the reducer are rebuilt on every rank.
-* **CUDA (NCCL)**: the launch is ordered by events, not by host waits. ``reduce_a`` makes the reducer's
+* **CUDA (NCCL)**: the launch is ordered by events, not by host waits. (CUDA tensors over a gloo group, which
+  copies them through the host, take the gloo path above.) ``reduce_a`` makes the reducer's
   communication stream wait for the compute stream (the partial sum is ready), issues the all-reduce there, joins
   the collective's own stream back into the communication stream (``work.wait()`` with no timeout is a stream wait,
   not a host wait) and records a *done* event; ``record_stream`` keeps the tensor's memory from being reused while
@@ -103,6 +104,9 @@ class TPAllReduce:
         self.group = group
         self.rank = dist.get_rank(group) if distributed else 0
         self.num_ranks = dist.get_world_size(group) if distributed else 1
+        #: the group's backend ("nccl", "gloo", ...; None on one process): CUDA tensors take the stream-joined path
+        #: over NCCL (and any backend but gloo); gloo copies CUDA tensors through the host, and is waited on the host
+        self.backend = str(dist.get_backend(group)) if distributed else None
         self.timeout_s = float(timeout_s)
         self.poisoned: str | None = None  #: why every later reduction is refused (a wait that timed out)
         #: reductions this reducer launched (``reduce_a`` calls that reached the group; identity ones not counted)
@@ -136,7 +140,7 @@ class TPAllReduce:
         if not x.is_contiguous():
             x = x.contiguous()
         self.launched += 1
-        if x.device.type == "cuda":
+        if x.device.type == "cuda" and self.backend != "gloo":
             state = self._launch_cuda(x, wire, what)
         else:
             import torch.distributed as dist

@@ -104,12 +104,19 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
 
 
 class TransferCost(BaseModel):
-    """Bytes one transfer of a microbatch of ``t`` tokens puts on the link: ``bytes_fixed + bytes_per_token * t``."""
+    """Bytes one transfer of a microbatch of ``t`` tokens puts on the link: ``bytes_fixed + bytes_per_token * t``.
+
+    ``seconds``: the link's time for the transfer by tokens, where it is not ``bytes / bandwidth`` (a tensor-parallel
+    all-reduce switches algorithm by message size: one-shot below a cut-off, two-shot above, each with its own
+    latency and bytes per rank; `tbo.tools.predict.tensor_parallel`). It then replaces ``bytes / bandwidth`` as the
+    link's occupancy, its latency included (the model's ``latency_s`` still comes after it).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     bytes_per_token: NonNegative = 0.0
     bytes_fixed: NonNegative = 0.0
+    seconds: Cost | None = None
 
     def nbytes(self, tokens: int) -> float:
         return _finite(self.bytes_fixed + self.bytes_per_token * tokens,
@@ -160,8 +167,11 @@ class CostModel(BaseModel):
 
     def transfer(self, kind: str, tokens: int) -> tuple[float, float]:
         """(bytes, link occupancy in seconds) of one transfer."""
-        nbytes = self.transfers[kind].nbytes(tokens) if kind in self.transfers else 0.0
-        return nbytes, nbytes / self.bandwidth
+        if kind not in self.transfers:
+            return 0.0, 0.0
+        cost = self.transfers[kind]
+        nbytes = cost.nbytes(tokens)
+        return nbytes, cost.seconds(tokens) if cost.seconds is not None else nbytes / self.bandwidth
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``tbo predict comm|step|sweep``: the prediction from the command line, one ``key: value`` line per figure."""
+"""``tbo predict comm|step|sweep|tp``: the prediction from the command line, one ``key: value`` line per figure."""
 
 from __future__ import annotations
 
@@ -152,6 +152,28 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tp(args: argparse.Namespace) -> int:
+    from tbo.tools.predict.tensor_parallel import predict_tp
+
+    p = predict_tp(args.hardware, args.model, tp=args.tp, link=args.link, mode=args.mode, context=args.context,
+                   kv_bytes=args.kv_bytes, weight_dtype=args.weight_dtype)
+    n = args.tokens
+    single, tbo = p.steps(n)
+    whole, halves = p.allreduce(n), p.allreduce(n // 2)
+    print(f"single_ms: {single * 1e3:.4f}")
+    print(f"tbo_ms: {tbo * 1e3:.4f}")
+    print(f"speedup: {single / tbo:.4f}")
+    print(f"allreduce_us: whole {whole[0] * 1e6:.1f} ({whole[1]}), half {halves[0] * 1e6:.1f} ({halves[1]})")
+    if whole[1] == "two-shot" and halves[1] == "one-shot":
+        print(f"note: the halves fall under the one-shot cut-off: split, each layer's all-reduces take "
+              f"{2 * halves[0] / whole[0]:.2f}x the link time of the unsplit step's (RFC vllm#56126's trap)")
+    cross = p.crossover(range(2, args.max_tokens + 1, 2))
+    print(f"crossover_tokens: {cross if cross is not None else f'none up to {args.max_tokens}'}")
+    print(f"# {p.model.name} at TP {p.tp} on {p.hardware.name} over {p.link.name}: {p.mode}, {n} tokens, context "
+          f"{p.context}, {p.model.num_layers} layers (dense_tp_{p.mode}; layers only)")
+    return 0
+
+
 def _deployment_args(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument("--hardware", required=True, help=f"{', '.join(HARDWARE)} or a Hardware JSON file")
     p.add_argument("--model", required=True, help=f"{', '.join(MODELS)} or a Hugging Face config.json")
@@ -199,3 +221,18 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     _deployment_args(sweep, many=True)
     sweep.add_argument("--out", default="tbo_predict_sweep.png", help="PNG path")
     sweep.set_defaults(func=_cmd_sweep)
+    from tbo.tools.predict.tensor_parallel import DENSE_MODELS, TP_GPUS, TP_LINKS
+
+    tp = cmds.add_parser("tp", help="a dense model under tensor parallelism: the all-reduce's overlap, the one-shot "
+                                    "cut-off, and from how many tokens splitting pays")
+    tp.add_argument("--hardware", required=True, help=f"{', '.join([*HARDWARE, *TP_GPUS])}")
+    tp.add_argument("--model", required=True, help=f"{', '.join(DENSE_MODELS)} or a dense Hugging Face config.json")
+    tp.add_argument("--tp", type=positive, required=True, help="tensor-parallel size (GPUs)")
+    tp.add_argument("--link", choices=tuple(TP_LINKS), default="nvlink")
+    tp.add_argument("--mode", choices=("decode", "prefill"), default="decode")
+    tp.add_argument("--tokens", type=positive, required=True, help="tokens per step (prefill: prompt tokens)")
+    tp.add_argument("--context", type=positive, default=1024, help="KV length (decode) or prompt length (prefill)")
+    tp.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element (2: BF16, 1: FP8)")
+    tp.add_argument("--weight-dtype", choices=("fp8", "bf16"), default="bf16")
+    tp.add_argument("--max-tokens", type=positive, default=1024, help="the crossover scan's upper end")
+    tp.set_defaults(func=_cmd_tp)
