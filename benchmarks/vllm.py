@@ -32,6 +32,9 @@ with vLLM's acceptance rate and the tokens each request gains per step. ``--spec
 vLLM's DeepSeek MTP (k = 2) on a random DeepSeek-V3 with one MTP layer (``--layers`` counts the target's, the first
 dense), whose draft forwards are split too; it also prints how many verify steps and draft forwards split.
 
+``--tp 2 --dense`` measures a dense Llama at tensor parallel 2 instead, its all-reduces tbo's transfers: it runs
+``benchmarks/vllm_tp.py`` with the other arguments (see its docstring and ``--help``).
+
 ``--data-parallel 2`` measures data-parallel attention with expert parallelism instead (two DP rank processes, tbo
 carrying the expert traffic): it runs ``benchmarks/vllm_dp.py`` with the other arguments (see its ``--help``).
 """
@@ -280,8 +283,22 @@ def speculative(args: argparse.Namespace) -> None:
     print(f"over the link, split is {rows['tbo unsplit']['step'] / rows['tbo split']['step']:.2f}x unsplit")
 
 
+def tensor_parallel(argv: list[str]) -> bool:
+    """``--tp N`` (N > 1) in ``argv``: run the dense tensor-parallel benchmark (``vllm_tp.py``) with ``argv`` and
+    return True; False when it is absent or 1."""
+    import runpy
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--tp", type=int, default=1)
+    if p.parse_known_args(argv)[0].tp == 1:
+        return False
+    sys.argv = [str(Path(__file__).with_name("vllm_tp.py")), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    return True
+
+
 def main() -> None:
-    if data_parallel(sys.argv[1:]):
+    if data_parallel(sys.argv[1:]) or tensor_parallel(sys.argv[1:]):
         return
     if "--speculative" in sys.argv[1:]:
         p = argparse.ArgumentParser(description="vLLM + tbo, speculative decoding (ngram, or DeepSeek MTP)")

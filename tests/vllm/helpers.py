@@ -8,6 +8,9 @@ import gc
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,31 @@ def _save_llama(path: Path) -> Path:
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+
+#: dense families tbo runs at TP = 2: name -> (transformers config class, model class, what sets them apart)
+DENSE_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # per-head q/k norms
+}
+
+
+def _save_dense(path: Path, family: str, num_hidden_layers: int = 2) -> Path:
+    """A tiny dense checkpoint of ``family`` (`DENSE_FAMILIES`) in float32, shardable over 2 TP ranks (4 heads, 2 KV
+    heads); random weights scaled up (``initializer_range``) so that its logits lie far apart."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, kw = DENSE_FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=False, **kw)
+    torch.manual_seed(0)
+    getattr(transformers, model_cls)(config).save_pretrained(path)
     return path
 
 
@@ -437,3 +465,68 @@ def _openai_server(model: Path, tbo: dict, log_path: Path, engine: dict | None =
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+# ---- tensor parallel = 2: two worker processes --------------------------------------------------------------------
+
+#: one TP=2 run in its own process (two vLLM workers over gloo): every prompt in one ``generate`` call; prints each
+#: worker's report and the tokens
+_TP2 = textwrap.dedent("""
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+
+    def report(worker):
+        # in each worker: its rotary modules rerouted by some fix, and each MoE layer's tensor-parallel reduces
+        from tbo.integrations.vllm.model.fixes import holders
+
+        runner = getattr(worker, "worker", worker).model_runner
+        ropes = {id(m): m for m in runner.model.modules() if hasattr(m, "cos_sin_cache")}
+        engine = getattr(runner, "tbo", None)
+        moe = [] if engine is None else [[layer.has_shared_experts, layer.reduce_shared, layer.reduce_final]
+                                         for layer in engine.layers if layer.kind == "moe"]
+        # each layer's kind and the reductions tbo runs as its transfers; the reducer they run through
+        deferred = [] if engine is None else [[layer.kind, sorted(layer.deferred)] for layer in engine.layers]
+        return {"ropes": len(ropes), "fixed": sum(holders(m) > 0 for m in ropes.values()), "moe": moe,
+                "deferred": deferred, "reducer": repr(getattr(engine, "reducer", None))}
+
+
+    if __name__ == "__main__":
+        model, tbo, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+        extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
+        llm = LLM(model=model, tensor_parallel_size=2, dtype="float32", **json.loads(sys.argv[4]), **extra)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), detokenize=False,
+                                           ignore_eos=True), use_tqdm=False)
+        print("REPORT " + json.dumps(llm.collective_rpc(report)), flush=True)
+        print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+""")
+
+
+def _tp2_script(root: Path) -> Path:
+    """`_TP2` written under ``root``."""
+    script = root / "tp2.py"
+    script.write_text(_TP2)
+    return script
+
+
+def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dict,
+         plugins: Path | None = None) -> tuple[list, list]:
+    """Tokens and each worker's `report` of a TP=2 run; ``plugins``: a folder put first on the path of every process
+    of the run (vLLM loads the general plugins installed there in each of them)."""
+    env = dict(os.environ)
+    if plugins is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(plugins)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, str(script), str(model), json.dumps(tbo), json.dumps(prompts),
+                           json.dumps(engine), str(MAX_TOKENS)], capture_output=True, text=True, timeout=600,
+                          env=env)
+    out = {key: [line[len(key) + 1:] for line in proc.stdout.splitlines() if line.startswith(key + " ")]
+           for key in ("TOKENS", "REPORT")}
+    assert proc.returncode == 0 and out["TOKENS"] and out["REPORT"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    tokens, report = json.loads(out["TOKENS"][-1]), json.loads(out["REPORT"][-1])
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts), tokens
+    assert len(report) == 2, report
+    return tokens, report

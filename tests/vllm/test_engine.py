@@ -25,8 +25,6 @@ import gc
 import glob
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,8 @@ from tbo.integrations.vllm.config import TboConfigError, parse_config
 
 from .helpers import (DEEPSEEK_ENGINE, DEEPSEEK_SCENARIOS, ENGINE, MAX_TOKENS, SCENARIOS, TBO, _free,
                       _generate, _guard_split_decode_steps, _llm, _openai_server, _pinned, _post, _prompt,
-                      _reference_llm, _run, _runner, _save_llama, _tokens, _vllm_plugin, needs_vllm)
+                      _reference_llm, _run, _runner, _save_llama, _tokens, _tp2, _tp2_script, _vllm_plugin,
+                      needs_vllm)
 
 
 # ---- the config schema (no vLLM needed) ---------------------------------------------------------------------------
@@ -787,7 +786,7 @@ def test_compiled_engines_are_refused_where_tbo_cannot_run_them_by_name():
     ("qwen3_moe", {"strategy": "qwen3_moe_decodex"}, {}, r"strategy 'qwen3_moe_decodex' is not registered"),
     ("qwen3_moe", {"strategy": "afd_attention_dbo"}, {}, r"strategy 'afd_attention_dbo' cannot run vLLM's "
                                                          r"Qwen3MoeForCausalLM"),
-    ("llama", {}, {}, r"none of its decoder layers has a MoE \(a vLLM MoERunner\)"),
+    ("llama", {}, {}, r"LlamaForCausalLM at tensor_parallel_size 1: nothing to overlap"),
 ])
 def test_a_bad_engine_fails_to_start_naming_the_culprit(models, model, tbo, kw, match):
     with pytest.raises(Exception, match=match):
@@ -796,37 +795,6 @@ def test_a_bad_engine_fails_to_start_naming_the_culprit(models, model, tbo, kw, 
 
 
 # ---- tensor parallel: two worker processes ------------------------------------------------------------------------
-
-_TP2 = textwrap.dedent("""
-    import json, os, sys
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-
-    def report(worker):
-        # in each worker: its rotary modules rerouted by some fix, and each MoE layer's tensor-parallel reduces
-        from tbo.integrations.vllm.model.fixes import holders
-
-        runner = getattr(worker, "worker", worker).model_runner
-        ropes = {id(m): m for m in runner.model.modules() if hasattr(m, "cos_sin_cache")}
-        engine = getattr(runner, "tbo", None)
-        moe = [] if engine is None else [[layer.has_shared_experts, layer.reduce_shared, layer.reduce_final]
-                                         for layer in engine.layers if layer.kind == "moe"]
-        return {"ropes": len(ropes), "fixed": sum(holders(m) > 0 for m in ropes.values()), "moe": moe}
-
-
-    if __name__ == "__main__":
-        model, tbo, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-        extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-        llm = LLM(model=model, tensor_parallel_size=2, dtype="float32", **json.loads(sys.argv[4]), **extra)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=int(sys.argv[5]), detokenize=False,
-                                           ignore_eos=True), use_tqdm=False)
-        print("REPORT " + json.dumps(llm.collective_rpc(report)), flush=True)
-        print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
-""")
 
 #: a vLLM general plugin for the tests' reference workers only: vLLM's CPU rotary kernel fixed on every model runner
 #: it loads, as tbo's plugin fixes it on its engines (`tbo.integrations.vllm.model.fixes`), so that plain vLLM's worker
@@ -862,25 +830,6 @@ def _rotary_plugin(root: Path) -> Path:
     return _vllm_plugin(root, "tbo_test_rotary", _ROTARY_PLUGIN)
 
 
-def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dict,
-         plugins: Path | None = None) -> tuple[list, list]:
-    """Tokens and each worker's `report` of a TP=2 run; ``plugins``: a folder put first on the path of every process
-    of the run (vLLM loads the general plugins installed there in each of them)."""
-    env = dict(os.environ)
-    if plugins is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(plugins)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, str(script), str(model), json.dumps(tbo), json.dumps(prompts),
-                           json.dumps(engine), str(MAX_TOKENS)], capture_output=True, text=True, timeout=600,
-                          env=env)
-    out = {key: [line[len(key) + 1:] for line in proc.stdout.splitlines() if line.startswith(key + " ")]
-           for key in ("TOKENS", "REPORT")}
-    assert proc.returncode == 0 and out["TOKENS"] and out["REPORT"], proc.stdout[-3000:] + proc.stderr[-3000:]
-    tokens, report = json.loads(out["TOKENS"][-1]), json.loads(out["REPORT"][-1])
-    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts), tokens
-    assert len(report) == 2, report
-    return tokens, report
-
-
 @needs_vllm
 @pytest.mark.dist
 @pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
@@ -889,9 +838,9 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path,
     workers, which write them to ``stats_file``. Both models against plain vLLM TP=2; for DeepSeek-V3 the reference
     workers get the rotary fix through a test-only vLLM plugin (`_ROTARY_PLUGIN`), and each of tbo's workers
     reduces every MoE layer's shared expert with the routed output over TP (vLLM's MoE runner's rule), which the
-    equal tokens then check against vLLM's own reduce."""
-    script = tmp_path / "tp2.py"
-    script.write_text(_TP2)
+    equal tokens then check against vLLM's own reduce. ``strategy: "auto"`` runs ``moe_tp_*`` here: those reductions
+    (and attention's, and the dense layer's MLP's) are tbo's transfers (`tbo.integrations.vllm.model.tp`)."""
+    script = _tp2_script(tmp_path)
     if model == "qwen3_moe":
         prompts, engine, plugins, mode = SCENARIOS["mixed"], ENGINE, None, "mixed"
     else:
@@ -914,6 +863,13 @@ def test_tensor_parallel_2_tokens_equal_and_both_workers_split(models, tmp_path,
     for f in files:
         s = json.loads(Path(f).read_text())
         assert s["split_steps"] > 0 and s["split_steps_by_mode"][mode] > 0, (f, s)
+        # strategy "auto" at TP = 2: moe_tp_*, every layer's all-reduces tbo's transfers (attention's, the MoE
+        # output's once as vLLM's runner makes it, a dense layer's MLP): two per layer and microbatch of every step
+        # (op_times: every step runs tbo's loop, an unsplit one as one microbatch)
+        layers, parts = len(workers[0]["deferred"]), s["microbatches"] + s["steps"] - s["split_steps"]
+        assert s["tp_reductions"] == 2 * layers * parts > 0, (f, s)
+    for w in workers:
+        assert all(d == (["attn", "moe"] if kind == "moe" else ["attn", "mlp"]) for kind, d in w["deferred"]), workers
 
 
 # ---- the served path: vLLM's OpenAI-compatible server, a subprocess ----------------------------------------------

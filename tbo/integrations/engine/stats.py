@@ -49,6 +49,9 @@ class StepStats:
     #: AFD: stages (one layer of one microbatch) sent to the FFN server; this and the next count every forward
     afd_stages_sent: int = 0
     local_ffn_calls: int = 0  #: FFN or MoE computations on this side (0 under AFD: the FFN server makes them)
+    #: tensor parallelism: all-reduces of row-parallel partial sums (attention, MLP, MoE output) tbo ran as its own
+    #: transfers (``*_reduce_a``: one per microbatch per deferred reduction), vLLM's modules leaving them to it
+    tp_reductions: int = 0
     ep_size: int = 1  #: the expert-parallel group's size (data parallel + expert parallel; 1 otherwise)
     remote_rows: int = 0  #: token rows this rank's dispatches sent to other ranks, over the counted steps
     #: dispatches that waited on a blocking row-count exchange with the peers (none where the step agreed every

@@ -153,15 +153,20 @@ class TboVllmConfig(BaseModel):
                            token_distribution_threshold=self.token_distribution_threshold,
                            pad_to_multiple=self.pad_to_multiple, allow_cut_sequences=self.allow_cut_sequences)
 
-    def strategy_names(self, shared_experts: bool) -> StrategyNames:
-        """The registry names to run. ``"auto"`` follows the layers' structure: with a shared expert (in any MoE
-        layer) the strategies that overlap it with the dispatch (``deepseek_decode``, ``deepseek_prefill``),
-        without one the same shapes less that op (``qwen3_moe_decode``, ``qwen3_moe_prefill``)."""
+    def strategy_names(self, shared_experts: bool, *, dense: bool = False,
+                       tensor_parallel: bool = False) -> StrategyNames:
+        """The registry names to run. ``"auto"`` follows the layers' structure (`tbo.strategies.auto_names`): under
+        tensor parallelism (``tensor_parallel``: the engine runs the layers' all-reduces as transfers) the TP
+        strategies, ``dense_tp_*`` for a model with no MoE layer (``dense``) and ``moe_tp_*`` for one with; otherwise,
+        with a shared expert (in any MoE layer) the strategies that overlap it with the dispatch (``deepseek_decode``,
+        ``deepseek_prefill``), without one the same shapes less that op (``qwen3_moe_decode``,
+        ``qwen3_moe_prefill``)."""
         if isinstance(self.strategy, StrategyNames):
             return self.strategy
         if self.strategy == "auto":
-            shape = "deepseek" if shared_experts else "qwen3_moe"  # the strategies' shape, not the model's name
-            return StrategyNames(decode=f"{shape}_decode", prefill=f"{shape}_prefill")
+            names = strategies.auto_names(moe=not dense, shared_experts=shared_experts,
+                                          tensor_parallel=tensor_parallel)
+            return StrategyNames(decode=names.decode, prefill=names.prefill)
         return StrategyNames(decode=self.strategy, prefill=self.strategy)
 
 

