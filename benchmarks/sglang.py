@@ -4,6 +4,10 @@ link, tbo unsplit against tbo split. Prints each engine's decode and prefill wal
 Targets (reported, not asserted): tbo's unsplit overhead is at most 3% of SGLang's time; over a link whose transfers
 take about as long as the layers' compute, tbo split is at least 1.3x tbo unsplit over that link.
 
+How the link is set, as in benchmarks/vllm.py (its helpers, loaded by path): tbo unsplit without a link measures the
+compute of the decode and of the prefill run; from the bytes those runs' MoE layers send, a bandwidth-bound link per
+mode makes that run's communication equal its compute (``--link`` sets one for both).
+
 A tiny random Qwen3-MoE (``--hidden``, ``--layers``, ``--experts``) is saved in a temporary directory; nothing is
 downloaded. Each engine is started alone (one at a time), warmed up, timed over ``--repeats`` runs (the minimum is
 reported), and shut down. The decode figure is a batch of ``--batch`` requests generating ``--new`` tokens (its
@@ -16,6 +20,7 @@ shared cores timing is noisy: run it several times and report the range.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -45,7 +50,16 @@ def save_model(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-def measure(model: Path, tbo: dict | None, args: argparse.Namespace) -> dict[str, float]:
+def _bench_vllm():
+    """benchmarks/vllm.py's link helpers (loaded by path: its name shadows vllm; it imports no vllm at load)."""
+    spec = importlib.util.spec_from_file_location("tbo_bench_vllm", Path(__file__).with_name("vllm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(model: Path, tbo: dict | None, args: argparse.Namespace,
+            modes: tuple[str, ...] = ("decode", "prefill")) -> dict[str, float]:
     import sglang as sgl
 
     os.environ.pop("TBO_SGLANG_CONFIG", None)
@@ -58,6 +72,8 @@ def measure(model: Path, tbo: dict | None, args: argparse.Namespace) -> dict[str
         long = [[(11 * i + j) % 250 + 1 for j in range(args.prompt)] for i in range(args.batch)]
         out = {}
         for name, prompts, new in (("decode", short, args.new), ("prefill", long, 1)):
+            if name not in modes:
+                continue
             e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": new})  # warm-up
             times = []
             for _ in range(args.repeats):
@@ -79,23 +95,30 @@ def main() -> None:
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--link", default="100,0.1", help="the emulated link 'LATENCY_US,GBPS' of the split comparison")
+    p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: per mode, comm ~= compute")
     args = p.parse_args()
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    bench = _bench_vllm()
+    #: tokens each mode's run sends through the MoE layers: the decode steps' (its prefill a small share), the prompts
+    tokens = {"decode": args.batch * args.new, "prefill": args.batch * args.prompt}
     with tempfile.TemporaryDirectory() as tmp:
         model = save_model(Path(tmp) / "qwen3_moe", args)
         never = {"decode_token_threshold": 10**6, "prefill_token_threshold": 10**6}
         always = {"decode_token_threshold": 2, "prefill_token_threshold": 2, "strategy": "qwen3_moe_prefill"}
-        runs = {"sglang": measure(model, None, args), "tbo unsplit": measure(model, never, args),
-                "tbo unsplit, link": measure(model, {**never, "link": args.link}, args),
-                "tbo split, link": measure(model, {**always, "link": args.link}, args)}
+        runs = {"sglang": measure(model, None, args), "tbo unsplit": measure(model, never, args)}
+        links = {m: args.link or bench.link_for(runs["tbo unsplit"][m],
+                                                bench.moe_bytes_per_step(tokens[m], args.hidden, 2, args.layers))
+                 for m in tokens}
+        for m, link in links.items():  # one link per mode, each sized to that run's compute
+            runs[f"{m}: tbo unsplit, link"] = measure(model, {**never, "link": link}, args, (m,))
+            runs[f"{m}: tbo split, link"] = measure(model, {**always, "link": link}, args, (m,))
     for name, r in runs.items():
-        print(f"{name:20s} decode {r['decode'] * 1e3:8.1f} ms   prefill {r['prefill'] * 1e3:8.1f} ms")
+        print(f"{name:28s}" + "   ".join(f"{m} {r[m] * 1e3:8.1f} ms" for m in r))
     for mode in ("decode", "prefill"):
         overhead = runs["tbo unsplit"][mode] / runs["sglang"][mode] - 1
-        speedup = runs["tbo unsplit, link"][mode] / runs["tbo split, link"][mode]
-        print(f"{mode}: tbo unsplit overhead {overhead * 100:+.1f}% (target <= 3%); "
-              f"split over the link {speedup:.2f}x unsplit (target >= 1.3x)")
+        speedup = runs[f"{mode}: tbo unsplit, link"][mode] / runs[f"{mode}: tbo split, link"][mode]
+        print(f"{mode}: tbo unsplit overhead {overhead * 100:+.1f}% (target <= 3%); split over the link "
+              f"{links[mode]} {speedup:.2f}x unsplit (target >= 1.3x)")
 
 
 if __name__ == "__main__":

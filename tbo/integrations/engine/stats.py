@@ -10,6 +10,7 @@ their own, and the process reports both.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from dataclasses import asdict, dataclass, field
@@ -167,10 +168,25 @@ class StatsFile:
 
     def __init__(self, path: str, extra: Callable[[], dict[str, Any]] | None = None) -> None:
         self.path, self.extra = path, extra  #: ``extra()``: more of the engine's state beside the counters
+        #: `write_or_log` writes that failed, and the last failure's message (logged when it first appears)
+        self.failures, self._error = 0, ""
 
     def write(self, stats: StepStats) -> None:
         _write_json(self.path, stats.as_dict() if self.extra is None else {**stats.as_dict(), **self.extra()})
 
+    def write_or_log(self, stats: StepStats, logger: logging.Logger) -> None:
+        """`write`, as a diagnostic: a failure (a directory, a full disk, a missing folder) is logged on the engine's
+        ``logger`` (each distinct error once) and counted in `failures`, never raised, so that it cannot fail the
+        step or the shutdown that writes it."""
+        try:
+            self.write(stats)
+        except Exception as e:  # noqa: BLE001 - whatever the write raises, the engine goes on
+            self.failures += 1
+            message = f"{type(e).__name__}: {e}"
+            if message != self._error:
+                self._error = message
+                logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
+                               self.path, message)
 
 
 def summary_line(s: StepStats) -> str:
@@ -213,6 +229,15 @@ class StatsRegistry:
             for stats, baseline, _ in self._live.values():
                 out.add(_since(stats, baseline))
             return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """What an engine room's ``stats()`` returns: `total` as a dict, and under ``"adaptive"`` the `reports`
+        where there are any. A copy: later steps do not change it."""
+        out = self.total().as_dict()
+        reports = self.reports()
+        if reports:
+            out["adaptive"] = reports
+        return out
 
     def reports(self) -> list[Any]:
         """The live engines' extra reports (``split: "adaptive"``: their buckets), in the order they started."""

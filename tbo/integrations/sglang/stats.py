@@ -23,11 +23,7 @@ def stats() -> dict[str, Any]:
     ``microbatches``, ``tokens``, ``split_tokens``, per-mode counts (``decode``, ``prefill``, ``mixed``),
     ``cut_requests`` (split steps that cut a prompt across microbatches), ``local_ffn_calls``; with ``op_times``,
     ``op_seconds``, ``op_calls`` and ``layers_seconds``. A copy: later steps do not change it."""
-    out = ENGINES.total().as_dict()
-    reports = ENGINES.reports()
-    if reports:
-        out["adaptive"] = reports
-    return out
+    return ENGINES.snapshot()
 
 
 def reset_stats() -> None:

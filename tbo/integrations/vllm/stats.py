@@ -37,11 +37,7 @@ def stats() -> dict[str, Any]:
     ``op_compile_bound`` (the most there can be), ``compiled_op_calls`` and ``guarded_op_calls`` (those through
     dynamo's guards); with ``split: "adaptive"``, ``adaptive``: per live engine, its buckets (estimates, samples,
     choice, steps, explored) and one summary line per bucket. A copy: later steps do not change it."""
-    out = ENGINES.total().as_dict()
-    reports = ENGINES.reports()
-    if reports:
-        out["adaptive"] = reports
-    return out
+    return ENGINES.snapshot()
 
 
 def reset_stats() -> None:

@@ -93,13 +93,21 @@ class SglangEngine:
             adaptive = AdaptiveSteps(config, names)
         path = None if config.stats_file is None else config.stats_file.replace("{rank}", str(rank))
         self.loop = LayerLoop(structure.inner, self.layers, bound, backend, config.split_policy(), adaptive=adaptive,
-                              stats=self.stats, stats_file=None if path is None else StatsFile(path),
+                              stats=self.stats, stats_file=None if path is None else StatsFile(path, self._link),
                               op_times=config.op_times)
         self.undo.push("the engine's stats in the process registry",
                        ENGINES.register(self.stats, None if adaptive is None else adaptive.report))
         self.undo.set_attr(structure.inner, "forward", self.loop)  # nn.Module.__call__ finds the instance's
         logger.info("tbo: %s runs its %d layers through tbo (strategies %s / %s, %d microbatches)",
                     self.architecture, len(self.layers), names.decode, names.prefill, config.num_microbatches)
+
+    def _link(self) -> dict[str, Any]:
+        """``stats_file``'s ``link`` (with ``link`` set): transfers booked on the emulated link, its busy seconds, and
+        the seconds of them the overlap left exposed (waited for in a ``*_b`` op); proof that the link ran."""
+        if not isinstance(self.backend, EmulatedLink):
+            return {}
+        s = self.backend.stats
+        return {"link": {"transfers": s.count, "busy_s": s.comm_s, "exposed_s": s.exposed_s}}
 
     def _bind(self, name: str) -> Any:
         try:

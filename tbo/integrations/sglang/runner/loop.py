@@ -43,7 +43,6 @@ class LayerLoop:
         self.policy, self.adaptive = policy, adaptive
         self.stats = StepStats() if stats is None else stats
         self.stats_file, self.op_times = stats_file, op_times
-        self.stats_file_failures, self._stats_file_error = 0, ""
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 
         self._residual = residual_batch
@@ -90,16 +89,7 @@ class LayerLoop:
         self.write_stats()
 
     def write_stats(self) -> None:
-        """Write ``stats_file`` (if set). A diagnostic: a failure is logged (each distinct error once), never
-        raised."""
-        if self.stats_file is None:
-            return
-        try:
-            self.stats_file.write(self.stats)
-        except Exception as e:  # noqa: BLE001 - whatever the write raises, the engine goes on
-            self.stats_file_failures += 1
-            message = f"{type(e).__name__}: {e}"
-            if message != self._stats_file_error:
-                self._stats_file_error = message
-                logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
-                               self.stats_file.path, message)
+        """Write ``stats_file`` (if set): a diagnostic, logged and counted where it fails, never raised
+        (`tbo.integrations.engine.stats.StatsFile.write_or_log`)."""
+        if self.stats_file is not None:
+            self.stats_file.write_or_log(self.stats, logger)

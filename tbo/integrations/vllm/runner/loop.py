@@ -67,8 +67,6 @@ class LayerLoop:
         self.op_times = op_times  #: ``op_times``: time every op of the counted steps
         #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows
         self.agreed_rows = agreed_rows
-        #: ``stats_file`` writes that failed, and the last failure's message (logged when it first appears)
-        self.stats_file_failures, self._stats_file_error = 0, ""
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -133,19 +131,15 @@ class LayerLoop:
         return hidden
 
     def write_stats(self) -> None:
-        """Write ``stats_file`` (if set). A diagnostic: a failure is logged (each distinct error once) and counted in
-        `stats_file_failures`, never raised, so that it cannot fail the step or the shutdown that writes it."""
-        if self.stats_file is None:
-            return
-        try:
-            self.stats_file.write(self.stats)
-        except Exception as e:  # noqa: BLE001 - whatever the write raises, the engine goes on
-            self.stats_file_failures += 1
-            message = f"{type(e).__name__}: {e}"
-            if message != self._stats_file_error:
-                self._stats_file_error = message
-                logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
-                               self.stats_file.path, message)
+        """Write ``stats_file`` (if set): a diagnostic, logged and counted where it fails, never raised
+        (`tbo.integrations.engine.stats.StatsFile.write_or_log`)."""
+        if self.stats_file is not None:
+            self.stats_file.write_or_log(self.stats, logger)
+
+    @property
+    def stats_file_failures(self) -> int:
+        """``stats_file`` writes that failed."""
+        return 0 if self.stats_file is None else self.stats_file.failures
 
     def _traffic(self) -> tuple[int, int]:
         """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zero where it counts none)."""
