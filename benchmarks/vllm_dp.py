@@ -64,7 +64,7 @@ def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str,
     generates the workload ``warmup_rounds`` + 1 times, one wave each, and is timed on the last wave only: the rounds
     before it warm the engine up (an adaptive policy learns its table there, as a long-lived engine's first minutes
     do), as `benchmarks/vllm_adaptive.py`'s unmeasured round 0 does for the single-rank engines."""
-    from tbo.harness.vllm_dp import run_dp
+    from tbo.harness.vllm_dp import describe_failure, run_dp
 
     barrier = tmp / f"barrier-{name}"
     barrier.mkdir()
@@ -78,7 +78,7 @@ def run(model: Path, args: argparse.Namespace, tbo: dict, tmp: Path, name: str,
     runs = run_dp([spec, spec], timeout_s=1200 * (warmup_rounds + 1))
     for r in runs:
         if r.returncode != 0 or not r.result:
-            raise RuntimeError(f"{name}: DP rank {r.rank} failed\n{r.tail()}")
+            raise RuntimeError(f"{name}: DP rank {r.rank} failed\n{describe_failure(runs)}")
     seconds = max(r.result["seconds"][-1] for r in runs)
     rank0 = json.loads(Path(str(stats).replace("{rank}", "0")).read_text())
     return seconds / args.decode_tokens, 2 * args.batch * args.decode_tokens / seconds, rank0

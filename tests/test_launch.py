@@ -95,3 +95,28 @@ def test_launch_copies_tensor_results_instead_of_sharing_them():
     results = launch(_tensor_result, 2)
     assert [r.tolist() for r in results] == [[0.0] * 4, [1.0] * 4]
     assert not any(r.is_shared() for r in results)
+
+
+def test_a_failed_dp_rank_is_described_by_its_cause_before_its_tail():
+    """`describe_failure` leads with each rank's exit code and the lines that say why it failed (vLLM's log prefix
+    cut, traceback frames left out), so that a CI log cut in the middle still names the rank that went first: here
+    a real process that logs a worker error and then dies of SIGKILL, beside one that exited cleanly."""
+    import subprocess
+    import sys
+
+    from tbo.harness.vllm_dp import RankRun, describe_failure
+
+    script = ("import os, sys\n"
+              "print('(EngineCore_DP1 pid=7) ERROR 12-05 21:11:48 [core.py:1512] RuntimeError: Worker failed')\n"
+              "print('  File \"x.py\", line 3, in f', file=sys.stderr)\n"
+              "print('(EngineCore_DP1 pid=7) INFO 12-05 21:11:48 [engine.py:323] tbo: 0 of 0 steps')\n"
+              "sys.stdout.flush(); os.kill(os.getpid(), 9)\n")
+    dead = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    fine = subprocess.run([sys.executable, "-c", "print('TBO_DP_RESULT {}')"], capture_output=True, text=True)
+    runs = [RankRun(0, None, fine.stdout, fine.stderr, returncode=fine.returncode),
+            RankRun(1, None, dead.stdout, dead.stderr, returncode=dead.returncode)]
+    assert runs[0].causes() == []
+    assert runs[1].causes() == ["RuntimeError: Worker failed", "killed by signal 9"]
+    head = describe_failure(runs).splitlines()[:2]
+    assert head == ["rank 0 rc=0: no error line",
+                    "rank 1 rc=-9: RuntimeError: Worker failed | killed by signal 9"]

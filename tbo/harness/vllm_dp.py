@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,9 +23,12 @@ from typing import Any, Sequence
 
 from tbo.harness.launch import free_port
 
-__all__ = ["RankRun", "run_dp", "start_rank", "stop"]
+__all__ = ["RankRun", "describe_failure", "run_dp", "start_rank", "stop"]
 
 _RESULT = "TBO_DP_RESULT "
+#: a line that says why a rank failed, and the prefix vLLM's logger puts before it
+_CAUSE = re.compile(r"(Error|Exception|Killed|Segmentation|core dumped|timed out|deadline)")
+_LOG_PREFIX = re.compile(r"^\([^)]*\)\s+(ERROR|WARNING|INFO)\s+\S+ \S+ \[[^]]*\]\s*")
 
 
 @dataclass
@@ -42,6 +46,29 @@ class RankRun:
 
     def tail(self, n: int = 4000) -> str:
         return f"--- rank {self.rank} rc={self.returncode}\n{self.stdout[-n:]}\n{self.stderr[-n:]}"
+
+    def causes(self, limit: int = 12) -> list[str]:
+        """The lines of its output that say why it failed (errors, exceptions, signals, time-outs), each once and
+        in order, at most ``limit`` (the last ones): a CI log that cuts a long tail still shows each rank's cause."""
+        seen: dict[str, None] = {}
+        for line in (self.stdout + "\n" + self.stderr).splitlines():
+            text = _LOG_PREFIX.sub("", line).strip()
+            if _CAUSE.search(text) and not text.startswith(("File ", "^")):
+                seen.setdefault(text[:400])
+        found = list(seen)[-limit:]
+        if self.returncode is not None and self.returncode < 0:
+            found.append(f"killed by signal {-self.returncode}")
+        if self.extra.get("timed_out"):
+            found.append("did not exit within its deadline")
+        return found
+
+
+def describe_failure(runs: Sequence[RankRun], n: int = 3000) -> str:
+    """A failed DP run, for an assertion or an error: first every rank's exit code and causes (`RankRun.causes`),
+    then each rank's output tail. One rank's crash shows in its peers as "the peer is gone"; the first part names
+    the rank that went first even where a log is cut."""
+    head = [f"rank {r.rank} rc={r.returncode}: " + (" | ".join(r.causes()) or "no error line") for r in runs]
+    return "\n".join(head + [r.tail(n) for r in runs])
 
 
 def start_rank(rank: int, size: int, port: int, spec: dict[str, Any], binds: str = "0|1",

@@ -351,7 +351,7 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
         env: dict | None = None, **kw) -> tuple:
     """Run the DP ranks (``env``: added to their environment); returns (runs, stats per rank). Fails with both
     ranks' output unless both exit 0."""
-    from tbo.harness.vllm_dp import run_dp
+    from tbo.harness.vllm_dp import describe_failure, run_dp
 
     barrier = tmp_path / "barrier"
     barrier.mkdir(exist_ok=True)
@@ -360,11 +360,11 @@ def _dp(tmp_path: Path, model: Path, rounds_per_rank: list, tbo: dict, timeout_s
                   tbo={**tbo, "stats_file": str(stats)}, rounds=rounds, max_tokens=DP_MAX_TOKENS,
                   barrier_dir=str(barrier)) for rounds in rounds_per_rank]
     runs = run_dp(specs, timeout_s=timeout_s, env=env)
-    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
+    assert all(r.returncode == 0 and r.result for r in runs), describe_failure(runs)
     per_rank = []
     for rank in range(len(specs)):  # {rank} is the rank in vLLM's world: DP rank * TP size (1) + TP rank (0)
         f = Path(str(stats).replace("{rank}", str(rank)))
-        assert f.exists(), (f, sorted(os.listdir(tmp_path)), "\n".join(r.tail() for r in runs))
+        assert f.exists(), (f, sorted(os.listdir(tmp_path)), describe_failure(runs))
         per_rank.append(json.loads(f.read_text()))
     return runs, per_rank
 

@@ -556,7 +556,7 @@ def test_requests_arriving_while_the_engine_steps_do_not_end_the_wave_on_every_r
     wrapper counts the three waiting in rank 0's input queue: both ranks step on, tokens equal DP = 1."""
     rounds = [[[_prompt(6, 31), _prompt(5, 32), _prompt(7, 33), _prompt(4, 34)]], [[_prompt(5, 35)]]]
     tbo = {**TBO, "link": "1000000,1"}  # 1 s per transfer: a step of 2 MoE layers takes 4 s or more
-    from tbo.harness.vllm_dp import run_dp
+    from tbo.harness.vllm_dp import describe_failure, run_dp
 
     (tmp_path / "barrier").mkdir()
     stats = tmp_path / "stats-{rank}.json"
@@ -565,7 +565,7 @@ def test_requests_arriving_while_the_engine_steps_do_not_end_the_wave_on_every_r
                   tbo={**tbo, "stats_file": str(stats)}, rounds=r, max_tokens=1, stagger_s=1.0,
                   barrier_dir=str(tmp_path / "barrier")) for r in rounds]
     runs = run_dp(specs, timeout_s=600)
-    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
+    assert all(r.returncode == 0 and r.result for r in runs), describe_failure(runs)
     per_rank = [json.loads(Path(str(stats).replace("{rank}", str(k))).read_text()) for k in range(2)]
     for rank, r in enumerate(rounds):
         want = [[list(o.token_ids)[:1] for o in x] for x in _dp_reference(models["qwen3_moe"], r, dtype="float32")]
@@ -613,7 +613,7 @@ def test_ranks_started_with_different_configurations_refuse_each_other_by_name_a
     """Rank 1 starts with ``agreed_rows: false`` (its dispatches would exchange row counts, rank 0's not: the
     collectives would mis-pair). Both engines fail at start, in the first step agreement (the profiling run), with
     `AgreementMismatchError` naming the key and each rank's value; neither runs a dispatch."""
-    from tbo.harness.vllm_dp import run_dp
+    from tbo.harness.vllm_dp import describe_failure, run_dp
 
     engine = {**ENGINE, "dtype": "float32", "enable_expert_parallel": True}
     specs = [dict(model=str(models["qwen3_moe"]), engine=engine, tbo={**TBO, "agreed_rows": rank == 0},

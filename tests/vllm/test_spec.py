@@ -310,7 +310,7 @@ DP_ROUNDS = [[PROMPTS[:3]], [PROMPTS[3:] + [_repeat([60, 61, 62], 14)]]]
 @pytest.mark.dist
 def test_ngram_dp2_ep_tokens_equal_vllm_and_both_ranks_split_verify_steps(qwen3_moe, tmp_path):
     model = qwen3_moe
-    from tbo.harness.vllm_dp import run_dp
+    from tbo.harness.vllm_dp import describe_failure, run_dp
 
     barrier = tmp_path / "barrier"
     barrier.mkdir()
@@ -320,7 +320,7 @@ def test_ngram_dp2_ep_tokens_equal_vllm_and_both_ranks_split_verify_steps(qwen3_
                   tbo={**TBO, "comm_timeout_s": 30, "stats_file": str(stats_file)}, rounds=rounds,
                   max_tokens=MAX_TOKENS, barrier_dir=str(barrier)) for rounds in DP_ROUNDS]
     runs = run_dp(specs, timeout_s=600)
-    assert all(r.returncode == 0 and r.result for r in runs), "\n".join(r.tail() for r in runs)
+    assert all(r.returncode == 0 and r.result for r in runs), describe_failure(runs)
     llm = _llm(model)  # vLLM without tbo and without speculation, DP = 1, each rank's round in its own call
     try:
         want = [[_generate(llm, rounds[0])] for rounds in DP_ROUNDS]
