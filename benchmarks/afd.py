@@ -7,7 +7,10 @@ FFN rank's busy time); fast (batch-variant) kernels. Prints, per case and microb
 
 ``--microbatches N`` (or a list, ``2,3``: measured in one run, against one unsplit baseline) and ``--link
 LAT_US,GBPS``: an emulated link between the two sides (`tbo.afd.link`, each direction), so that a round trip shows
-on one machine; with a list, the line ``N vs M: <x>`` compares the counts.
+on one machine; with a list, the line ``N vs M: <x>`` compares the counts. Then the pipeline model
+(`tbo.tools.afd_pipeline`, what ``tbo simulate --afd`` runs) is given this run's own per-layer costs
+(`tbo.harness.afd.measured_costs`) and the line ``model picks: N, measured best: M`` says whether it chose the count
+that measured fastest (1: unsplit).
 
 Why these shapes. A split step pays its pipeline fill (microbatch 0's first attention, with the FFN rank idle) and
 drain (the last microbatch's last FFN, with the attention rank idle) once, so with L balanced layers the ideal
@@ -23,8 +26,9 @@ import argparse
 import statistics
 
 from tbo.comm.emulated import parse_link_spec
-from tbo.harness.afd import AFDCase, run_afd
+from tbo.harness.afd import AFDCase, measured_costs, run_afd
 from tbo.harness.launch import launch
+from tbo.tools.afd_pipeline import choose_count
 
 CASES = {
     "prefill": AFDCase(mode="prefill", num_seqs=8, ctx=128, hidden_size=512, num_layers=8, batch_invariant=False),
@@ -74,6 +78,13 @@ def main() -> None:
             first = args.microbatches[0]
             ratio = statistics.median(attention.split_ms[first]) / statistics.median(attention.split_ms[n])
             print(f"  {n} vs {first} microbatches: {ratio:.2f}x")
+        # the pipeline model (tbo simulate --afd) on this run's own per-layer costs: does it pick the measured best?
+        choice = choose_count(measured_costs(case, attention, ffn), attention.tokens, args.microbatches)
+        steps = {1: statistics.median(attention.no_dbo_ms),
+                 **{n: statistics.median(attention.split_ms[n]) for n in args.microbatches}}
+        best = min(steps, key=steps.__getitem__)
+        print(f"  model on measured costs: {choice.reason}")
+        print(f"model picks: {choice.best}, measured best: {best}" + ("" if choice.best == best else " (differ)"))
 
 
 if __name__ == "__main__":

@@ -26,15 +26,39 @@ def test_one_to_one_equals_colocated_forward(mode):
     assert first_step == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
     assert all(m.hidden == 64 and m.dtype == torch.float32 and m.src == 0 for m in ffn.received)
     assert sum(m.num_tokens for m in ffn.received[:2]) == attention.tokens
-    # every step reached the FFN: 3 unsplit and 3 split in two (the first, 1 repeat, 1 traced), 2 in three and 2 in
-    # four (the first, 1 repeat), 3 layers each; every microbatch of each count
-    assert Counter(m.num_microbatches for m in ffn.received) == {1: 3 * 3, 2: 3 * 3 * 2, 3: 2 * 3 * 3, 4: 2 * 3 * 4}
+    # every step reached the FFN: 3 unsplit and 3 split in each count (the first, 1 repeat, 1 traced), 3 layers
+    # each; every microbatch of each count
+    assert Counter(m.num_microbatches for m in ffn.received) == {1: 3 * 3, 2: 3 * 3 * 2, 3: 3 * 3 * 3, 4: 3 * 3 * 4}
     for n in (3, 4):
-        assert Counter(m.microbatch_idx for m in ffn.received if m.num_microbatches == n) == {k: 2 * 3 for k in
+        assert Counter(m.microbatch_idx for m in ffn.received if m.num_microbatches == n) == {k: 3 * 3 for k in
                                                                                               range(n)}
     # the benchmark's accounting: FFN busy time per step for each mode, where each step's time went on the attention
     assert set(ffn.ffn_busy_ms) == {1, 2, 3, 4}
     assert set(attention.attention_ms) == set(attention.wait_ms) == {"no_dbo", "dbo"}
+    assert set(attention.stage_ms) == {1, 2, 3, 4} and min(attention.stage_ms.values()) > 0
+
+
+@pytest.mark.dist
+def test_the_pipeline_model_is_fed_the_run_s_own_costs():
+    """`measured_costs`: what `benchmarks/afd.py` gives the pipeline model. Each side's cost is a table with one
+    point per measured microbatch size (unsplit, 2 and 3), per layer; the link's latency and bandwidth are the
+    case's; the model replays the measured counts and names one of them (or unsplit)."""
+    from tbo.harness.afd import measured_costs
+    from tbo.tools.afd_pipeline import choose_count
+
+    case = AFDCase(mode="prefill", num_seqs=4, ctx=12, num_layers=2, repeats=1, microbatches=(2, 3),
+                   link="2000,10")
+    attention, ffn = launch(run_afd, 2, case)
+    costs = measured_costs(case, attention, ffn)
+    t = attention.tokens
+    assert [p[0] for p in costs.attention.points] == [t / 3, t / 2, t] == [p[0] for p in costs.ffn.points]
+    assert costs.attention(t) == pytest.approx(attention.stage_ms[1] / 1e3 / case.num_layers)
+    assert costs.ffn(t / 2) == pytest.approx(ffn.ffn_busy_ms[2] / 1e3 / (2 * case.num_layers))
+    assert (costs.latency_s, costs.bandwidth, costs.bytes_per_token) == (2e-3, 10e9, 64 * 4.0)
+    choice = choose_count(costs, t, case.microbatches)
+    assert choice.best in (1, 2, 3) and [c.microbatches for c in choice.counts] == [2, 3]
+    # a 2 ms latency each way dwarfs this tiny model's stages: the replay says two microbatches leave a gap
+    assert not choice.count(2).covered
 
 
 @pytest.mark.dist
@@ -265,12 +289,25 @@ def test_the_link_delays_each_message_until_its_transfer_completes():
     from tbo.afd.link import DelayedSends
     from tbo.comm.emulated import LinkTimeline, SimulatedClock
 
-    clock = SimulatedClock()
+    import threading
+
+    class GatedClock(SimulatedClock):
+        """The sender's sleep moves this clock, which the booking reads: it may move only once both messages are
+        booked at time 0 (else the second is booked at the first's arrival, and arrives later than the test says)."""
+
+        gate = threading.Event()
+
+        def sleep_until(self, t: float) -> None:
+            assert self.gate.wait(10)
+            super().sleep_until(t)
+
+    clock = GatedClock()
     timeline = LinkTimeline(1e-3, 1e6, clock)  # 1 ms, 1 MB/s: 1000 bytes take 1 ms more
     sent = []
     link = DelayedSends(timeline, lambda t, dst: sent.append((clock.now(), t.numel(), dst)) or _Done(), "test")
     first = link.send([torch.zeros(10, dtype=torch.uint8), torch.zeros(990, dtype=torch.uint8)], 1, "afd_request")
     second = link.send([torch.zeros(1000, dtype=torch.uint8)], 1, "afd_request")
+    clock.gate.set()
     for work in first + second:
         assert work.wait(__import__("datetime").timedelta(seconds=10))
     link.close()

@@ -18,6 +18,9 @@ from typing import Literal
 
 from tbo.models import ModelConfig, ReferenceModel
 from tbo.split import ForwardMode
+from tbo.comm.emulated import parse_link_spec
+from tbo.tools.afd_pipeline import AFDCosts
+from tbo.tools.simulate import Cost
 from tbo.tools.trace import Tracer
 from tbo.harness.workload import make_batch
 from tbo.afd.attention import AFDAttentionModel
@@ -25,7 +28,7 @@ from tbo.afd.config import AFDConfig
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
 from tbo.afd.server import AFDFFNServer
 
-__all__ = ["AFDCase", "AFDResult", "run_afd"]
+__all__ = ["AFDCase", "AFDResult", "measured_costs", "run_afd"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class AFDResult:
     attention_ms: dict[str, float] = field(default_factory=dict)
     wait_ms: dict[str, float] = field(default_factory=dict)
     link_messages: int = 0  #: messages this rank sent over the emulated link (0 without one)
+    #: attention rank: its compute per step (the traced step, waits left out), by number of microbatches (1: unsplit)
+    stage_ms: dict[int, float] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
@@ -132,12 +137,16 @@ def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceMode
                 t0 = time.perf_counter()
                 afd.forward(batch.ids, batch.meta, batch.cache.clone(), step_plan)
                 times.append((time.perf_counter() - t0) * 1e3)
-        for name, step_plan in (("no_dbo", None), ("dbo", plan)):  # one more traced step each: where time goes
+        # one more traced step each: where time goes ("no_dbo", "dbo": the first count; every count by number)
+        for name, step_plan in [("no_dbo", None), *((n, plans[n]) for n in plans)]:
             tracer = Tracer()
             afd.forward(batch.ids, batch.meta, batch.cache.clone(), step_plan, observer=tracer)
             spans = tracer.finish().lane("compute")
-            result.wait_ms[name] = sum(s.duration for s in spans if s.name == "afd_recv") * 1e3
-            result.attention_ms[name] = sum(s.duration for s in spans) * 1e3 - result.wait_ms[name]
+            wait_ms = sum(s.duration for s in spans if s.name == "afd_recv") * 1e3
+            compute_ms = sum(s.duration for s in spans) * 1e3 - wait_ms
+            for key in ["no_dbo"] if name == "no_dbo" else ["dbo"] if name == case.microbatches[0] else []:
+                result.wait_ms[key], result.attention_ms[key] = wait_ms, compute_ms
+            result.stage_ms[1 if name == "no_dbo" else int(name)] = compute_ms
     finally:
         if case.ffn_dies_after is None:
             connector.shutdown()
@@ -148,3 +157,20 @@ def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceMode
 def _link_messages(connector: TorchDistributedAFDConnector) -> int:
     return 0 if connector.link is None else connector.link.stats.count
 
+
+
+def measured_costs(case: AFDCase, attention: AFDResult, ffn: AFDResult) -> AFDCosts:
+    """The pipeline model's costs (`tbo.tools.afd_pipeline.AFDCosts`) from one run of ``case``: each side's compute
+    per layer at each measured microbatch size (the attention rank's traced steps, the FFN rank's busy time, each
+    divided over its microbatches and layers, as a table by tokens) and ``case.link``. What the benchmark feeds
+    `choose_count`, so that the model's choice of count is checked against the counts it just measured."""
+    sizes = {1: attention.tokens, **{n: attention.tokens / n for n in case.microbatches}}
+
+    def per_layer(ms: dict[int, float]) -> Cost:
+        points = sorted((sizes[n], ms[n] / 1e3 / (n * case.num_layers)) for n in sizes if n in ms)
+        return Cost(kind="table", points=points)
+
+    latency_s, bandwidth = (0.0, 1e12) if case.link is None else parse_link_spec(case.link)
+    return AFDCosts(attention=per_layer(attention.stage_ms), ffn=per_layer(ffn.ffn_busy_ms),
+                    num_layers=case.num_layers, bytes_per_token=case.hidden_size * 4.0, latency_s=latency_s,
+                    bandwidth=bandwidth)
