@@ -122,6 +122,9 @@ class AdaptiveConfig(BaseModel):
     prior_slack: float = Field(default=0.25, description="with an estimate: a choice predicted slower than the "
                                                          "predicted best by more than this share is not warmed up "
                                                          "(explored only at the longest interval until measured)")
+    warmup_slack: float = Field(default=0.25, description="a challenger whose first sample measured slower than "
+                                                          "the incumbent's by more than this share is warmed up no "
+                                                          "further: its later samples are rationed exploring")
 
     @model_validator(mode="after")
     def _check(self) -> "AdaptiveConfig":
@@ -139,6 +142,8 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"microbatches must be distinct counts in 2..16, got {list(self.microbatches)}")
         if not self.prior_slack >= 0:
             raise ValueError(f"prior_slack must be >= 0, got {self.prior_slack}")
+        if not self.warmup_slack >= 0:
+            raise ValueError(f"warmup_slack must be >= 0, got {self.warmup_slack}")
         return self
 
 
@@ -310,10 +315,15 @@ class AdaptiveSplit:
 
     def _warmup(self, table: _Table, i: int, inc: int) -> int:
         """Warm-up samples of choice ``i``: ``warmup_samples``, but one where the estimate predicts it slower than the
-        incumbent (its one sample checks the prediction; unsplit's is the reference a split must beat)."""
-        pred = table.predicted
+        incumbent (its one sample checks the prediction; unsplit's is the reference a split must beat), or where its
+        first sample measured slower than the incumbent's by more than ``warmup_slack``. A short run is mostly
+        warm-up: a second sample of a split that lost by a quarter costs a step's quarter to learn what the
+        rationed exploring (bounded by ``explore_cost``) learns too; a noisy first sample is corrected there."""
+        cfg, pred = self.config, table.predicted
         slower = i != inc and pred[i] is not None and pred[inc] is not None and pred[i] > pred[inc]
-        return min(self.config.warmup_samples, 1) if slower else self.config.warmup_samples
+        mine, theirs = table.cost[i], table.cost[inc]
+        lost = i != inc and mine is not None and bool(theirs) and mine > theirs * (1 + cfg.warmup_slack)
+        return min(cfg.warmup_samples, 1) if slower or lost else cfg.warmup_samples
 
     def _interval(self, table: _Table, i: int, inc: int, challengers: int, doubtful: bool = False) -> float:
         """Steps between two explorations of challenger ``i`` (against incumbent ``inc``): ``challengers`` share the

@@ -59,7 +59,7 @@ class TboVllmConfig(BaseModel):
                                       "kind and size were measured to pay (tbo.split.adaptive; thresholds you set "
                                       "seed it), choosing among unsplit and the decode and prefill strategies")
     adaptive: AdaptiveConfig | None = Field(
-        default=None, description="split 'adaptive' only: how it explores and decides (warmup_samples, "
+        default=None, description="split 'adaptive' only: how it explores and decides (warmup_samples, warmup_slack, "
                                   "explore_share, explore_cost, hysteresis, window)")
     token_distribution_threshold: float = Field(
         default=SplitPolicy.model_fields["token_distribution_threshold"].default,
