@@ -266,3 +266,21 @@ def test_model_forward_takes_a_registered_name():
         model_forward_maybe_tbo(model.layers, {"hidden_states": model.embed(ids)}, "deepseek_decod", plan)
     with pytest.raises(TypeError, match="a registered name.*got int"):
         model_forward_maybe_tbo(model.layers, {"hidden_states": model.embed(ids)}, 3, plan)
+
+
+@pytest.mark.parametrize("width", [1, 3, 18, 33, 40, 66, 132])
+@pytest.mark.parametrize("inner", [1, 7, 33, 40])
+def test_a_batch_invariant_product_s_row_does_not_depend_on_its_place_in_the_batch(inner, width):
+    """`functional.linear` in batch-invariant mode: every row of a 5-row product equals the same rows computed alone
+    or in any slice, bit for bit, at odd widths too (a tensor-parallel shard of 33 or 66 columns; before the output
+    rows were padded to 64 bytes, an AMD EPYC CPU gave rows 1 and 2 of 3 other last bits than alone)."""
+    from tbo.models.functional import linear
+
+    g = torch.Generator().manual_seed(inner * 1000 + width)
+    x, w = torch.randn(5, inner, generator=g), torch.randn(inner, width, generator=g)
+    full = linear(x, w, True)
+    assert full.shape == (5, width)
+    for rows in (1, 2, 3):
+        for start in range(5 - rows + 1):
+            assert torch.equal(linear(x[start:start + rows], w, True), full[start:start + rows]), (rows, start)
+    torch.testing.assert_close(full, x @ w, rtol=1e-5, atol=1e-5)

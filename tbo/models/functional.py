@@ -23,14 +23,25 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 #: Rows are padded to a multiple of this many elements for pointwise math in batch-invariant mode (see `pointwise`).
 _LANES = 64
+#: Batch-invariant products pad their output rows to a multiple of this many elements (64 bytes in float32; see
+#: `linear`).
+_ROW_ALIGN = 16
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
     """``x @ w`` for ``x[T, I]`` and ``w[I, O]``; batch-invariant: one M=1 product per row, whatever T is
-    (a plain ``x @ w`` picks its kernel by T, and a gemv row differs from a gemm row in the last bit)."""
+    (a plain ``x @ w`` picks its kernel by T, and a gemv row differs from a gemm row in the last bit). The output
+    width is padded to a multiple of `_ROW_ALIGN` elements (zero columns, sliced off): a batched product's kernel
+    may take another path for an output row that does not start on a 64-byte boundary, so with an odd width (a
+    tensor-parallel shard of 33 columns, say) a row's last bit depended on its place in the batch (seen on an AMD
+    EPYC CPU: rows 1 and 2 of 3 differed from the same rows alone)."""
     if not batch_invariant:
         return x @ w
-    return torch.bmm(x.unsqueeze(1), w.unsqueeze(0).expand(x.shape[0], *w.shape)).squeeze(1)
+    width = w.shape[-1]
+    if width % _ROW_ALIGN:
+        w = F.pad(w, (0, _ROW_ALIGN - width % _ROW_ALIGN))
+    out = torch.bmm(x.unsqueeze(1), w.unsqueeze(0).expand(x.shape[0], *w.shape)).squeeze(1)
+    return out[:, :width] if out.shape[-1] != width else out
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
