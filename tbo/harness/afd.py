@@ -158,7 +158,6 @@ def _link_messages(connector: TorchDistributedAFDConnector) -> int:
     return 0 if connector.link is None else connector.link.stats.count
 
 
-
 def measured_costs(case: AFDCase, attention: AFDResult, ffn: AFDResult) -> AFDCosts:
     """The pipeline model's costs (`tbo.tools.afd_pipeline.AFDCosts`) from one run of ``case``: each side's compute
     per layer at each measured microbatch size (the attention rank's traced steps, the FFN rank's busy time, each
