@@ -144,7 +144,8 @@ def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceMode
             spans = tracer.finish().lane("compute")
             wait_ms = sum(s.duration for s in spans if s.name == "afd_recv") * 1e3
             compute_ms = sum(s.duration for s in spans) * 1e3 - wait_ms
-            for key in ["no_dbo"] if name == "no_dbo" else ["dbo"] if name == case.microbatches[0] else []:
+            key = "no_dbo" if name == "no_dbo" else "dbo" if name == case.microbatches[0] else None
+            if key is not None:
                 result.wait_ms[key], result.attention_ms[key] = wait_ms, compute_ms
             result.stage_ms[1 if name == "no_dbo" else int(name)] = compute_ms
     finally:
