@@ -514,19 +514,19 @@ def _tp2_script(root: Path) -> Path:
 
 
 def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dict,
-         plugins: Path | None = None) -> tuple[list, list]:
-    """Tokens and each worker's `report` of a TP=2 run; ``plugins``: a folder put first on the path of every process
-    of the run (vLLM loads the general plugins installed there in each of them)."""
+         plugins: Path | None = None, max_tokens: int = MAX_TOKENS) -> tuple[list, list]:
+    """Tokens (``max_tokens`` per prompt) and each worker's `report` of a TP=2 run; ``plugins``: a folder put first
+    on the path of every process of the run (vLLM loads the general plugins installed there in each of them)."""
     env = dict(os.environ)
     if plugins is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(plugins)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, str(script), str(model), json.dumps(tbo), json.dumps(prompts),
-                           json.dumps(engine), str(MAX_TOKENS)], capture_output=True, text=True, timeout=600,
+                           json.dumps(engine), str(max_tokens)], capture_output=True, text=True, timeout=600,
                           env=env)
     out = {key: [line[len(key) + 1:] for line in proc.stdout.splitlines() if line.startswith(key + " ")]
            for key in ("TOKENS", "REPORT")}
     assert proc.returncode == 0 and out["TOKENS"] and out["REPORT"], proc.stdout[-3000:] + proc.stderr[-3000:]
     tokens, report = json.loads(out["TOKENS"][-1]), json.loads(out["REPORT"][-1])
-    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts), tokens
+    assert [len(t) for t in tokens] == [max_tokens] * len(prompts), tokens
     assert len(report) == 2, report
     return tokens, report

@@ -18,6 +18,7 @@ choice per bucket, and the tokens.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 
@@ -127,6 +128,62 @@ def _run_adaptive(model, tbo: dict):
     print("\n".join(report["summary"]))  # shown with -s: the estimates behind the choices
     buckets = {(b["kind"], b["tokens"]): b for b in report["buckets"]}
     return tokens, stats, buckets, report["summary"]
+
+
+def _tp_worker(rank: int, world: int, shared: bool) -> tuple[list, list, str]:
+    """One TP worker's adaptive policy over 30 decode steps whose wall times it measures apart from its peer's: worker
+    0 finds splits cheap and unsplit steps dear, worker 1 the opposite. Returns what each step ran, the policy's
+    tables, and the error of an exchange where the workers bring different steps."""
+    import time
+
+    from tbo.integrations.engine.step import Step
+    from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
+    from tbo.integrations.vllm.step.tp import TpStepTimes
+    from tbo.split import ForwardMode
+    from tbo.split.agree import AgreementMismatchError
+
+    config = parse_config({"tbo": {"split": "adaptive", "adaptive": {"warmup_samples": 1, "explore_share": 0.1,
+                                                                     "microbatches": [2, 3]}}})
+    steps = AdaptiveSteps(config, config.strategy_names(shared_experts=False))
+    if shared:
+        steps.shared = TpStepTimes(None, 30.0, {"split": "adaptive", "rank": "same"})
+
+    def planned(policy: Any, tokens: int) -> Step:
+        return Step("decode", ForwardMode.DECODE, tokens, policy.plan(ForwardMode.DECODE, tokens))
+
+    ran = []
+    for i in range(30):
+        tokens = 64 + i % 3  # one bucket
+        step = steps.decide(planned(steps.policy, tokens), lambda policy: planned(policy, tokens))
+        n = 1 if step.plan is None else step.plan.num_microbatches
+        ran.append((n, step.agreed_strategy))
+        time.sleep((0.012 if n == 1 else 0.002) if rank == 0 else (0.002 if n == 1 else 0.012))
+        steps.step_done()
+    error = ""
+    if shared:
+        try:
+            steps.shared("decode", 8 + rank, -1)
+        except AgreementMismatchError as e:
+            error = str(e)
+    return ran, steps.report()["buckets"], error
+
+
+@pytest.mark.dist
+def test_tensor_parallel_workers_choose_alike_from_their_shared_step_times():
+    """At TP >= 2 each worker measures its own step times; exchanged before every choice (`TpStepTimes`), the
+    workers' replicas of the policy observe the same means and run the same choice in every step (microbatch counts
+    included), though one worker alone would settle on splitting and the other on not. A worker given another step
+    is named in the exchange."""
+    from tbo.harness.launch import launch
+
+    alone = launch(_tp_worker, 2, False, timeout_s=120)
+    assert alone[0][0][-5:] != alone[1][0][-5:], alone  # apart, each settles on what its own clock favours
+    (ran0, tables0, error0), (ran1, tables1, error1) = launch(_tp_worker, 2, True, timeout_s=120)
+    assert ran0 == ran1 and tables0 == tables1, (ran0, ran1)
+    assert {n for n, _ in ran0} >= {1, 2, 3}, ran0  # both counts and unsplit ran, on both workers alike
+    for error in (error0, error1):
+        assert "tensor-parallel workers were given different steps (worker 0: decode of 8 tokens, worker 1: " \
+               "decode of 9 tokens)" in error, error
 
 
 @needs_vllm

@@ -26,6 +26,9 @@ LAYERS = 2
 #: (max_num_batched_tokens 32), then decode steps of four requests
 PROMPTS = [_prompt(9, 1), _prompt(8, 2), _prompt(7, 3), _prompt(70, 11)]
 DENSE_TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+#: eight requests decoding long enough for the adaptive policy to measure every choice in their bucket
+ADAPTIVE_PROMPTS = [_prompt(5 + i, 30 + i) for i in range(8)]
+ADAPTIVE_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,31 @@ def test_a_dense_model_at_tp_2_gives_vllm_s_tokens_with_its_all_reduces_overlapp
         # two reductions per layer and microbatch of the split steps, all through tbo's transfer (the unsplit steps
         # ran vLLM's own forward, whose projections reduce as ever)
         assert s["tp_reductions"] == 2 * LAYERS * s["microbatches"] > 0, (rank, s)
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_adaptive_splitting_at_tp_2_makes_every_choice_alike_on_both_workers(dense, tmp_path):
+    """``split: "adaptive"`` with 2 and 3 microbatches, over a link: each worker measures its own step times, and the
+    workers exchange them before every choice (`tbo.integrations.vllm.step.tp`), so their policies run the same
+    choice in every step and their all-reduces pair. Tokens equal plain vLLM TP = 2's; both workers ran split steps
+    of both counts; their policies' tables (estimates, samples, choices, explorations) are equal."""
+    script = _tp2_script(tmp_path)
+    want, _ = _tp2(script, dense["qwen2"], None, ADAPTIVE_PROMPTS, ENGINE, max_tokens=ADAPTIVE_TOKENS)
+    stats = tmp_path / "stats-{rank}.json"
+    tbo = {"split": "adaptive", "adaptive": {"warmup_samples": 1, "explore_share": 0.2, "microbatches": [2, 3]},
+           "link": "300,1", "stats_file": str(stats)}
+    got, workers = _tp2(script, dense["qwen2"], tbo, ADAPTIVE_PROMPTS, ENGINE, max_tokens=ADAPTIVE_TOKENS)
+    assert got == want
+    per_worker = [json.loads(Path(str(stats).replace("{rank}", str(rank))).read_text()) for rank in (0, 1)]
+    for s in per_worker:
+        assert 2 * s["split_steps"] < s["microbatches"] < 3 * s["split_steps"], s  # both counts ran
+        # over the link every step runs tbo's loop: two reductions per layer and microbatch, one per unsplit step
+        assert s["tp_reductions"] == 2 * LAYERS * (s["microbatches"] + s["steps"] - s["split_steps"]), s
+    tables = [s["adaptive"][0]["buckets"] for s in per_worker]
+    assert tables[0] == tables[1], tables
+    decode = [b for b in tables[0] if b["kind"] == "decode" and b["steps"] >= ADAPTIVE_TOKENS // 2]
+    assert decode and all(n > 0 for n in decode[0]["samples"].values()), tables  # every choice measured
 
 
 def test_a_dense_model_is_refused_where_nothing_overlaps():

@@ -130,17 +130,14 @@ def test_deepep_with_tensor_parallel_is_refused_by_name():
     assert check_engine(_engine_config(tp=2), parse_config({"tbo": {}}), "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
 
 
-def test_adaptive_splitting_with_tensor_parallel_is_refused_by_name():
-    """Each TP worker would measure its own step times and could choose apart from the other, whose all-reduces
-    then never pair: refused at engine start until the choice is agreed over the TP group; TP = 1 and static splits
-    at TP = 2 pass."""
+def test_adaptive_splitting_with_tensor_parallel_is_accepted():
+    """At TP >= 2 the TP workers exchange their step times before each choice (`tbo.integrations.vllm.step.tp`), so
+    the engine starts; tests/vllm/test_adaptive.py runs it."""
     from tbo.integrations.vllm.admit.checks import check_engine
 
     adaptive = parse_config({"tbo": {"split": "adaptive"}})
-    assert check_engine(_engine_config(tp=1), adaptive, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
-    with pytest.raises(TboConfigError, match=r"split='adaptive': not supported \(each of the 2 TP workers would "
-                                             r"choose its split.*accepted: 'static' with tensor_parallel_size > 1"):
-        check_engine(_engine_config(tp=2), adaptive, "0.32.0", "cpu")
+    for tp in (1, 2):
+        assert check_engine(_engine_config(tp=tp), adaptive, "0.32.0", "cpu") == "DeepseekV3ForCausalLM"
 
 
 def test_cascade_attention_vetoes_the_split():

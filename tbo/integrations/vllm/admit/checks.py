@@ -91,11 +91,6 @@ def check_engine(vllm_config: Any, config: TboVllmConfig, vllm_version: str, pla
         refuse({"backend": "deepep"}, "'local' with tensor_parallel_size > 1", f"vLLM's expert-parallel group spans the {par.tensor_parallel_size} TP ranks of a MoE model even "
                 "without enable_expert_parallel, so every token would be dispatched once per TP rank and each rank's "
                 "local expert ids read as global ones")
-    if config.split == "adaptive" and par.tensor_parallel_size > 1:
-        refuse({"split": "adaptive"}, "'static' with tensor_parallel_size > 1", f"each of the {par.tensor_parallel_size} TP workers would choose "
-               "its split from its own step times, and their all-reduces must pair step by step: one worker splitting "
-               "where another does not waits out comm_timeout_s; the choice is not yet agreed over the TP group, as "
-               "data parallelism's is over the DP group")
     if config.backend == "deepep" and platform != "cuda":
         refuse({"backend": "deepep"}, "'local' on this platform", f"DeepEP needs CUDA GPUs; this is {platform}")
     if config.afd is not None:

@@ -3,7 +3,7 @@
 The engine is built by the steps of `TboEngine.BUILD`, in order: the layers and the backend (or the AFD side), the
 split policy (adaptive or not), the layer loop, the compiled ops, the rotary fix, which forward each step runs (and
 CUDA graphs), the MTP draft pass, the runner's wrapped methods (`tbo.integrations.vllm.runner.install`), data
-parallelism, and the engine's stats in the process registry. Each step that changes something outside the engine
+parallelism, tensor parallelism's agreed adaptive choice, and the engine's stats in the process registry. Each step that changes something outside the engine
 registers its undo on the engine's `UndoStack` as it does it, so that a refusal at any step leaves vLLM's objects,
 the process registries and the rotary references exactly as found (the step's error is raised), and `close` runs
 every undo, each whatever an earlier one raised.
@@ -63,7 +63,7 @@ class TboEngine:
 
     #: the build, in order (the module docstring): each step may refuse, and registers the undo of what it changed
     BUILD = ("_build_layers", "_build_split", "_build_loop", "_build_compute", "_fix_rotary", "_choose_forwards",
-             "_build_draft", "_install", "_install_data_parallel", "_register")
+             "_build_draft", "_install", "_install_data_parallel", "_install_tensor_parallel", "_register")
 
     def __init__(self, runner: Any, config: TboVllmConfig, architecture: str) -> None:
         #: ``architecture``: the model's, as `tbo.integrations.vllm.admit.checks.check_engine` found it (its layers
@@ -289,6 +289,18 @@ class TboEngine:
                                      f"[{self.config.num_microbatches}] (or leave it unset) under DP")
 
             install_data_parallel(self, self.undo)
+
+    def _install_tensor_parallel(self) -> None:
+        """``split: "adaptive"`` at TP >= 2: the TP workers exchange their step times before each choice, so that
+        they all choose alike and their all-reduces pair (`tbo.integrations.vllm.step.tp`)."""
+        if self.adaptive is None or self.tp < 2:
+            return
+        from vllm.distributed import get_tp_group
+
+        from tbo.integrations.vllm.step.tp import TpStepTimes, tp_agreement_config
+
+        times = TpStepTimes(get_tp_group().cpu_group, self.config.comm_timeout_s, tp_agreement_config(self))
+        self.undo.set_attr(self.adaptive, "shared", times)
 
     def _register(self) -> None:
         """Count this engine in the process's `stats()` (its adaptive buckets too), until it closes."""

@@ -21,6 +21,10 @@ a replica of the policy, the step's agreement carries every rank's wall time of 
 size, then chooses for this step's (the agreed strategy's kind, the largest rank's tokens). The replicas see the
 same observations in the same order, so they stay equal, and so do their choices. A rank's time includes its wait
 for its peers; an idle rank's dummy step measures nothing (its peers' times count).
+
+With tensor parallelism (`shared`) the same holds over the TP workers, which run the same steps: before each
+choice they exchange their times of the previous step (`tbo.integrations.vllm.step.tp.TpStepTimes`), and every
+replica observes their mean, so every worker splits the same steps the same way and their all-reduces pair.
 """
 
 from __future__ import annotations
@@ -73,12 +77,18 @@ class AdaptiveSteps:
         #: rank's time of it; ``measured_ns`` is this rank's (-1: none)
         self._agreed: tuple[str, int, Choice] | None = None
         self.measured_ns = -1
+        #: tensor parallel: ``shared(kind, tokens, measured_ns) -> seconds | None`` exchanges this worker's time of
+        #: the previous step for the workers' mean, before each choice (`tbo.integrations.vllm.step.tp.TpStepTimes`);
+        #: None: this engine's own times are observed as they are measured
+        self.shared: Callable[[str, int, int], float | None] | None = None
 
     def decide(self, step: Step, replan: Callable[[SplitPolicy], Step] | None = None) -> Step:
         """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept, planned again with the
         chosen count's policy (``replan``) where it has another count, or dropped; and the strategy it runs. Starts
-        the step's clock."""
+        the step's clock. With `shared` times, the previous step's are exchanged and observed first."""
         self._running = None
+        if self.shared is not None:
+            self._observe_agreed(self.shared(step.mode, step.num_tokens, self.measured_ns))
         choice = self.split.choose(step.mode, step.num_tokens)
         if choice.split and step.plan is not None and step.plan.num_microbatches != choice.num_microbatches:
             if replan is None:
@@ -90,18 +100,26 @@ class AdaptiveSteps:
         else:
             ran, step = UNSPLIT, replace(step, plan=None)
         self._running = (step.mode, step.num_tokens, ran, time.perf_counter())
+        if self.shared is not None:  # observed at the next exchange, with every worker's time of it
+            self._agreed = (step.mode, step.num_tokens, ran)
         return step
+
+    def _observe_agreed(self, measured_s: float | None) -> None:
+        """Observe the last agreed step (data or tensor parallel) at ``measured_s``, the ranks' mean time of it
+        (None: no rank measured it, a dummy step); the next one is this rank's to measure."""
+        if self._agreed is not None and measured_s is not None:
+            self.split.observe(*self._agreed, measured_s)
+        self._agreed, self.measured_ns = None, -1
 
     def agreed(self, agreement: StepAgreement) -> tuple[Choice, str]:
         """Data parallel: observe the previous agreed step's mean time, then choose for this one. Returns what runs
         (unsplit where the agreement does not split) and the strategy mode it runs with. Called by every rank in
         every agreement but those where every rank runs a dummy step (profiling, warm-up: nothing is chosen)."""
-        if self._agreed is not None and agreement.measured_s is not None:
-            self.split.observe(*self._agreed, agreement.measured_s)
+        self._observe_agreed(agreement.measured_s)
         kind, tokens = agreement.strategy_mode, agreement.tokens
         choice = self.split.choose(kind, tokens)
         ran = choice if choice.split and agreement.split else UNSPLIT
-        self._agreed, self.measured_ns = (kind, tokens, ran), -1
+        self._agreed = (kind, tokens, ran)
         self._running = (kind, tokens, ran, time.perf_counter())
         return ran, self._mode_of[ran.strategy] if ran.split else agreement.strategy_mode
 
@@ -112,7 +130,7 @@ class AdaptiveSteps:
         kind, tokens, ran, t0 = self._running
         self._running = None
         seconds = time.perf_counter() - t0
-        if self._agreed is not None:  # data parallel: every rank observes the ranks' mean at the next agreement
+        if self._agreed is not None:  # data or tensor parallel: every rank observes the ranks' mean at the next one
             self.measured_ns = int(seconds * 1e9)
         else:
             self.split.observe(kind, tokens, ran, seconds)
