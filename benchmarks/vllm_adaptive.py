@@ -109,9 +109,11 @@ def dp_regime(args) -> None:
         print("adaptive (rank 0):", json.dumps(summary)[:2000])
 
 
-def short_run(bench, model, engines: dict, sizing, sizes: list[int], args, link: str) -> dict[str, float]:
+def short_run(bench, model, engines: dict, sizing, sizes: list[int], args,
+              link: str) -> tuple[dict[str, float], dict[str, list[str]]]:
     """The short run: fresh adaptive engines (empty tables) and the static engines, one pass each of the workload
-    with ``--short-decode-tokens`` per size. Returns tokens/s per engine."""
+    with ``--short-decode-tokens`` per size. Returns tokens/s per engine, and the fresh engines' adaptive summaries
+    (what each bucket ran)."""
     fresh = {"no link: adaptive": {"split": "adaptive"}, f"link {link}: adaptive": {"split": "adaptive", "link": link}}
     started = {name: bench.start_engine(model, tbo, sizing, "float32") for name, tbo in fresh.items()}
     try:
@@ -121,12 +123,16 @@ def short_run(bench, model, engines: dict, sizing, sizes: list[int], args, link:
         for name, llm in {**{n: e for n, e in engines.items() if "adaptive" not in n}, **started}.items():
             tokens, seconds = run_round(llm, bench, sizes, args.prompt, args.short_decode_tokens)
             rates[name] = tokens / seconds
-        return rates
+        import tbo.integrations.vllm as tbo_vllm
+
+        reports = tbo_vllm.stats().get("adaptive", [])[-len(started):]  # the fresh engines registered last
+        return rates, {name: report["summary"] for name, report in zip(started, reports)}
     finally:
         bench.close(started)
 
 
-def report_short(rate: dict[str, float], link: str, decode_tokens: int, phases: int) -> None:
+def report_short(rate: dict[str, float], link: str, decode_tokens: int, phases: int,
+                 summaries: dict[str, list[str]]) -> None:
     best = max((n for n in rate if n.startswith(f"link {link}:") and (": static " in n or "never" in n)),
                key=rate.get)
     print(f"short run: {phases} decode phases x {decode_tokens} tokens and a prefill, from empty tables")
@@ -136,6 +142,8 @@ def report_short(rate: dict[str, float], link: str, decode_tokens: int, phases: 
           "(target >= 0.95x)")
     print(f"short, link: adaptive {rate[f'link {link}: adaptive'] / rate[best]:.2f}x the best static in hindsight "
           f"({best}; target >= 0.95x)")
+    for name, lines in summaries.items():
+        print(f"short {name}:", "; ".join(lines))
 
 
 def main() -> None:
@@ -193,14 +201,14 @@ def main() -> None:
                 if r:  # round 0 warms up (and the adaptive engines explore)
                     totals[name][0] += tokens
                     totals[name][1] += seconds
-        short = short_run(bench, model, engines, sizing, sizes, args, link)
+        short, short_summaries = short_run(bench, model, engines, sizing, sizes, args, link)
         import tbo.integrations.vllm as tbo_vllm
 
         summaries = [report["summary"] for report in tbo_vllm.stats().get("adaptive", [])]
         bench.close({**engines, "first": first})
         gc.collect()
     rate = {name: t / s for name, (t, s) in totals.items()}
-    report_short(short, link, args.short_decode_tokens, len(sizes))
+    report_short(short, link, args.short_decode_tokens, len(sizes), short_summaries)
     print(f"Qwen3-MoE hidden {args.hidden}, {args.layers} MoE layers, {args.experts} experts top-2, float32; decode "
           f"batches {sizes} x {args.decode_tokens} tokens and a {top} x {args.prompt} prefill per round, "
           f"{args.repeats} rounds after a warm-up; link sized to the {top}-request decode step ({compute * 1e3:.1f} ms)")

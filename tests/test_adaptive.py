@@ -370,10 +370,74 @@ def test_a_choice_needs_a_token_per_microbatch():
      r"split, qwen3_moe_decode is not one of the prefill choices: unsplit, split, qwen3_moe_prefill"),
     (lambda: AdaptiveSplit(CHOICES).observe("decode", 30, DECODE, float("nan")), r"finite time >= 0, got nan"),
     (lambda: AdaptiveSplit(CHOICES).observe("decode", 30, DECODE, -1.0), r"finite time >= 0, got -1.0"),
+    (lambda: AdaptiveSplit(CHOICES).observe("decode", 30, UNSPLIT, 1.0, -2.0), r"wire_s must be a finite time >= 0"),
 ])
 def test_bad_input_is_named(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+def _wire_cost(wire_share: float, split_hides: float):
+    """A step of 1 ms per token, ``wire_share`` of it on the link unsplit; a split hides ``split_hides`` of the
+    wire (the prefill-shaped strategy 1.3 times as much as the decode one)."""
+
+    def cost(choice: Choice, tokens: int) -> tuple[float, float]:
+        step, wire = 1e-3 * tokens, wire_share * 1e-3 * tokens
+        if not choice.split:
+            return step, wire
+        return step - wire * split_hides * (1.3 if choice == PREFILL else 1.0), wire
+
+    return cost
+
+
+def test_over_a_link_a_new_bucket_starts_on_the_split_its_neighbours_wire_predicts():
+    """An unsplit step's wire time (observed with it) predicts new buckets: where the wire is half the step, a new
+    decode bucket and a prefill bucket seen once start on the split (predicted 0.75 of unsplit), unsplit is measured
+    once, and the winner settles. Where the wire is a sliver, new buckets start unsplit as without a link."""
+    cost = _wire_cost(0.5, 0.6)
+    policy = AdaptiveSplit(CHOICES)
+    first = []
+    for tokens in (8, 8, 8, 8, 8, 8):  # the first bucket: nothing predicts it, the warm-up decides
+        choice = policy.choose("decode", tokens)
+        policy.observe("decode", tokens, choice, *cost(choice, tokens))
+        first.append(choice)
+    assert first[0] == UNSPLIT and PREFILL in first
+    ran = []
+    for tokens in [64] * 8:
+        choice = policy.choose("decode", tokens)
+        policy.observe("decode", tokens, choice, *cost(choice, tokens))
+        ran.append(choice)
+    bucket = {(r["kind"], r["tokens"]): r for r in policy.stats()}[("decode", "64-127 tokens")]
+    assert bucket["predicted"] == {"unsplit": 1.0, str(DECODE): 0.75, str(PREFILL): 0.75}
+    assert ran[0] == DECODE and ran.count(UNSPLIT) == 1 and ran[-1] == PREFILL, ran  # the split from its first step
+    assert policy.choose("prefill", 1500) == PREFILL  # a prefill size seen once: split, from decode's wire
+    policy.choose("decode", 1)  # a bucket no split fits starts on unsplit, whatever the wire predicts
+    assert {(r["kind"], r["tokens"]): r for r in policy.stats()}[("decode", "1 token")]["choice"] == "unsplit"
+
+    sliver = AdaptiveSplit(CHOICES)
+    for tokens in (8,) * 6:
+        choice = sliver.choose("decode", tokens)
+        sliver.observe("decode", tokens, choice, *_wire_cost(0.02, 0.6)(choice, tokens))
+    assert sliver.choose("decode", 64) == UNSPLIT and sliver.choose("prefill", 1500) == UNSPLIT
+
+
+def test_a_wire_prediction_that_is_wrong_gives_way_to_unsplit_once_measured():
+    """The wire predicts a gain the splits do not deliver (they hide nothing and cost a tenth more): the new bucket
+    starts split, measures unsplit at its second step, and unsplit takes over for good once the warm-up is done."""
+    policy = AdaptiveSplit(CHOICES, AdaptiveConfig(explore_share=0.0))
+
+    def cost(choice: Choice, tokens: int) -> tuple[float, float]:
+        return 1e-3 * tokens * (1.1 if choice.split else 1.0), 0.5e-3 * tokens
+
+    for tokens in (8,) * 6:
+        choice = policy.choose("decode", tokens)
+        policy.observe("decode", tokens, choice, *cost(choice, tokens))
+    ran = []
+    for _ in range(12):
+        choice = policy.choose("decode", 64)
+        policy.observe("decode", 64, choice, *cost(choice, 64))
+        ran.append(choice)
+    assert ran[0] == DECODE and ran[1] == UNSPLIT and set(ran[6:]) == {UNSPLIT}, ran  # the warm-up, then unsplit
 
 
 def test_the_host_cost_benchmark_runs():

@@ -172,6 +172,9 @@ class LinkTimeline:
         self.clock: LinkClock = clock or WallClock()
         self.stats = LinkStats()
         self._free_at = float("-inf")  # when the link finishes the bytes already queued (FIFO)
+        #: the wire time of every transfer booked so far (``latency + nbytes / bandwidth`` each), never reset: what
+        #: an unsplit step, which waits for each transfer in turn, spends on the link (`tbo.split.adaptive`'s prior)
+        self.booked_s = 0.0
 
     def transfer_time(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth
@@ -184,6 +187,7 @@ class LinkTimeline:
         now = self.clock.now()
         start = max(now, self._free_at)
         self._free_at = start + nbytes / self.bandwidth
+        self.booked_s += self.latency_s + nbytes / self.bandwidth
         transfer = Transfer(kind, nbytes, now, self._free_at + self.latency_s)
         self.stats.add(transfer)
         return transfer

@@ -32,6 +32,15 @@ doubtful choice is not warmed up; it is explored only at the longest interval (e
 measured to pay, so a prior that is wrong is still corrected, within a bounded number of steps. A choice predicted
 slower than the incumbent but not doubtful is warmed up once, not ``warmup_samples`` times.
 
+Over a link whose wire time is known (an emulated link books every transfer: ``observe``'s ``wire_s``), a new bucket
+is predicted before it runs from what other buckets measured: an unsplit step waits for each transfer in turn, so
+its time per token is compute plus wire, and the nearest bucket measured unsplit (of the same kind first) gives both
+per token, hence their ratio. A split is predicted to hide `WIRE_HIDDEN` of the smaller of the two (the measured
+splits hid 0.5-0.6 of it where compute and wire were equal). That names the new bucket's starting incumbent: a split
+where the wire is a large share of the step, so that a bucket run once (a prefill size seen once) or a few times
+does not spend its steps on unsplit first. Unsplit is still measured once and takes over where the split does not
+pay.
+
 It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
 the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
 each keeps a replica of one table, every rank's measurement of a step travels in the next step's agreement, and every
@@ -49,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tbo.split.plan import SplitPolicy
 
-__all__ = ["AdaptiveConfig", "AdaptiveSplit", "CANNOT_GAIN", "Choice", "Estimate", "STEP_KINDS", "UNSPLIT",
+__all__ = ["AdaptiveConfig", "AdaptiveSplit", "CANNOT_GAIN", "Choice", "Estimate", "STEP_KINDS", "UNSPLIT", "WIRE_HIDDEN",
            "bucket_of", "bucket_label", "nothing_to_hide", "prior_from_policy"]
 
 #: the step kinds a table is kept for: a decode-only step, a prefill-only step, and chunked prefill beside decodes
@@ -153,6 +162,9 @@ Prior = Callable[[str, int], Choice]
 Estimate = Callable[[str, int], Mapping[Choice, float]]
 #: a split's estimate where nothing can make it pay: no transfer to hide, only compute to fragment
 CANNOT_GAIN = 1.0
+#: the share of the smaller of a step's compute and its wire time that a split is predicted to hide (module
+#: docstring): 1 would be a perfect pipeline; splitting also fragments compute and fills and drains the pipeline
+WIRE_HIDDEN = 0.5
 
 
 def nothing_to_hide(choices: Mapping[str, Sequence[Choice]]) -> Estimate:
@@ -191,6 +203,8 @@ class _Table:
     tried: list[int] = field(default_factory=list)  #: steps each choice was chosen for
     last: list[int] = field(default_factory=list)  #: the step each choice was last chosen at
     steps: int = 0
+    #: seconds per token the link carried in this bucket's last unsplit step (None: no wire time observed)
+    wire: float | None = None
     explored: int = 0  #: steps that ran a choice other than the incumbent
     rationed: int = 0  #: exploring steps after warm-up (those explore_share bounds)
 
@@ -239,18 +253,22 @@ class AdaptiveSplit:
             if self.prior is not None:
                 start = self.prior(kind, 1 << key[1])
                 inc = choices.index(start) if start in choices else 0
-            else:
+            else:  # the predicted cheapest of those every step of the bucket can run (a token per microbatch)
                 no = float("inf")
-                inc = min(range(len(choices)), key=lambda i: (
+                inc = min((i for i, c in enumerate(choices) if c.num_microbatches <= 1 << key[1]), key=lambda i: (
                     (no if predicted[i] is None else predicted[i]) if i else 1 - self.config.hysteresis, i))
             table = self.tables[key] = _Table(choices, inc, predicted)
         return table
 
     def _predicted(self, kind: str, bucket: int, choices: tuple[Choice, ...]) -> list[float | None]:
-        """The estimate for a bucket, at its middle size, per choice (unsplit 1.0); None without an estimate."""
+        """The estimate for a bucket, at its middle size, per choice (unsplit 1.0); a split the estimate leaves out
+        (or every split, without one) predicted from the wire time other buckets measured (`_wire_ratio`); None
+        where neither predicts."""
+        wire = self._wire_ratio(kind, bucket)
         if self.estimate is None:
-            return [None] * len(choices)
+            return [None if wire is None else 1.0] + [wire] * (len(choices) - 1)
         got = self.estimate(kind, (3 << bucket) >> 1)
+        got = {**{c: wire for c in choices[1:] if wire is not None}, **got}
         out: list[float | None] = [1.0]
         for c in choices[1:]:
             value = got.get(c)
@@ -259,6 +277,22 @@ class AdaptiveSplit:
                                  "relative to unsplit, >= 0")
             out.append(None if value is None else float(value))
         return out
+
+    def _wire_ratio(self, kind: str, bucket: int) -> float | None:
+        """A split's time relative to unsplit's for a new ``kind`` bucket, from the nearest bucket measured unsplit
+        with its wire time (the same kind first, then the nearer size, then the smaller): compute ``c`` and wire
+        ``w`` per token, the split hiding `WIRE_HIDDEN` of the smaller. None where no bucket measured both, or
+        where the wire is nothing (nothing to hide: no prediction, the warm-up decides)."""
+        measured = [(k != kind, abs(b - bucket), b, t) for (k, b), t in self.tables.items()
+                    if t.cost[0] is not None and t.wire is not None]
+        if not measured:
+            return None
+        t = min(measured, key=lambda m: m[:3])[3]
+        w = t.wire
+        c = max(t.cost[0] - w, 0.0)
+        if w <= 0 or c + w <= 0:
+            return None
+        return (max(c, w) + (1 - WIRE_HIDDEN) * min(c, w)) / (c + w)
 
     def _doubtful(self, table: _Table, i: int, fits: Sequence[int]) -> bool:
         """Whether choice ``i`` is spared the warm-up and explored only at the longest interval until measured: its
@@ -363,11 +397,15 @@ class AdaptiveSplit:
         unsplit = cost[0]
         return 0 if settled and unsplit is not None and unsplit <= cost[settled] else settled
 
-    def observe(self, kind: str, num_tokens: int, choice: Choice, seconds: float) -> None:
+    def observe(self, kind: str, num_tokens: int, choice: Choice, seconds: float,
+                wire_s: float | None = None) -> None:
         """A step of ``kind`` with ``num_tokens`` ran ``choice`` (what ran: unsplit when the chosen split found no
-        cut) in ``seconds`` of wall time, its wait for data-parallel peers included."""
+        cut) in ``seconds`` of wall time, its wait for data-parallel peers included. ``wire_s``: the wire time its
+        transfers booked on a link (module docstring: an unsplit step's predicts new buckets); None: not known."""
         if not seconds >= 0 or seconds == float("inf"):
             raise ValueError(f"seconds must be a finite time >= 0, got {seconds!r}")
+        if wire_s is not None and not (wire_s >= 0 and math.isfinite(wire_s)):
+            raise ValueError(f"wire_s must be a finite time >= 0, got {wire_s!r}")
         table = self._table(kind, num_tokens)
         if choice not in table.choices:
             raise ValueError(f"{choice} is not one of the {kind} choices: {', '.join(map(str, table.choices))}")
@@ -377,6 +415,8 @@ class AdaptiveSplit:
         del recent[:-self.config.window]
         table.cost[i] = sorted(recent)[(len(recent) - 1) // 2]
         table.samples[i] += 1
+        if wire_s is not None and not choice.split:
+            table.wire = wire_s / max(num_tokens, 1)
 
     # ---- what it decided, for stats() and a log line ----------------------------------------------------------
 

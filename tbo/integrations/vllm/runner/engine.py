@@ -191,10 +191,22 @@ class TboEngine:
             transfers = (self.afd is not None or self.config.link is not None or self.ep_size > 1 or self.tp > 1
                          or parallel.data_parallel_size > 1 or parallel.pipeline_parallel_size > 1)
             self.adaptive = AdaptiveSteps(self.config, self.names, transfers=transfers)
+            links = self._links()
+            if links and parallel.data_parallel_size == 1:  # the wire prior (step/adaptive.py)
+                self.adaptive.wire = lambda: sum(link.booked_s for link in links)
         policy = self.config.split_policy() if self.adaptive is None else self.adaptive.policy
         #: decides each step (`tbo.integrations.vllm.step.decider`); the patches hand vLLM's calls to it
         self.decider = StepDecider(policy, adaptive=self.adaptive)
         self.patches = RunnerPatches(self.runner, self.decider)
+
+    def _links(self) -> list[Any]:
+        """The emulated links this engine's transfers are booked on (``link``): the expert backend's (one per
+        mode with DeepEP's two), the TP reducer's; none for AFD, whose link is the attention side's own."""
+        from tbo.comm.emulated import LinkTimeline
+
+        backend = self.backend
+        found = [backend.decode, backend.prefill] if hasattr(backend, "for_mode") else [backend]
+        return [x for x in (*found, self.reducer) if isinstance(x, LinkTimeline)]
 
     def _build_loop(self) -> None:
         """The layer loop that runs a step's layers as tbo ops, writing ``stats_file`` if asked."""

@@ -25,6 +25,12 @@ for its peers; an idle rank's dummy step measures nothing (its peers' times coun
 With tensor parallelism (`shared`) the same holds over the TP workers, which run the same steps: before each
 choice they exchange their times of the previous step (`tbo.integrations.vllm.step.tp.TpStepTimes`), and every
 replica observes their mean, so every worker splits the same steps the same way and their all-reduces pair.
+
+Over an emulated link (`wire`), each step's wire time (what its transfers booked on the link) is observed with its
+wall time, so that a new bucket is predicted from the buckets measured unsplit (`tbo.split.adaptive`'s wire prior):
+a bucket seen once, a prefill size, starts on the split where the wire is a large share of the step. The TP workers'
+wire times are equal (the same bytes over the same link); under data parallelism the ranks' differ, so none is
+observed there.
 """
 
 from __future__ import annotations
@@ -71,8 +77,13 @@ class AdaptiveSteps:
         prior = prior_from_policy(config.split_policy(), choices) if seeded else None
         self.split = AdaptiveSplit(choices, adaptive, prior, None if transfers else nothing_to_hide(choices))
         self._mode_of = {names.decode: "decode", names.prefill: "prefill"}
-        #: the step in flight: its kind, tokens, what ran, and when it started (None: no step to measure)
-        self._running: tuple[str, int, Choice, float] | None = None
+        #: the step in flight: its kind, tokens, what ran, when it started, and the wire time booked on the links by
+        #: then (None: no link to read); None: no step to measure
+        self._running: tuple[str, int, Choice, float, float | None] | None = None
+        #: ``wire() -> seconds``: the wire time the engine's emulated links booked so far
+        #: (`tbo.comm.emulated.LinkTimeline.booked_s`); None: no link, or data parallel
+        self.wire: Callable[[], float] | None = None
+        self._wire_s: float | None = None  #: tensor parallel: the wire time of the step to observe next
         #: data parallel: the last agreed step (kind, tokens, what ran), observed at the next agreement with every
         #: rank's time of it; ``measured_ns`` is this rank's (-1: none)
         self._agreed: tuple[str, int, Choice] | None = None
@@ -84,13 +95,16 @@ class AdaptiveSteps:
 
     def decide(self, step: Step, replan: Callable[[SplitPolicy], Step] | None = None) -> Step:
         """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept, planned again with the
-        chosen count's policy (``replan``) where it has another count, or dropped; and the strategy it runs. Starts
+        chosen count's policy (``replan``) where it has another count or none, or dropped; and the strategy it runs. Starts
         the step's clock. With `shared` times, the previous step's are exchanged and observed first."""
         self._running = None
         if self.shared is not None:
             self._observe_agreed(self.shared(step.mode, step.num_tokens, self.measured_ns))
         choice = self.split.choose(step.mode, step.num_tokens)
-        if choice.split and step.plan is not None and step.plan.num_microbatches != choice.num_microbatches:
+        planned = None if step.plan is None else step.plan.num_microbatches
+        # planned again with the chosen count's policy where the count differs, or where the decider's policy (the
+        # most microbatches) found no plan: a step too small for three microbatches may still split into two
+        if choice.split and planned != choice.num_microbatches and (planned is not None or replan is not None):
             if replan is None:
                 raise RuntimeError(f"the adaptive split chose {choice}, but the step was planned with "
                                    f"{step.plan.num_microbatches} microbatches and nothing can plan it again")
@@ -99,7 +113,8 @@ class AdaptiveSteps:
             ran, step = choice, replace(step, agreed_strategy=self._mode_of[choice.strategy])
         else:
             ran, step = UNSPLIT, replace(step, plan=None)
-        self._running = (step.mode, step.num_tokens, ran, time.perf_counter())
+        wire0 = None if self.wire is None else self.wire()
+        self._running = (step.mode, step.num_tokens, ran, time.perf_counter(), wire0)
         if self.shared is not None:  # observed at the next exchange, with every worker's time of it
             self._agreed = (step.mode, step.num_tokens, ran)
         return step
@@ -108,8 +123,8 @@ class AdaptiveSteps:
         """Observe the last agreed step (data or tensor parallel) at ``measured_s``, the ranks' mean time of it
         (None: no rank measured it, a dummy step); the next one is this rank's to measure."""
         if self._agreed is not None and measured_s is not None:
-            self.split.observe(*self._agreed, measured_s)
-        self._agreed, self.measured_ns = None, -1
+            self.split.observe(*self._agreed, measured_s, self._wire_s if self.shared is not None else None)
+        self._agreed, self.measured_ns, self._wire_s = None, -1, None
 
     def agreed(self, agreement: StepAgreement) -> tuple[Choice, str]:
         """Data parallel: observe the previous agreed step's mean time, then choose for this one. Returns what runs
@@ -120,20 +135,21 @@ class AdaptiveSteps:
         choice = self.split.choose(kind, tokens)
         ran = choice if choice.split and agreement.split else UNSPLIT
         self._agreed = (kind, tokens, ran)
-        self._running = (kind, tokens, ran, time.perf_counter())
+        self._running = (kind, tokens, ran, time.perf_counter(), None)
         return ran, self._mode_of[ran.strategy] if ran.split else agreement.strategy_mode
 
     def step_done(self) -> None:
         """The step's sampled tokens are on the host: its wall time is measured."""
         if self._running is None:
             return
-        kind, tokens, ran, t0 = self._running
+        kind, tokens, ran, t0, wire0 = self._running
         self._running = None
         seconds = time.perf_counter() - t0
+        wire_s = None if wire0 is None or self.wire is None else self.wire() - wire0
         if self._agreed is not None:  # data or tensor parallel: every rank observes the ranks' mean at the next one
-            self.measured_ns = int(seconds * 1e9)
+            self.measured_ns, self._wire_s = int(seconds * 1e9), wire_s
         else:
-            self.split.observe(kind, tokens, ran, seconds)
+            self.split.observe(kind, tokens, ran, seconds, wire_s)
 
     def report(self) -> dict[str, Any]:
         return {"buckets": self.split.stats(), "summary": self.split.summary()}
