@@ -58,8 +58,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tbo.split.plan import SplitPolicy
 
-__all__ = ["AdaptiveConfig", "AdaptiveSplit", "CANNOT_GAIN", "Choice", "Estimate", "STEP_KINDS", "UNSPLIT", "WIRE_HIDDEN",
-           "bucket_of", "bucket_label", "nothing_to_hide", "prior_from_policy"]
+__all__ = ["AdaptiveConfig", "AdaptiveSplit", "CANNOT_GAIN", "Choice", "Estimate", "STEP_KINDS", "UNSPLIT",
+           "WIRE_HIDDEN", "bucket_of", "bucket_label", "nothing_to_hide", "prior_from_policy"]
 
 #: the step kinds a table is kept for: a decode-only step, a prefill-only step, and chunked prefill beside decodes
 STEP_KINDS = ("decode", "prefill", "mixed")

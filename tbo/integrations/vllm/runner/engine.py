@@ -3,10 +3,10 @@
 The engine is built by the steps of `TboEngine.BUILD`, in order: the layers and the backend (or the AFD side), the
 split policy (adaptive or not), the layer loop, the compiled ops, the rotary fix, which forward each step runs (and
 CUDA graphs), the MTP draft pass, the runner's wrapped methods (`tbo.integrations.vllm.runner.install`), data
-parallelism, tensor parallelism's agreed adaptive choice, and the engine's stats in the process registry. Each step that changes something outside the engine
-registers its undo on the engine's `UndoStack` as it does it, so that a refusal at any step leaves vLLM's objects,
-the process registries and the rotary references exactly as found (the step's error is raised), and `close` runs
-every undo, each whatever an earlier one raised.
+parallelism, tensor parallelism's agreed adaptive choice, and the engine's stats in the process registry. Each step
+that changes something outside the engine registers its undo on the engine's `UndoStack` as it does it, so that a
+refusal at any step leaves vLLM's objects, the process registries and the rotary references exactly as found (the
+step's error is raised), and `close` runs every undo, each whatever an earlier one raised.
 
 Installing changes attributes of this runner and its model, all on the instances (no class is touched), and
 reroutes the rotary modules whose vLLM kernel is shape dependent (`tbo.integrations.vllm.model.fixes`): the inner

@@ -95,8 +95,8 @@ class AdaptiveSteps:
 
     def decide(self, step: Step, replan: Callable[[SplitPolicy], Step] | None = None) -> Step:
         """``step`` (decided with `policy`) as the adaptive choice runs it: its plan kept, planned again with the
-        chosen count's policy (``replan``) where it has another count or none, or dropped; and the strategy it runs. Starts
-        the step's clock. With `shared` times, the previous step's are exchanged and observed first."""
+        chosen count's policy (``replan``) where it has another count or none, or dropped; and the strategy it runs.
+        Starts the step's clock. With `shared` times, the previous step's are exchanged and observed first."""
         self._running = None
         if self.shared is not None:
             self._observe_agreed(self.shared(step.mode, step.num_tokens, self.measured_ns))
