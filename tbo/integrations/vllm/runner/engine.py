@@ -309,9 +309,10 @@ class TboEngine:
             return
         from vllm.distributed import get_tp_group
 
-        from tbo.integrations.vllm.step.tp import TpStepTimes, tp_agreement_config
+        from tbo.integrations.vllm.step.agree import agreement_config
+        from tbo.integrations.vllm.step.tp import TpStepTimes
 
-        times = TpStepTimes(get_tp_group().cpu_group, self.config.comm_timeout_s, tp_agreement_config(self))
+        times = TpStepTimes(get_tp_group().cpu_group, self.config.comm_timeout_s, agreement_config(self))
         self.undo.set_attr(self.adaptive, "shared", times)
 
     def _register(self) -> None:

@@ -123,7 +123,7 @@ class AdaptiveSteps:
         """Observe the last agreed step (data or tensor parallel) at ``measured_s``, the ranks' mean time of it
         (None: no rank measured it, a dummy step); the next one is this rank's to measure."""
         if self._agreed is not None and measured_s is not None:
-            self.split.observe(*self._agreed, measured_s, self._wire_s if self.shared is not None else None)
+            self.split.observe(*self._agreed, measured_s, self._wire_s)  # None under DP: no wire is read there
         self._agreed, self.measured_ns, self._wire_s = None, -1, None
 
     def agreed(self, agreement: StepAgreement) -> tuple[Choice, str]:

@@ -158,10 +158,12 @@ def agreement_config(engine: Any) -> dict[str, Any]:
     """Everything of ``engine`` (a `TboEngine`) that shapes its collectives, for the step agreement to compare over
     the ranks: the strategy each step kind runs (its name and bound op list), the microbatch count, the backend and
     its layout and payload (FP8 rows or not), ``agreed_rows``, the link, and the model's expert shapes and dtype
-    (the dispatches' sizes). A rank started otherwise gets `tbo.split.agree.AgreementMismatchError` naming the
-    key, at warm-up."""
+    (the dispatches' sizes; a dense model has none). A rank started otherwise gets
+    `tbo.split.agree.AgreementMismatchError` naming the key, at warm-up. The TP workers' step-time exchange compares
+    the same table (`tbo.integrations.vllm.step.tp`)."""
     config, vllm_config = engine.config, engine.runner.vllm_config
     hf = vllm_config.model_config.hf_text_config
+    top_k = getattr(hf, "num_experts_per_tok", None)
     backend = getattr(engine.backend, "inner", engine.backend)  # under an emulated link: the backend it wraps
     return {
         "strategy": config.strategy, "num_microbatches": config.num_microbatches, "agreed_rows": config.agreed_rows,
@@ -173,7 +175,7 @@ def agreement_config(engine: Any) -> dict[str, Any]:
         **{f"strategy.{mode}": s for mode, s in engine.strategies.items()},
         "backend.layout": f"{type(backend).__name__} {getattr(getattr(backend, 'format', None), 'name', None)} "
                           f"{getattr(backend, 'num_experts', None)} experts over {getattr(backend, 'num_ranks', None)}",
-        "model": f"{engine.architecture} hidden {hf.hidden_size}, top-{hf.num_experts_per_tok}, "
+        "model": f"{engine.architecture} hidden {hf.hidden_size}, {'dense' if top_k is None else f'top-{top_k}'}, "
                  f"{len(engine.layers)} layers, {vllm_config.model_config.dtype}",
     }
 

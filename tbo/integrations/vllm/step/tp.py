@@ -9,7 +9,8 @@ all-reduce over vLLM's TP CPU group (`tbo.split.agree.agree_step`, the data-para
 every replica observes the same mean: the replicas stay equal and so do their choices, microbatch counts included.
 
 The same exchange checks that the workers were given the same step (kind and token count) and run the same
-configuration (`tp_agreement_config`, digested once), and names the worker that did not. A worker that stalls or dies
+configuration (`tbo.integrations.vllm.step.agree.agreement_config`, the data-parallel agreement's table, digested
+once), and names the worker that did not. A worker that stalls or dies
 makes it raise `CommTimeoutError` within ``comm_timeout_s`` (before the first served step, within
 `tbo.integrations.vllm.step.agree.WARMUP_TIMEOUT_S`: the workers reach the profiling run as each finishes loading).
 """
@@ -21,7 +22,7 @@ from typing import Any
 from tbo.integrations.vllm.step.agree import WARMUP_TIMEOUT_S
 from tbo.split.agree import AgreedConfig, AgreementMismatchError, StepVote, agree_step
 
-__all__ = ["TpStepTimes", "tp_agreement_config"]
+__all__ = ["TpStepTimes"]
 
 
 class TpStepTimes:
@@ -51,11 +52,3 @@ class TpStepTimes:
         self.serving = self.serving or measured is not None
         return measured
 
-
-def tp_agreement_config(engine: Any) -> dict[str, Any]:
-    """Everything of ``engine`` (a `TboEngine` at TP >= 2) that the adaptive choice and the split steps'
-    all-reduces depend on, compared over the TP workers: the split, the adaptive settings, the microbatch count, the
-    link, and each step kind's strategy (its name and bound op list)."""
-    config = engine.config
-    return {"split": config.split, "adaptive": config.adaptive, "num_microbatches": config.num_microbatches,
-            "link": config.link, **{f"strategy.{mode}": s for mode, s in engine.strategies.items()}}
