@@ -90,17 +90,31 @@ class Workload:
             llm.llm_engine.add_request(f"bench-{self._seed}", TokensPrompt(prompt_token_ids=ids), params)
 
     @staticmethod
-    def _steps(llm) -> list[float]:
+    def _steps(llm, rows: list[int] | None = None) -> list[float]:
+        """Every step's time until no request is left; ``rows`` (if given) gets how many requests each produced
+        a token in."""
         times = []
         while llm.llm_engine.has_unfinished_requests():
             t = time.perf_counter()
-            llm.llm_engine.step()
+            outputs = llm.llm_engine.step()
             times.append(time.perf_counter() - t)
+            if rows is not None:
+                rows.append(len(outputs))
         return times
+
+    def check_rows(self, rows: list[int], window: slice) -> None:
+        """Fail unless every step in ``window`` of a run ran all ``batch`` requests: a request the KV cache could
+        not admit with the others runs alone after them, and its steps would otherwise be timed as the batch's."""
+        if any(n != self.batch for n in rows[window]) or len(rows[window]) < self.decode_tokens:
+            raise RuntimeError(f"{self.batch} requests did not decode together (requests per step: {rows}): give "
+                               f"the engine more KV cache (kv_cache_memory_bytes) or a smaller --batch")
 
     def decode_steps(self, llm) -> list[float]:
         self._add(llm, 4, self.decode_tokens + 1)
-        return self._steps(llm)[1:]  # the first step is the prefill
+        rows: list[int] = []
+        times = self._steps(llm, rows)
+        self.check_rows(rows, slice(1, None))
+        return times[1:]  # the first step is the prefill
 
     def prefill_steps(self, llm) -> list[float]:
         self._add(llm, self.prompt, 1)

@@ -68,7 +68,10 @@ class Workload(bench.Workload):
 
     def decode_steps(self, llm) -> list[float]:
         self._add(llm, self.context, self.decode_window.stop + 1)
-        return self._steps(llm)[self.decode_window]
+        rows: list[int] = []
+        times = self._steps(llm, rows)
+        self.check_rows(rows, self.decode_window)
+        return times[self.decode_window]
 
 
 def start_server(model: Path, dtype: str, max_tokens: int, core: int,

@@ -31,18 +31,21 @@ from plain vLLM's step instead would be shorter than gloo's own all-reduce, whic
 add nothing to hide.
 
 The engines run one at a time (a TP = 2 engine's workers take both cores): each starts, warms up, measures decode
-steps (``--batch`` requests) over ``--repeats`` rounds and shuts down; the figures are medians of step times. On 2
-shared cores timing is noisy: run it more than once and report the range.
+steps (``--batch`` requests) over ``--repeats`` rounds and shuts down; the figures are medians of step times. Every
+timed step must run all ``--batch`` requests (`Workload.check_rows` fails the run otherwise): with too little KV
+cache the last requests decode alone after the others, and the median would land on their steps (the figures this
+benchmark reported before 2026-12-06 did). On 2 shared cores timing is noisy: run it more than once and report the
+range.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +65,23 @@ def save_llama(path: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def decode_steps(llm, batch: int, tokens: int, seed: int) -> list[float]:
-    """Step times of ``tokens`` decode steps of ``batch`` requests (4-token prompts; the prefill step dropped)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+@functools.cache
+def _workload(batch: int, decode_tokens: int) -> Any:
+    """``benchmarks/vllm.py``'s `Workload` (loaded by path: the file's name would shadow vLLM's package on
+    ``sys.path``), one per shape for the whole run, so that every round's requests are new ones."""
+    import importlib.util
 
-    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True, detokenize=False)
-    for r in range(batch):
-        ids = [(seed * 977 + r * 131 + i * 7) % 500 + 1 for i in range(4)]
-        llm.llm_engine.add_request(f"b-{seed}-{r}", TokensPrompt(prompt_token_ids=ids), params)
-    times = []
-    while llm.llm_engine.has_unfinished_requests():
-        t = time.perf_counter()
-        llm.llm_engine.step()
-        times.append(time.perf_counter() - t)
-    return times[1:]
+    spec = importlib.util.spec_from_file_location("tbo_bench_vllm", Path(__file__).with_name("vllm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Workload(batch, 4, decode_tokens)
+
+
+def decode_steps(llm, args: argparse.Namespace) -> list[float]:
+    """Step times of ``--decode-tokens`` decode steps of ``--batch`` requests (4-token prompts), every request in
+    every timed step (a run where the KV cache cannot hold them all fails instead of timing a lone request's
+    steps as the batch's)."""
+    return _workload(args.batch, args.decode_tokens).decode_steps(llm)
 
 
 def start_engine(model: Path, tbo: dict | None, args: argparse.Namespace) -> Any:
@@ -84,7 +89,7 @@ def start_engine(model: Path, tbo: dict | None, args: argparse.Namespace) -> Any
 
     extra = {} if tbo is None else {"additional_config": {"tbo": tbo}}
     return LLM(model=str(model), tensor_parallel_size=2, skip_tokenizer_init=True, enforce_eager=True,
-               kv_cache_memory_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=max(256, 4 * args.batch),
+               kv_cache_memory_bytes=1 << 30, max_model_len=256, max_num_batched_tokens=max(256, 4 * args.batch),
                enable_prefix_caching=False, dtype="float32", seed=0, **extra)
 
 
@@ -118,14 +123,13 @@ def in_place(model: Path, tbo: dict, args: argparse.Namespace) -> list[float]:
     the ratio of their median decode steps."""
     llm = start_engine(model, tbo, args)
     try:
-        decode_steps(llm, args.batch, args.decode_tokens, 0)  # warm-up
-        ratios, seed = [], 1
+        decode_steps(llm, args)  # warm-up
+        ratios = []
         for i in range(args.in_place):
             median = {}
             for on in ((True, False) if i % 2 == 0 else (False, True)):
                 assert all(llm.collective_rpc(tbo_on if on else tbo_off)), f"tbo {'on' if on else 'off'} failed"
-                median[on] = statistics.median(decode_steps(llm, args.batch, args.decode_tokens, seed))
-                seed += 1
+                median[on] = statistics.median(decode_steps(llm, args))
             ratios.append(median[True] / median[False])
         return ratios
     finally:
@@ -138,7 +142,7 @@ def run_engine(model: Path, tbo: dict | None, args: argparse.Namespace) -> float
     try:
         samples: list[float] = []
         for r in range(args.repeats + 1):
-            steps = decode_steps(llm, args.batch, args.decode_tokens, r)
+            steps = decode_steps(llm, args)
             if r:  # round 0 warms up
                 samples += steps
         return statistics.median(samples)
