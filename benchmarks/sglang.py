@@ -20,7 +20,6 @@ shared cores timing is noisy: run it several times and report the range.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 
 # this file is benchmarks/sglang.py: its folder on sys.path would shadow the sglang package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from tbo.harness.scripts import load_script
 
 ENGINE_ARGS = dict(device="cpu", skip_tokenizer_init=True, attention_backend="torch_native", disable_cuda_graph=True,
                    max_total_tokens=8192, mem_fraction_static=0.05, dtype="float32", log_level="error",
@@ -52,10 +53,7 @@ def save_model(path: Path, args: argparse.Namespace) -> Path:
 
 def _bench_vllm():
     """benchmarks/vllm.py's link helpers (loaded by path: its name shadows vllm; it imports no vllm at load)."""
-    spec = importlib.util.spec_from_file_location("tbo_bench_vllm", Path(__file__).with_name("vllm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).with_name("vllm.py"))
 
 
 def measure(model: Path, tbo: dict | None, args: argparse.Namespace,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import os
 import sys
 import tempfile
@@ -43,13 +42,12 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from tbo.harness.scripts import load_script
+
 
 def _bench_vllm():
     """benchmarks/vllm.py's model, workload, engine and link helpers (loaded by path: its name shadows vllm)."""
-    spec = importlib.util.spec_from_file_location("tbo_bench_vllm", Path(__file__).with_name("vllm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).with_name("vllm.py"))
 
 
 NEVER = 1 << 30
@@ -72,9 +70,7 @@ def dp_regime(args) -> None:
     """Regime 3: DP = 2 + EP over the emulated link, adaptive against never splitting and the static split."""
     import json
 
-    spec = importlib.util.spec_from_file_location("tbo_bench_vllm_dp", Path(__file__).with_name("vllm_dp.py"))
-    dp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dp)
+    dp = load_script(Path(__file__).with_name("vllm_dp.py"))
     run_args = argparse.Namespace(batch=args.dp_batch, decode_tokens=args.dp_decode_tokens, dtype="float32")
     never = {"decode_token_threshold": NEVER, "prefill_token_threshold": NEVER}
     static = {"decode_token_threshold": 2, "prefill_token_threshold": 12, "strategy": "qwen3_moe_prefill"}

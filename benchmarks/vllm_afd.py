@@ -16,7 +16,6 @@ directory; the engine's own steps timed). On 2 shared cores timing is noisy: run
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -27,9 +26,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # benchmarks/vllm.py would shadow vllm
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-_spec = importlib.util.spec_from_file_location("tbo_benchmarks_vllm", HERE / "vllm.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from tbo.harness.scripts import load_script
+
+bench = load_script(HERE / "vllm.py")
 
 
 def save_model(path: Path, hidden: int, layers: int, experts: int, heads: int, moe_intermediate: int) -> Path:

@@ -13,7 +13,6 @@ computed and sent. ``--timeline`` prints one step's events of both sides in time
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -27,9 +26,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-_spec = importlib.util.spec_from_file_location("tbo_benchmarks_vllm_afd", HERE / "vllm_afd.py")
-afd_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(afd_bench)
+from tbo.harness.scripts import load_script
+
+afd_bench = load_script(HERE / "vllm_afd.py")
 bench = afd_bench.bench
 
 #: runs each `tbo afd-ffn` process (``python -c _SERVER OUT afd-ffn ...``): times its requests, writes them to OUT

@@ -69,12 +69,9 @@ def save_llama(path: Path, hidden: int, layers: int) -> Path:
 def _workload(batch: int, decode_tokens: int) -> Any:
     """``benchmarks/vllm.py``'s `Workload` (loaded by path: the file's name would shadow vLLM's package on
     ``sys.path``), one per shape for the whole run, so that every round's requests are new ones."""
-    import importlib.util
+    from tbo.harness.scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("tbo_bench_vllm", Path(__file__).with_name("vllm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.Workload(batch, 4, decode_tokens)
+    return load_script(Path(__file__).with_name("vllm.py")).Workload(batch, 4, decode_tokens)
 
 
 def decode_steps(llm, args: argparse.Namespace) -> list[float]:
