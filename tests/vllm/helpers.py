@@ -13,7 +13,7 @@ import sys
 import textwrap
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -315,6 +315,18 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def _refusing_port() -> Iterator[int]:
+    """A port on 127.0.0.1 where nothing listens for as long as the block runs: bound, not listening, so a connect is
+    refused, and no other process (a vLLM engine's own store, say) can take it meanwhile, as it could a
+    `_free_port` between its return and its use."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 

@@ -30,7 +30,7 @@ from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
 from .helpers import SCENARIOS as _ALL_SCENARIOS
-from .helpers import (_counted, _free, _free_port, _pinned, _reference_llm,
+from .helpers import (_counted, _free, _free_port, _pinned, _reference_llm, _refusing_port,
                       _save_qwen2_moe, _tokens, needs_vllm)
 
 #: the shared tiny models, prompts and engine helpers (helpers.py; test_engine.py's docstring says how they split); its
@@ -292,8 +292,7 @@ def test_three_stages_over_a_link_then_the_ffn_server_is_killed_mid_generation(m
 
 @needs_vllm
 def test_engine_start_names_a_missing_or_wrong_ffn_server(models, servers):
-    port = _free_port()
-    with pytest.raises(Exception, match=rf"no tbo AFD FFN server at 127.0.0.1:{port}"):
+    with _refusing_port() as port, pytest.raises(Exception, match=rf"no tbo AFD FFN server at 127.0.0.1:{port}"):
         _llm(models["qwen3_moe"], {"afd": {"ffn": f"127.0.0.1:{port}", "connect_timeout_s": 2}}, dtype="float32")
     gc.collect()
     with pytest.raises(Exception, match=r"afd and strategy='qwen3_moe_decode': not supported"):
