@@ -8,11 +8,12 @@ Two regimes, each one engine with the tiny Qwen3-MoE of helpers.py, each compare
 - an emulated link whose time grows with the tokens (bandwidth-bound), sized near where overlap pays most, a
   64-request decode step's communication of the order of its compute (a far slower link leaves the step link-bound,
   with little compute to hide: 4 MB/s gave the split only 1.05-1.13x, too near the 5% hysteresis; 12 MB/s gave
-  1.13-1.28x over 8 runs, one core busy elsewhere in half of them): large decode steps split, 2-request ones do not
-  (their few bytes hide nothing that pays for the split's own cost, measured 0.64-0.80x).
+  1.13-1.28x over 8 runs, one core busy elsewhere in half of them): large decode steps split; 2-request steps are
+  split, measured, and run what their own measurements favour (a split of them measured 0.64-0.80x on one VM and
+  1.48x on a faster one: the wall clock, not the rule, decides which).
 
-The decisions come from wall time, so the regimes are set far from the break-even: what is asserted is the
-choice per bucket, and the tokens.
+The decisions come from wall time, so the regimes are set far from the break-even where the outcome is asserted
+(the choice of the large bucket, and the tokens); where it is near (2-request steps), the test asserts the rule.
 """
 
 from __future__ import annotations
@@ -200,22 +201,37 @@ def test_without_a_link_the_adaptive_policy_does_not_split_a_short_run(qwen3_moe
     assert large["steps"] >= STEPS - 1
 
 
+def _follows_its_own_measurements(bucket: dict, hysteresis: float = 0.05) -> None:
+    """The bucket's choice is what its own estimates say (`AdaptiveSplit._settled`): a split kept only while measured
+    cheaper than unsplit, and unsplit kept only while no split measured cheaper than it by the hysteresis margin."""
+    est, choice = bucket["estimates"], bucket["choice"]
+    assert est["unsplit"] is not None and est[choice] is not None, bucket
+    if choice == "unsplit":
+        assert all(v is None or v >= est["unsplit"] * (1 - hysteresis) for v in est.values()), bucket
+    else:
+        assert est[choice] < est["unsplit"], bucket
+
+
 @needs_vllm
-def test_over_a_slow_link_it_splits_large_decode_steps_and_not_tiny_ones(qwen3_moe, reference):
+def test_over_a_slow_link_it_splits_large_decode_steps_and_measures_tiny_ones(qwen3_moe, reference):
     """With 2 and 3 microbatches among the choices (``adaptive.microbatches``): tokens equal vLLM's, large decode
     steps split, and once two microbatches measured to pay, steps split into three ran too (the plan made again
-    with the three-way policy), measured beside them; 2-token steps were split into two, measured, and left whole.
+    with the three-way policy), measured beside them. 2-token steps were split into two and measured; whether that
+    pays over this link depends on the CPU (1.48x faster on one VM, slower on others), so the test asserts that the
+    bucket's choice follows its own measurements, not which way the wall clock fell.
     The link's wire time predicts each new bucket (the splits start as incumbents); measurement overrules it."""
     tbo = {**ADAPTIVE, "adaptive": {**ADAPTIVE["adaptive"], "microbatches": [2, 3]}, "link": "0,0.012"}
     tokens, stats, buckets, summary = _run_adaptive(qwen3_moe, tbo)
     assert tokens == reference
     large = buckets[("decode", "64-127 tokens")]
     assert large["choice"].startswith("split"), summary
+    _follows_its_own_measurements(large)
     small = buckets[("decode", "2-3 tokens")]
-    assert small["choice"] == "unsplit", summary
+    _follows_its_own_measurements(small)
     # measured, not assumed: 2-token steps split into two ran there (planned again: the engine's 3-way policy has no
-    # plan for them), and lost
+    # plan for them), and unsplit ones too
     assert sum(n for c, n in small["samples"].items() if c != "unsplit") > 0, small
+    assert small["samples"]["unsplit"] > 0, small
     assert stats["split_steps_by_mode"]["decode"] > 0
     assert stats["microbatches"] > 2 * stats["split_steps"], stats  # some steps ran three microbatches
     assert large["samples"]["split, qwen3_moe_decode x3"] + large["samples"]["split, qwen3_moe_prefill x3"] > 0
