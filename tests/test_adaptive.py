@@ -440,6 +440,94 @@ def test_a_wire_prediction_that_is_wrong_gives_way_to_unsplit_once_measured():
     assert ran[0] == DECODE and ran[1] == UNSPLIT and set(ran[6:]) == {UNSPLIT}, ran  # the warm-up, then unsplit
 
 
+def _checked_policy(cost, config: AdaptiveConfig | None = None) -> AdaptiveSplit:
+    """A policy over a link whose wire prediction was checked: a first bucket (8 tokens, nothing predicts it), then a
+    predicted one (64 tokens) that measured unsplit and both splits."""
+    policy = AdaptiveSplit(CHOICES, config)
+    for tokens in [8] * 6 + [64] * 8:
+        choice = policy.choose("decode", tokens)
+        policy.observe("decode", tokens, choice, *cost(choice, tokens))
+    return policy
+
+
+def _ran(policy: AdaptiveSplit, kind: str, tokens: int, steps: int, cost) -> list[Choice]:
+    ran = []
+    for _ in range(steps):
+        choice = policy.choose(kind, tokens)
+        policy.observe(kind, tokens, choice, *cost(choice, tokens))
+        ran.append(choice)
+    return ran
+
+
+def test_a_checked_wire_prediction_spares_unsplits_warm_up():
+    """Where the wire's prediction was checked (64-token decode steps: predicted 0.75 of unsplit, the prefill-shaped
+    split measured 0.61, so the predictions were a little pessimistic) and still says the split pays beyond doubt, a
+    prefill size run three times runs its split each time: no unsplit warm-up sample 1.6 times slower. Unsplit is
+    still measured, by rationed exploring, and the choice stays the split it measured to pay."""
+    cost = _wire_cost(0.5, 0.6)
+    policy = _checked_policy(cost)
+    assert _ran(policy, "prefill", 1500, 3, cost) == [PREFILL] * 3
+    long = _ran(policy, "prefill", 1500, 200, cost)
+    assert 1 <= long.count(UNSPLIT) <= 0.05 * 203, long.count(UNSPLIT)
+    bucket = {(r["kind"], r["tokens"]): r for r in policy.stats()}[("prefill", "1024-2047 tokens")]
+    assert bucket["choice"] == str(PREFILL) and bucket["samples"]["unsplit"] >= 1
+
+    # not trusted: a prediction never checked (the first predicted bucket), a check that found the predictions
+    # optimistic, or trust switched off: unsplit's warm-up sample runs at the bucket's second step
+    fresh = AdaptiveSplit(CHOICES)
+    _ran(fresh, "decode", 8, 6, cost)
+    assert _ran(fresh, "prefill", 1500, 3, cost) == [PREFILL, UNSPLIT, PREFILL]
+    assert _ran(_checked_policy(cost, AdaptiveConfig(trust_below=0)), "prefill", 1500, 3, cost) == \
+        [PREFILL, UNSPLIT, PREFILL]
+    weak = _wire_cost(0.5, 0.2)  # the splits hide a fifth of the wire where half was predicted: 0.9 of unsplit
+    assert _ran(_checked_policy(weak), "prefill", 1500, 3, weak) == [PREFILL, UNSPLIT, PREFILL]
+
+
+def test_a_trusted_prediction_that_turns_out_wrong_gives_way_to_unsplit():
+    """A trusted split that loses in its own bucket (prefill steps here cost 1.3 times unsplit when split, though
+    decode's measurements predicted a gain) runs only until unsplit's first rationed sample, at the even share of
+    exploring (not stretched by the prediction's loss: unsplit is the reference), then unsplit takes over and the split
+    is only explored: a prediction spares a warm-up, never a measurement."""
+    good = _wire_cost(0.5, 0.6)
+
+    def cost(choice: Choice, tokens: int) -> tuple[float, float]:
+        if tokens < 1024:
+            return good(choice, tokens)
+        return 1e-3 * tokens * (1.3 if choice.split else 1.0), 0.5e-3 * tokens
+
+    policy = _checked_policy(cost)
+    ran = _ran(policy, "prefill", 1500, 120, cost)
+    first = ran.index(UNSPLIT)
+    assert ran[:first] == [PREFILL] * first and first <= 1 / AdaptiveConfig().explore_share, ran
+    assert ran[first:].count(PREFILL) <= AdaptiveConfig().explore_share * len(ran), ran
+    bucket = {(r["kind"], r["tokens"]): r for r in policy.stats()}[("prefill", "1024-2047 tokens")]
+    assert bucket["choice"] == "unsplit"
+
+
+def test_one_sample_against_the_prediction_is_checked_at_the_even_share():
+    """Over a link that predicts the splits at 0.75 of unsplit, each split's first step in a new bucket is an outlier
+    (three times its cost: a first step at new shapes, a neighbour's burst), so unsplit takes over and neither split
+    earns a second warm-up sample. One sample against the prediction is re-measured at the even share (every 40
+    steps with two challengers), not at the interval its measured loss would earn (the longest, 320 steps): the
+    first split re-measured takes over from the bucket's 41st step and keeps the bucket."""
+    cost = _wire_cost(0.5, 0.6)
+    policy = AdaptiveSplit(CHOICES)
+    _ran(policy, "decode", 8, 6, cost)
+    seen: set[Choice] = set()
+
+    def first_is_slow(choice: Choice, tokens: int) -> tuple[float, float]:
+        step, wire = cost(choice, tokens)
+        if choice.split and choice not in seen:
+            seen.add(choice)
+            return 3 * step, wire
+        return step, wire
+
+    ran = _ran(policy, "decode", 64, 120, first_is_slow)
+    assert ran[:3] == [DECODE, UNSPLIT, PREFILL] and set(ran[3:40]) == {UNSPLIT}, ran  # both lost their one sample
+    assert ran[40] == DECODE and ran[40:].count(UNSPLIT) <= 0.05 * 80, ran
+    assert {(r["kind"], r["tokens"]): r for r in policy.stats()}[("decode", "64-127 tokens")]["choice"] == str(DECODE)
+
+
 def test_the_host_cost_benchmark_runs():
     """benchmarks/split_decision.py prints its table and the target's verdict (times are its business, not ours)."""
     import subprocess

@@ -39,7 +39,11 @@ per token, hence their ratio. A split is predicted to hide `WIRE_HIDDEN` of the 
 splits hid 0.5-0.6 of it where compute and wire were equal). That names the new bucket's starting incumbent: a split
 where the wire is a large share of the step, so that a bucket run once (a prefill size seen once) or a few times
 does not spend its steps on unsplit first. Unsplit is still measured once and takes over where the split does not
-pay.
+pay; but not in the warm-up where the prediction is *trusted*: where it was checked (the nearest bucket that measured
+unsplit and a predicted split; how far off it was there corrects it here) and still says the split takes at most
+``trust_below`` of unsplit's time. Such a bucket runs its split from the first step and measures unsplit by rationed
+exploring, at the interval its predicted loss earns (`_interval`). A bucket run a few times (a prefill size run once a
+wave) spent a third of its steps on an unsplit warm-up sample 1.3-1.5 times slower than its split.
 
 It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
 the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
@@ -134,6 +138,11 @@ class AdaptiveConfig(BaseModel):
     warmup_slack: float = Field(default=0.25, description="a challenger whose first sample measured slower than "
                                                           "the incumbent's by more than this share is warmed up no "
                                                           "further: its later samples are rationed exploring")
+    trust_below: float = Field(default=0.85, description="a bucket whose starting split is predicted at most this "
+                                                         "share of unsplit's time, the prediction corrected by how "
+                                                         "far off it was where it was checked, skips unsplit's "
+                                                         "warm-up sample (unsplit is measured by rationed exploring "
+                                                         "instead); 0: unsplit is always warmed up")
 
     @model_validator(mode="after")
     def _check(self) -> "AdaptiveConfig":
@@ -153,6 +162,8 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"prior_slack must be >= 0, got {self.prior_slack}")
         if not self.warmup_slack >= 0:
             raise ValueError(f"warmup_slack must be >= 0, got {self.warmup_slack}")
+        if not 0 <= self.trust_below < 1:
+            raise ValueError(f"trust_below must be in [0, 1), got {self.trust_below}")
         return self
 
 
@@ -207,6 +218,7 @@ class _Table:
     wire: float | None = None
     explored: int = 0  #: steps that ran a choice other than the incumbent
     rationed: int = 0  #: exploring steps after warm-up (those explore_share bounds)
+    key: tuple[str, int] = ("decode", 0)  #: its step kind and bucket
 
     def __post_init__(self) -> None:
         k = len(self.choices)
@@ -257,7 +269,7 @@ class AdaptiveSplit:
                 no = float("inf")
                 inc = min((i for i, c in enumerate(choices) if c.num_microbatches <= 1 << key[1]), key=lambda i: (
                     (no if predicted[i] is None else predicted[i]) if i else 1 - self.config.hysteresis, i))
-            table = self.tables[key] = _Table(choices, inc, predicted)
+            table = self.tables[key] = _Table(choices, inc, predicted, key=key)
         return table
 
     def _predicted(self, kind: str, bucket: int, choices: tuple[Choice, ...]) -> list[float | None]:
@@ -348,16 +360,45 @@ class AdaptiveSplit:
         return pick
 
     def _warmup(self, table: _Table, i: int, inc: int) -> int:
-        """Warm-up samples of choice ``i``: ``warmup_samples``, but one where the estimate predicts it slower than the
+        """Warm-up samples of choice ``i``: ``warmup_samples``; none for unsplit where the split incumbent's
+        prediction is trusted (`_trusted`); one where the estimate predicts it slower than the
         incumbent (its one sample checks the prediction; unsplit's is the reference a split must beat), or where its
         first sample measured slower than the incumbent's by more than ``warmup_slack``. A short run is mostly
         warm-up: a second sample of a split that lost by a quarter costs a step's quarter to learn what the
         rationed exploring (bounded by ``explore_cost``) learns too; a noisy first sample is corrected there."""
         cfg, pred = self.config, table.predicted
+        if i == 0 and self._trusted(table, inc):
+            return 0
         slower = i != inc and pred[i] is not None and pred[inc] is not None and pred[i] > pred[inc]
         mine, theirs = table.cost[i], table.cost[inc]
         lost = i != inc and mine is not None and bool(theirs) and mine > theirs * (1 + cfg.warmup_slack)
         return min(cfg.warmup_samples, 1) if slower or lost else cfg.warmup_samples
+
+    def _trusted(self, table: _Table, inc: int) -> bool:
+        """Whether the bucket's split incumbent ``inc`` is predicted to pay beyond doubt, so that unsplit's warm-up
+        sample is spared (module docstring): its prediction, times the error of the predictions where they were
+        checked (`_prediction_error`), is at most ``trust_below``. Never without a check: a prediction that was
+        never compared with a measurement is not trusted."""
+        pred = table.predicted[inc]
+        if not inc or pred is None or table.cost[0] is not None or not self.config.trust_below:
+            return False
+        error = self._prediction_error(*table.key)
+        return error is not None and pred * error <= self.config.trust_below
+
+    def _prediction_error(self, kind: str, bucket: int) -> float | None:
+        """How far off the predictions were where they were checked: in the nearest bucket (by size, then the same
+        kind, then the smaller) that measured unsplit and a predicted split, its cheapest such split's measured time
+        relative to unsplit over its prediction (above 1: the prediction was optimistic). None where none was
+        checked."""
+        checked = []
+        for (k, b), t in self.tables.items():
+            if not t.cost[0]:
+                continue
+            splits = [j for j in range(1, len(t.choices)) if t.cost[j] is not None and t.predicted[j]]
+            if splits:
+                j = min(splits, key=lambda j: (t.cost[j], j))
+                checked.append((abs(b - bucket), k != kind, b, t.cost[j] / t.cost[0] / t.predicted[j]))
+        return min(checked)[3] if checked else None
 
     def _interval(self, table: _Table, i: int, inc: int, challengers: int, doubtful: bool = False) -> float:
         """Steps between two explorations of challenger ``i`` (against incumbent ``inc``): ``challengers`` share the
@@ -367,16 +408,22 @@ class AdaptiveSplit:
         eight times the even interval, so that a cost that changes is still followed within a bounded number of
         steps (three samples turn the lower median of five). A doubtful challenger waits the longest interval until
         measured cheaper than the incumbent; one with a prediction is judged by it against the incumbent's until
-        measured."""
+        measured, except unsplit: the reference a split must beat, unmeasured only where a trusted prediction spared
+        its warm-up (`_trusted`), is measured at the even share. A challenger predicted cheaper than the incumbent
+        but measured slower in its one sample is sampled again at the even share too: one sample against a
+        prediction does not earn the stretched interval."""
         cfg = self.config
         even = challengers / cfg.explore_share
         mine, theirs = table.cost[i], table.cost[inc]
         if doubtful and (mine is None or (theirs and mine > theirs)):  # not measured to pay: the longest interval
             return _MAX_BACKOFF * even
         pred = table.predicted
-        if mine is None and pred[i] is not None and pred[inc]:  # the predicted ratio stands in for a measured one
+        if mine is None and i and pred[i] is not None and pred[inc]:  # the prediction stands in for a measurement
             mine, theirs = pred[i], pred[inc]
-        if mine is None or not theirs or mine <= theirs:  # unmeasured, or not slower: the even share
+        # one sample that contradicts the prediction (a first step at a new shape, a neighbour's burst) is checked
+        # at the even share, not trusted for the stretched interval
+        contradicted = table.samples[i] == 1 and None not in (pred[i], pred[inc]) and pred[i] < pred[inc]
+        if mine is None or not theirs or mine <= theirs or contradicted:  # or not slower: the even share
             return even
         slower = mine / theirs - 1
         if slower * cfg.explore_share <= cfg.explore_cost:

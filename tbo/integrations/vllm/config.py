@@ -60,7 +60,8 @@ class TboVllmConfig(BaseModel):
                                       "seed it), choosing among unsplit and the decode and prefill strategies")
     adaptive: AdaptiveConfig | None = Field(
         default=None, description="split 'adaptive' only: how it explores and decides (warmup_samples, warmup_slack, "
-                                  "explore_share, explore_cost, hysteresis, window)")
+                                  "explore_share, explore_cost, hysteresis, window, microbatches, prior_slack, "
+                                  "trust_below)")
     token_distribution_threshold: float = Field(
         default=SplitPolicy.model_fields["token_distribution_threshold"].default,
         description="below this share on one side of a request boundary, cut inside a request")
