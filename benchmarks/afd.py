@@ -12,6 +12,12 @@ on one machine; with a list, the line ``N vs M: <x>`` compares the counts. Then 
 (`tbo.harness.afd.measured_costs`) and the line ``model picks: N, measured best: M`` says whether it chose the count
 that measured fastest (1: unsplit).
 
+``--transport``: what carries the messages. "tcp" (the default) is the transport an engine's AFD runs on: an
+`AFDGroup` pair over the authenticated socket that ``tbo afd-ffn`` serves, whose reader thread takes each message as
+it arrives, the FFN side posting each request's header ahead. "gloo" is the launch's process group, a rendezvous per
+message (a send's bytes move once its receive is posted): on the FFN side each request's payload then waits a
+round trip through the attention process's busy core, about 0.6 ms a request, 16 a step.
+
 Why these shapes. A split step pays its pipeline fill (microbatch 0's first attention, with the FFN rank idle) and
 drain (the last microbatch's last FFN, with the attention rank idle) once, so with L balanced layers the ideal
 speedup at two microbatches is 2L/(L+1): 1.6 at 4 layers, 1.78 at 8 (DeepSeek-V3 has 61). And a decode FFN call
@@ -60,13 +66,16 @@ def main() -> None:
     parser.add_argument("--microbatches", type=_counts, default=(2,), help="N, or N,M,...: 2, 3 or 4 (default 2)")
     parser.add_argument("--link", type=_link, default=None, help="LAT_US,GBPS between attention and FFN")
     parser.add_argument("--cases", default=",".join(CASES), help="which cases (default: all)")
+    parser.add_argument("--transport", choices=("tcp", "gloo"), default="tcp",
+                        help="tcp: an AFDGroup pair, as engines run (default); gloo: the launch's process group")
     args = parser.parse_args()
     for name in args.cases.split(","):
         case = AFDCase(**{**CASES[name].__dict__, "repeats": args.repeats, "microbatches": args.microbatches,
-                          "link": args.link})
+                          "link": args.link, "transport": args.transport})
         attention, ffn = launch(run_afd, 2, case, timeout_s=600)
         link = f", link {args.link}" if args.link else ""
-        print(f"{name}: {attention.tokens} tokens, hidden {case.hidden_size}, {case.num_layers} layers{link}")
+        print(f"{name}: {attention.tokens} tokens, hidden {case.hidden_size}, {case.num_layers} layers{link}, "
+              f"over {attention.transport}")
         for mode, microbatches in (("no_dbo", 1), ("dbo", args.microbatches[0])):
             print(f"  {mode}: attention compute {attention.attention_ms[mode]:.1f} ms, waiting for FFN "
                   f"{attention.wait_ms[mode]:.1f} ms; FFN rank busy {ffn.ffn_busy_ms.get(microbatches, 0.0):.1f} ms")

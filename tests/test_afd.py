@@ -15,11 +15,15 @@ from tbo.harness.launch import RankError, launch
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("transport", ["gloo", "tcp"])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_one_to_one_equals_colocated_forward(mode):
-    """Split into 2, 3 and 4 microbatches (and unsplit), each bit for bit the colocated model's forward."""
+def test_one_to_one_equals_colocated_forward(mode, transport):
+    """Split into 2, 3 and 4 microbatches (and unsplit), each bit for bit the colocated model's forward: over the
+    launch's gloo group, and over an `AFDGroup` pair (the socket ``tbo afd-ffn`` serves, what `benchmarks/afd.py`
+    measures), its FFN side posting each request's header ahead (``max_request_bytes``)."""
     attention, ffn = launch(run_afd, 2, AFDCase(mode=mode, num_seqs=6, ctx=12, num_layers=3, repeats=1,
-                                                microbatches=(2, 3, 4)))
+                                                microbatches=(2, 3, 4), transport=transport))
+    assert attention.transport == ffn.transport == transport
     assert attention.split and attention.max_diff == 0.0
     # microbatch metadata arrives intact: every layer, both microbatches, in the order the strategy sends them
     first_step = [(m.layer_idx, m.microbatch_idx, m.num_microbatches) for m in ffn.received[:6]]
@@ -36,6 +40,15 @@ def test_one_to_one_equals_colocated_forward(mode):
     assert set(ffn.ffn_busy_ms) == {1, 2, 3, 4}
     assert set(attention.attention_ms) == set(attention.wait_ms) == {"no_dbo", "dbo"}
     assert set(attention.stage_ms) == {1, 2, 3, 4} and min(attention.stage_ms.values()) > 0
+
+
+def test_the_socket_transport_pairs_one_attention_rank_with_one_ffn_rank():
+    """An `AFDGroup` is a pair: a case of 2 attention ranks over "tcp" is refused by name, before anything
+    listens; a transport it does not know, too."""
+    with pytest.raises(ValueError, match=r"transport='tcp' pairs one attention rank with one FFN rank, got 2:1"):
+        run_afd(0, 3, AFDCase(num_attention_ranks=2, transport="tcp"))
+    with pytest.raises(ValueError, match=r"AFDCase.transport='udp': accepted 'gloo' or 'tcp'"):
+        run_afd(0, 2, AFDCase(transport="udp"))  # type: ignore[arg-type]
 
 
 @pytest.mark.dist

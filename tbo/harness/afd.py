@@ -26,6 +26,7 @@ from tbo.harness.workload import make_batch
 from tbo.afd.attention import AFDAttentionModel
 from tbo.afd.config import AFDConfig
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup
 from tbo.afd.server import AFDFFNServer
 
 __all__ = ["AFDCase", "AFDResult", "measured_costs", "run_afd"]
@@ -47,6 +48,9 @@ class AFDCase:
     ffn_dies_after: int | None = None  #: an FFN rank exits (os._exit) after serving this many requests
     microbatches: tuple[int, ...] = (2,)  #: the split counts measured (the first is ``dbo_ms``)
     link: str | None = None  #: ``"LATENCY_US,GBPS"`` between attention and FFN ranks, each direction
+    #: "gloo": the launch's process group (any M:N); "tcp": an `AFDGroup` pair, the authenticated socket that
+    #: ``tbo afd-ffn`` serves and vLLM's AFD joins (1:1), its FFN side posting each request's header ahead
+    transport: Literal["gloo", "tcp"] = "gloo"
 
 
 @dataclass
@@ -68,6 +72,7 @@ class AFDResult:
     link_messages: int = 0  #: messages this rank sent over the emulated link (0 without one)
     #: attention rank: its compute per step (the traced step, waits left out), by number of microbatches (1: unsplit)
     stage_ms: dict[int, float] = field(default_factory=dict)
+    transport: str = ""  #: what carried the messages: "gloo" (a process group) or "tcp" (an `AFDGroup`'s socket)
 
     @property
     def speedup(self) -> float:
@@ -88,8 +93,8 @@ def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
     config = AFDConfig(role="attention" if topology.is_attention(rank) else "ffn",
                        num_attention_ranks=case.num_attention_ranks, num_ffn_ranks=case.num_ffn_ranks,
                        num_microbatches=case.microbatches[0], link=case.link)
-    connector = TorchDistributedAFDConnector(topology, case.timeout_s, link=config.link)
     model = ReferenceModel(model_config(case))
+    connector = _connector(rank, case, topology, config)
     if config.role == "ffn":
         server = AFDFFNServer(model, connector)
         if case.ffn_dies_after is not None:
@@ -98,8 +103,42 @@ def run_afd(rank: int, world: int, case: AFDCase) -> AFDResult:
         steps = Counter(m.num_microbatches for m in server.received if (m.layer_idx, m.microbatch_idx) == (0, 0))
         return AFDResult(rank, "ffn", received=list(server.received),
                          ffn_busy_ms={n: s * 1e3 / steps[n] for n, s in server.busy_s.items()},
-                         link_messages=_link_messages(connector))
+                         link_messages=_link_messages(connector), transport=_transport(connector))
     return _attention(rank, case, config, model, connector)
+
+
+def _connector(rank: int, case: AFDCase, topology: AFDTopology, config: AFDConfig) -> TorchDistributedAFDConnector:
+    """The rank's connector over ``case.transport``. Over "tcp" the FFN rank listens on a free loopback port, which
+    it hands to the attention rank over the launch's process group; the attention rank joins as an engine does,
+    asking for the case's link and checking that the server serves its counts. The FFN rank takes requests of at
+    most the case's largest step (``max_request_bytes``, as ``tbo afd-ffn`` does), so that each request's header
+    receive is posted before it arrives."""
+    if case.transport == "gloo":
+        return TorchDistributedAFDConnector(topology, case.timeout_s, link=config.link)
+    if case.transport != "tcp":
+        raise ValueError(f"AFDCase.transport={case.transport!r}: accepted 'gloo' or 'tcp'")
+    if (case.num_attention_ranks, case.num_ffn_ranks) != (1, 1):
+        raise ValueError(f"AFDCase.transport='tcp' pairs one attention rank with one FFN rank, got "
+                         f"{case.num_attention_ranks}:{case.num_ffn_ranks} (use 'gloo')")
+    import torch
+    import torch.distributed as dist
+
+    port = [0]
+    if topology.is_attention(rank):
+        dist.broadcast_object_list(port, src=topology.ffn_peer(rank))
+        group = AFDGroup.connect(f"127.0.0.1:{port[0]}", connect_timeout_s=case.timeout_s, timeout_s=case.timeout_s,
+                                 num_microbatches=case.microbatches, link=config.link)
+        return TorchDistributedAFDConnector(topology, case.timeout_s, group=group, link=config.link)
+    tokens = case.num_seqs * (2 * case.ctx if case.mode == "prefill" else 1)  # make_batch: prompts <= 1.5 x ctx
+    max_bytes = tokens * case.hidden_size * torch.empty((), dtype=model_config(case).torch_dtype).element_size()
+
+    def listening(host: str, bound: int) -> None:
+        dist.broadcast_object_list([bound], src=rank)
+
+    group = AFDGroup.listen("127.0.0.1:0", {}, timeout_s=case.timeout_s, on_listening=listening,
+                            max_message_bytes=max_bytes + 128, microbatches=case.microbatches)
+    return TorchDistributedAFDConnector(topology, case.timeout_s, group=group, link=group.peer_link,
+                                        max_request_bytes=max_bytes)
 
 
 def _die_after(server: AFDFFNServer, n: int) -> None:
@@ -152,7 +191,12 @@ def _attention(rank: int, case: AFDCase, config: AFDConfig, model: ReferenceMode
         if case.ffn_dies_after is None:
             connector.shutdown()
     result.link_messages = _link_messages(connector)
+    result.transport = _transport(connector)
     return result
+
+
+def _transport(connector: TorchDistributedAFDConnector) -> str:
+    return connector.group.backend if isinstance(connector.group, AFDGroup) else "gloo"
 
 
 def _link_messages(connector: TorchDistributedAFDConnector) -> int:

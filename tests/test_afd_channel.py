@@ -1,0 +1,80 @@
+"""`tbo.afd.channel.SocketChannel`'s sends: queued to a writer thread, done once the socket took every byte.
+
+Over a socket pair whose far end is a plain socket this test reads (or does not), so what is asserted is the
+channel's own behaviour: ``send`` returns before its bytes are taken, the work completes once they are, frames
+arrive whole and in order, and a peer that goes away fails the queued sends by name, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import struct
+
+import pytest
+import torch
+
+from tbo.afd.channel import SocketChannel
+from tbo.afd.group import AFDPeerError
+
+_HEADER = struct.Struct("!IIQ")
+BIG = 16 << 20  # far more than a socket pair's buffers hold: the writer must wait for the far end to read
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(min(n - len(out), 1 << 20))
+        assert chunk, "the channel closed early"
+        out += chunk
+    return bytes(out)
+
+
+def test_a_send_returns_before_its_bytes_are_taken_and_completes_once_they_are():
+    mine, far = socket.socketpair()
+    channel = SocketChannel(mine, 0, "the test's far end")
+    try:
+        first = torch.arange(BIG // 4, dtype=torch.int32)
+        second = torch.tensor([7, 8, 9], dtype=torch.int64)
+        big, small = channel.send(first, 0), channel.send(second, 0)
+        # nobody read yet: the 16 MB frame cannot all be in the socket's buffers, so neither send is done
+        assert not big.wait(datetime.timedelta(seconds=0.2)) and not small.is_completed()
+        kind, tag, length = _HEADER.unpack(_read_exact(far, _HEADER.size))
+        assert (kind, tag, length) == (1, 0, BIG)
+        assert torch.equal(torch.frombuffer(bytearray(_read_exact(far, length)), dtype=torch.int32), first)
+        assert _HEADER.unpack(_read_exact(far, _HEADER.size))[2] == 24
+        assert torch.equal(torch.frombuffer(bytearray(_read_exact(far, 24)), dtype=torch.int64), second)
+        assert big.wait(datetime.timedelta(seconds=10)) and small.wait(datetime.timedelta(seconds=10))
+    finally:
+        channel.close()
+        far.close()
+
+
+def test_a_peer_that_goes_away_fails_the_queued_sends_by_name():
+    mine, far = socket.socketpair()
+    channel = SocketChannel(mine, 0, "the FFN server at 127.0.0.1:1")
+    try:
+        works = [channel.send(torch.zeros(BIG // 4, dtype=torch.int32), 0) for _ in range(3)]
+        far.close()  # never read a byte
+        for work in works:
+            with pytest.raises(AFDPeerError, match=r"the AFD (connection to|peer at) the FFN server at 127.0.0.1:1"):
+                work.wait(datetime.timedelta(seconds=10))
+        with pytest.raises(AFDPeerError, match="the FFN server at 127.0.0.1:1"):
+            channel.send(torch.zeros(4), 0)  # refused at once: the channel is poisoned
+    finally:
+        channel.close()
+
+
+def test_close_fails_what_is_still_queued():
+    mine, far = socket.socketpair()
+    channel = SocketChannel(mine, 0, "the engine at 127.0.0.1:2")
+    try:
+        works = [channel.send(torch.zeros(BIG // 4, dtype=torch.int32), 0) for _ in range(3)]
+        channel.close()
+        for work in works[1:]:  # the first may have been written in part when the socket closed: it fails too
+            with pytest.raises(AFDPeerError, match="closed by this side|the engine at 127.0.0.1:2"):
+                work.wait(datetime.timedelta(seconds=10))
+        with pytest.raises(AFDPeerError, match="closed by this side"):
+            channel.send(torch.zeros(4), 0)
+    finally:
+        far.close()
