@@ -42,8 +42,9 @@ does not spend its steps on unsplit first. Unsplit is still measured once and ta
 pay; but not in the warm-up where the prediction is *trusted*: where it was checked (the nearest bucket that measured
 unsplit and a predicted split; how far off it was there corrects it here) and still says the split takes at most
 ``trust_below`` of unsplit's time. Such a bucket runs its split from the first step and measures unsplit by rationed
-exploring, at the interval its predicted loss earns (`_interval`). A bucket run a few times (a prefill size run once a
-wave) spent a third of its steps on an unsplit warm-up sample 1.3-1.5 times slower than its split.
+exploring, at the even share (`_interval`): a trusted split that does not pay gives way at unsplit's first sample. A
+bucket run a few times (a prefill size run once a wave) spent a third of its steps on an unsplit warm-up sample 1.3-1.5
+times slower than its split.
 
 It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
 the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
@@ -423,7 +424,7 @@ class AdaptiveSplit:
         # one sample that contradicts the prediction (a first step at a new shape, a neighbour's burst) is checked
         # at the even share, not trusted for the stretched interval
         contradicted = table.samples[i] == 1 and None not in (pred[i], pred[inc]) and pred[i] < pred[inc]
-        if mine is None or not theirs or mine <= theirs or contradicted:  # or not slower: the even share
+        if mine is None or not theirs or mine <= theirs or contradicted:  # unmeasured, not slower or contradicted
             return even
         slower = mine / theirs - 1
         if slower * cfg.explore_share <= cfg.explore_cost:
