@@ -120,7 +120,6 @@ def _connector(rank: int, case: AFDCase, topology: AFDTopology, config: AFDConfi
     if (case.num_attention_ranks, case.num_ffn_ranks) != (1, 1):
         raise ValueError(f"AFDCase.transport='tcp' pairs one attention rank with one FFN rank, got "
                          f"{case.num_attention_ranks}:{case.num_ffn_ranks} (use 'gloo')")
-    import torch
     import torch.distributed as dist
 
     port = [0]
@@ -130,7 +129,7 @@ def _connector(rank: int, case: AFDCase, topology: AFDTopology, config: AFDConfi
                                  num_microbatches=case.microbatches, link=config.link)
         return TorchDistributedAFDConnector(topology, case.timeout_s, group=group, link=config.link)
     tokens = case.num_seqs * (2 * case.ctx if case.mode == "prefill" else 1)  # make_batch: prompts <= 1.5 x ctx
-    max_bytes = tokens * case.hidden_size * torch.empty((), dtype=model_config(case).torch_dtype).element_size()
+    max_bytes = tokens * case.hidden_size * model_config(case).torch_dtype.itemsize
 
     def listening(host: str, bound: int) -> None:
         dist.broadcast_object_list([bound], src=rank)
