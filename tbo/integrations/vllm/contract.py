@@ -192,6 +192,7 @@ CONTRACT: tuple[Entry, ...] = (
     Entry("vllm.distributed", "tensor_model_parallel_all_reduce", "call", where="model.layers"),
     Entry("vllm.distributed", "init_distributed_environment", "call", where="afd.ffn"),
     Entry("vllm.distributed", "ensure_model_parallel_initialized", "call", where="afd.ffn"),
+    Entry("vllm.distributed", "parallel_state", "import", where="afd.ffn"),
     Entry("vllm.distributed.parallel_state", "GroupCoordinator", "read",
           attrs=("cpu_group", "world_size", "unique_name", "device_communicator"),
           where="runner.dp, comm, afd.ffn"),
