@@ -17,13 +17,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ALL", "CONTRACT", "KINDS", "V1", "Entry", "entries_for", "release_of"]
+__all__ = ["ALL", "CONTRACT", "KINDS", "RUNNERS", "V1", "Entry", "entries_for", "release_of"]
 
-#: the vLLM releases (major.minor) the contract covers: what `tbo.integrations.vllm.admit.checks` admits
-ALL = ("0.32", "0.33", "0.34")
-#: the releases that still have V1's model runner (0.34 deleted ``gpu_model_runner.py``, ``cpu_model_runner.py``,
-#: ``gpu_input_batch.py``, ``split_attn_metadata`` and the V1 spec-decode proposers)
-V1 = ("0.32", "0.33")
+#: the vLLM releases (major.minor) tbo admits, each with the model runners it has: ``"v1"`` (``vllm/v1/worker/
+#: gpu_model_runner.py`` and the CPU runner deriving from it) and ``"v2"`` (Model Runner V2, ``vllm/v1/worker/gpu/``
+#: and ``vllm/v1/worker/cpu/``). 0.34 deleted V1 (``gpu_model_runner.py``, ``cpu_model_runner.py``,
+#: ``gpu_input_batch.py``, ``split_attn_metadata``, V1's spec-decode proposers). The version gate
+#: (`tbo.integrations.vllm.admit.checks.check_vllm_version`) and the contract both read this.
+RUNNERS: dict[str, tuple[str, ...]] = {"0.32": ("v1", "v2"), "0.33": ("v1", "v2"), "0.34": ("v2",)}
+#: the releases the contract covers
+ALL = tuple(RUNNERS)
+#: the releases that still have V1's model runner
+V1 = tuple(r for r, runners in RUNNERS.items() if "v1" in runners)
 
 #: how tbo uses a symbol, and so what the checker asks of it
 KINDS = {
