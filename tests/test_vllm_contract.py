@@ -63,7 +63,8 @@ FILES = {
             def load_model(self, load_dummy_weights: bool = False, *, extra=None):
                 pass
             def _determine(self, num_tokens, num_reqs, *, force_eager=False):
-                pass
+                self.input_batch.num_reqs = num_tokens  # assigns into the batch: no evidence of a batch attribute
+                self.input_batch.ids[0] = num_reqs
         """,
     "vllm/worker/utils.py": """
         def make_slices(should_ubatch, num_tokens, split_point=None):
@@ -148,6 +149,14 @@ def test_lost_re_exports_fail(tmp_path):
     got = failures_of(tmp_path, {"vllm/distributed/__init__.py": "", "vllm/platforms/__init__.py": ""})
     assert got == {"vllm.distributed:get_dp_group": "get_dp_group is not defined in vllm.distributed",
                    "vllm.platforms:current_platform": "current_platform is not defined in vllm.platforms"}
+
+
+def test_a_re_export_of_a_name_its_module_lost_fails(tmp_path):
+    """``from .parallel import ParallelConfig`` still stands in ``vllm/config/__init__.py``, but the class it names
+    is gone: importing it would fail, and so does the entry."""
+    config = FILES["vllm/config/parallel.py"].replace("class ParallelConfig", "class ParallelSettings")
+    got = failures_of(tmp_path, {"vllm/config/parallel.py": config})
+    assert got == {"vllm.config:ParallelConfig": "ParallelConfig is not defined in vllm.config"}
 
 
 def test_the_command_line_names_the_failing_entry(tmp_path, capsys):

@@ -151,11 +151,14 @@ class SourceTree:
                     if alias.name == "*":
                         stars.append(source)
                     elif (alias.asname or alias.name) == name:
+                        if self.module(source) is None:  # outside the tree (torch, ...) or compiled (vllm._C)
+                            binding = _Found(module, node, f"{module_name}.{name}", {"unresolved": source})
+                            continue
                         found = self.resolve(source, alias.name, seen)
                         if found is None and self.module(f"{source}.{alias.name}") is not None:
                             found = _Found(self.module(f"{source}.{alias.name}"), None, f"{source}.{alias.name}")
-                        binding = found or _Found(module, node, f"{module_name}.{name}",
-                                                  {"unresolved": f"{source}.{alias.name}"})
+                        if found is not None:  # else re-exported from a module of the tree that no longer has it
+                            binding = found
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname == name:
@@ -242,17 +245,26 @@ class SourceTree:
             for stmt in ast.walk(klass.node):
                 if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                     targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                    for t in targets:
-                        for node in ast.walk(t):
-                            if (isinstance(node, ast.Attribute) and node.attr == name
-                                    and isinstance(node.value, ast.Name) and node.value.id == "self"):
-                                return True
+                    if any(name in _self_targets(t) for t in targets):
+                        return True
                 elif isinstance(stmt, ast.Call) and ast.unparse(stmt.func) in ("setattr", "object.__setattr__") \
                         and len(stmt.args) >= 2 and isinstance(stmt.args[0], ast.Name) \
                         and stmt.args[0].id == "self" and isinstance(stmt.args[1], ast.Constant) \
                         and stmt.args[1].value == name:
                     return True
         return False
+
+
+def _self_targets(target: ast.AST) -> set[str]:
+    """The attributes ``target`` assigns on ``self``: ``self.x = ...``, ``self.x, self.y = ...`` (not
+    ``self.x.y = ...`` nor ``self.x[i] = ...``, which assign into what ``self.x`` already holds)."""
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+        return {target.attr}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_self_targets(t) for t in target.elts)) if target.elts else set()
+    if isinstance(target, ast.Starred):
+        return _self_targets(target.value)
+    return set()
 
 
 def _target_names(target: ast.AST) -> set[str]:
