@@ -21,6 +21,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,6 +197,62 @@ def test_vllm_engine_loop_dp_all_reduce_is_bounded_and_named_on_a_stalled_peer()
     error, waited = launch(_engine_sync_rank, 2, timeout_s=180)[0]
     assert error.startswith("rank 0: vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)"), error
     assert "timed out after 2s" in error and waited < 8, (error, waited)
+
+
+def _p2p_sync_rank(rank: int, world: int, engine_timeout_s: int | None) -> tuple:
+    """vLLM 0.33's engine-loop DP sync as it waits: gloo sends and receives (``cpu_all_reduce_``), each wait taking
+    ``parallel_config.cpu_distributed_timeout_seconds`` (None: the group's own, here 60 s), under
+    `bounded_engine_sync` with tbo's 2 s deadline while rank 1 stalls: named within the deadline, the engine's
+    setting back after."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from tbo.integrations.vllm.runner.dp import bounded_engine_sync
+
+    group = dist.group.WORLD
+    group._get_backend(torch.device("cpu"))._set_default_timeout(datetime.timedelta(seconds=60))
+    dist.barrier(group)
+    if rank == 1:
+        time.sleep(8)  # stalled: its connections stay open
+        return ()
+    parallel_config = SimpleNamespace(cpu_distributed_timeout_seconds=engine_timeout_s)
+    core = SimpleNamespace(dp_group=group, dp_rank=0, vllm_config=SimpleNamespace(parallel_config=parallel_config))
+    seen = []
+
+    def sync(core: Any, local_unfinished: bool) -> bool:  # vllm/distributed/utils.py's cpu_all_reduce_, one round
+        seconds = core.vllm_config.parallel_config.cpu_distributed_timeout_seconds
+        seen.append(seconds)
+        tensor, scratch = torch.tensor([int(local_unfinished)]), torch.zeros(1, dtype=torch.int64)
+        recv, send = group.recv([scratch], 1, 27100), group.send([tensor], 1, 27100)
+        timeout = datetime.timedelta(seconds=seconds) if seconds is not None else datetime.timedelta(0)
+        recv.wait(timeout)
+        send.wait(timeout)
+        return bool(tensor.add_(scratch).item())
+
+    t0 = time.monotonic()
+    try:
+        bounded_engine_sync(core, 2.0, sync, True)
+        error = "no error"
+    except CommTimeoutError as e:
+        error = str(e)
+    return (error, time.monotonic() - t0, seen, parallel_config.cpu_distributed_timeout_seconds)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("engine_timeout_s", [None, 600])
+def test_engine_loop_dp_sync_point_to_point_waits_under_tbos_deadline(engine_timeout_s):
+    """From vLLM 0.33 the engine-loop DP sync's waits ignore the group's timeout: tbo's deadline reaches them through
+    ``cpu_distributed_timeout_seconds`` (unset, or longer than tbo's), and the engine's value comes back after."""
+    from tbo.harness.launch import launch
+
+    error, waited, seen, after = launch(_p2p_sync_rank, 2, engine_timeout_s, timeout_s=120)[0]
+    assert seen == [2], seen  # the sync ran, and saw tbo's deadline
+    assert error.startswith("rank 0: vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)"), error
+    assert "timed out after 2s" in error and waited < 6, (error, waited)
+    assert after == engine_timeout_s
 
 
 def _zero_rows_rank(rank: int, world: int, agreed: bool) -> tuple:

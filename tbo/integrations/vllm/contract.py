@@ -172,6 +172,8 @@ CONTRACT: tuple[Entry, ...] = (
                  "decode_context_parallel_size", "prefill_context_parallel_size", "use_ubatching", "num_ubatches"),
           where="admit (checks, parallel, speculative), runner.engine, runner.patches (use_ubatching and "
                 "num_ubatches: what the microbatching shim answers for)"),
+    Entry("vllm.config.parallel", "ParallelConfig", "read", attrs=("cpu_distributed_timeout_seconds",),
+          releases=("0.33", "0.34"), where="runner.dp (the engine-loop DP sync's point-to-point waits read it)"),
     Entry("vllm.config.model", "ModelConfig", "read",
           attrs=("hf_config", "hf_text_config", "dtype", "enforce_eager", "quantization", "use_mla"),
           where="admit, runner.engine, step.agree, afd"),
@@ -202,7 +204,7 @@ CONTRACT: tuple[Entry, ...] = (
           attrs=("cpu_group", "world_size", "unique_name", "device_communicator"),
           where="runner.dp, comm, afd.ffn"),
     Entry("vllm.model_executor.model_loader", "get_model", "call", params=("vllm_config",), where="afd.ffn"),
-    # ---- the model layers: MoE runner and experts, linear, models -----------------------------------------------------
+    # ---- the model layers: MoE runner and experts, linear, models ----------------------------------------------------
     Entry(f"{_MOE}.runner.moe_runner_interface", "MoERunnerInterface", "import", where="model.structure"),
     Entry(f"{_MOE}.runner.moe_runner", "MoERunner", "read",
           attrs=("routed_experts", "router", "gate", "shared_experts", "shared_expert_gate", "routed_input_transform",

@@ -6,7 +6,9 @@ why it is one collective per step are in `tbo.integrations.vllm.step.agree`.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.vllm.comm.bounded import call_bounded
@@ -25,10 +27,37 @@ def bounded_engine_sync(core: Any, timeout_s: float, call: Any, local_unfinished
       has not seen them yet: requests that reached the queue during the step (a front end adds a round's requests
       one by one while the engine already steps the first) would otherwise let every rank end the wave, and offline
       (no DP coordinator) this rank's engine would then start a wave of its own that no idle peer joins.
+    * From vLLM 0.33 the all-reduce is point-to-point (``cpu_all_reduce_``: gloo sends and receives). Their waits
+      ignore the group's timeout, which `call_bounded` shortens, and take the engine's
+      ``parallel_config.cpu_distributed_timeout_seconds`` (None: no bound of their own). For the call, that setting
+      is tbo's deadline where it is unset or longer (`_p2p_deadline`); the engine's own value comes back after.
     """
     pending = bool(getattr(core, "input_queue", None) is not None and not core.input_queue.empty())
-    return call_bounded(core.dp_group, timeout_s, "vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)",
-                        call, core, local_unfinished or pending, label=f"rank {core.dp_rank}")
+    with _p2p_deadline(core, timeout_s):
+        return call_bounded(core.dp_group, timeout_s,
+                            "vLLM's engine-loop DP all-reduce (_has_global_unfinished_reqs)",
+                            call, core, local_unfinished or pending, label=f"rank {core.dp_rank}")
+
+
+@contextmanager
+def _p2p_deadline(core: Any, timeout_s: float) -> Iterator[None]:
+    """While it lasts, ``core``'s ``parallel_config.cpu_distributed_timeout_seconds`` (vLLM 0.33 and later; an
+    ``int | None`` of whole seconds, read on every DP sync) is at most ``timeout_s`` rounded up; a vLLM without the
+    setting (0.32) is left as it is."""
+    config = getattr(getattr(core, "vllm_config", None), "parallel_config", None)
+    if config is None or not hasattr(config, "cpu_distributed_timeout_seconds"):
+        yield
+        return
+    previous = config.cpu_distributed_timeout_seconds
+    bound = max(1, math.ceil(timeout_s))
+    if previous is not None and previous <= bound:
+        yield
+        return
+    config.cpu_distributed_timeout_seconds = bound
+    try:
+        yield
+    finally:
+        config.cpu_distributed_timeout_seconds = previous
 
 
 def install_data_parallel(engine: Any, undo: UndoStack) -> None:
