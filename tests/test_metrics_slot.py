@@ -107,3 +107,19 @@ def test_the_metrics_folder_is_named_by_the_key():
     assert metrics_dir("abc", base="/somewhere").as_posix() == "/somewhere/tbo-metrics-abc"
     with pytest.raises(ValueError, match="interval_s=0"):
         MetricsPublisher("/nonexistent", {}, {}, dict, interval_s=0)
+
+
+def test_the_dashboard_loads_and_names_only_documented_metrics():
+    """docs/grafana/tbo-dashboard.json: every panel queries tbo's metrics, each named in docs/metrics.md (the served
+    test, tests/vllm/test_metrics.py, checks them against a real scrape)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    dashboard = json.loads((root / "docs" / "grafana" / "tbo-dashboard.json").read_text())
+    page = (root / "docs" / "metrics.md").read_text()
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) >= 6 and all(p["targets"] for p in dashboard["panels"])
+    names = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\btbo:[A-Za-z0-9_:]+",
+                                                                                      t["expr"])}
+    assert len(names) >= 8 and all(f"`{n}`" in page for n in names), sorted(n for n in names if f"`{n}`" not in page)

@@ -160,3 +160,39 @@ def test_the_metrics_families_read_back_as_the_stats_file(tmp_path):
     assert len(back) == 1 and back[0]["labels"] == {"engine": "0", "rank": "2"} and back[0]["info"] == {"version": "v"}
     assert back[0]["stats"] == stats.as_dict()
     assert render(back).splitlines()[1].split()[:4] == ["0", "2", "6", "3"]
+
+
+def test_the_adaptive_families_carry_each_bucket_s_choice_and_gain():
+    """``split: "adaptive"``: a real `AdaptiveSplit` that learned split pays for decode (half unsplit's time) and not
+    for prefill; its report, as the worker publishes it, becomes one choice per bucket with its estimated gain."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tbo.integrations.engine.metrics import families
+    from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice
+
+    split = Choice("qwen3_moe_decode", 2)
+    adaptive = AdaptiveSplit({"decode": [split], "prefill": [split]})
+    for _ in range(200):
+        for kind, tokens, split_s in (("decode", 40, 0.001), ("prefill", 300, 0.004)):
+            choice = adaptive.choose(kind, tokens)
+            adaptive.observe(kind, tokens, choice, 0.002 if choice == UNSPLIT else split_s)
+    report = {"buckets": adaptive.stats(), "summary": adaptive.summary()}
+    doc = {"labels": {"engine": "0", "rank": "0"}, "info": {}, "stats": {"steps": 400, "adaptive": [report]}}
+
+    class Collector:
+        def collect(self):
+            return families([doc], "m")
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    samples = parse_exposition(generate_latest(registry).decode())
+    choice = {(lab["kind"], lab["choice"]) for name, lab, v in samples if name == "tbo:adaptive_choice" and v == 1}
+    gain = {lab["kind"]: v for name, lab, v in samples if name == "tbo:adaptive_estimated_gain"}
+    steps = {lab["kind"]: v for name, lab, v in samples if name == "tbo:adaptive_steps_total"}
+    assert choice == {("decode", "split, qwen3_moe_decode"), ("prefill", "unsplit")}, choice
+    assert gain["decode"] == pytest.approx(2.0) and gain["prefill"] == 1.0, gain
+    assert steps == {"decode": 200, "prefill": 200}
+    back = docs_from_metrics(samples)[0]["stats"]["adaptive"][0]["buckets"]
+    table = render([{"labels": {"engine": "0", "rank": "0"}, "info": {}, "stats": {"adaptive": [{"buckets": back}]}}])
+    assert "decode 32-63 tokens: split, qwen3_moe_decode (2.00x est.;" in table, table

@@ -136,6 +136,17 @@ def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work
     scraped = _settled(base, final["steps"])
     assert seen and seen == sorted(seen), seen  # counters never went back while the clients ran
     _assert_equal(scraped, final)
+    samples = {name for family in scraped.values() for name, _, _ in family}
+    named = dashboard_metrics()
+    assert named and named <= samples, sorted(named - samples)  # the dashboard shows only what a server shows
+
+
+def dashboard_metrics() -> set[str]:
+    """The metric names the Grafana dashboard's queries use (docs/grafana/tbo-dashboard.json)."""
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "tbo-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return {m for e in exprs for m in re.findall(r"\btbo:[A-Za-z0-9_:]+", e)}
 
 
 def _assert_equal(scraped: dict, doc: dict) -> None:

@@ -195,6 +195,8 @@ class MetricsPublisher:
             self._thread.join(timeout=5 * self.interval_s + 1)
         try:
             self.publish()
+        except Exception:  # noqa: BLE001 - a diagnostic: the engine's shutdown goes on
+            logger.exception("tbo: the last publish of metrics to %s failed", self.slot.path)
         finally:
             self.slot.close(unlink)
             if unlink:
