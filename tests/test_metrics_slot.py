@@ -123,3 +123,14 @@ def test_the_dashboard_loads_and_names_only_documented_metrics():
     names = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\btbo:[A-Za-z0-9_:]+",
                                                                                       t["expr"])}
     assert len(names) >= 8 and all(f"`{n}`" in page for n in names), sorted(n for n in names if f"`{n}`" not in page)
+
+
+def test_the_metrics_keys_are_checked():
+    from tbo.integrations.vllm.config import TboConfigError, parse_config
+
+    assert parse_config({"tbo": {}}).metrics is True and parse_config({"tbo": {}}).metrics_interval_s == 1.0
+    assert parse_config({"tbo": {"metrics": False}}).metrics is False
+    with pytest.raises(TboConfigError, match="metrics_interval_s=0: Input should be greater than 0"):
+        parse_config({"tbo": {"metrics_interval_s": 0}})
+    with pytest.raises(TboConfigError, match="unknown key 'metric'"):
+        parse_config({"tbo": {"metric": True}})

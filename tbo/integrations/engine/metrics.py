@@ -220,6 +220,22 @@ _DOC = {
     "op_seconds": "op_times: wall seconds per op (a *_b op's: a wait the overlap left exposed)",
     "op_calls": "op_times: calls per op", "layers_seconds": "op_times: wall seconds of the layer stacks",
     "graph_eager_steps": "steps run eager because their split differed from their size's CUDA graph",
+    "verify_steps": "speculative decoding: target steps that verified draft tokens",
+    "split_verify_steps": "speculative decoding: verify steps split",
+    "split_verify_steps_varying_k": "split verify steps whose requests brought different draft counts",
+    "verified_draft_tokens": "draft tokens the verify steps verified",
+    "draft_steps": "MTP: forwards of the drafter's model run through tbo",
+    "split_draft_steps": "MTP: drafter forwards split", "afd_stages_sent": "AFD: stages sent to the FFN server",
+    "local_ffn_calls": "FFN or MoE computations on this side", "tp_reductions": "TP all-reduces run as tbo transfers",
+    "ep_size": "the expert-parallel group's size", "remote_rows": "token rows dispatched to other ranks",
+    "count_exchanges": "dispatches that waited on a row-count exchange",
+    "peer_strategy_steps": "DP: steps that ran the strategy a peer needed",
+    "idle_skipped": "DP: idle steps every rank ran at once, their layers skipped",
+    "vllm_dp_all_reduces": "DP: forwards whose vLLM batch coordination all-reduced beside tbo's agreement",
+    "graph_captures": "CUDA graphs captured of split decode steps", "graph_replays": "split steps replayed from a graph",
+    "op_compiles": "graphs traced of tbo's compiled op functions",
+    "op_compile_bound": "the most graphs tbo's compiled ops can make",
+    "compiled_op_calls": "op calls that ran compiled", "guarded_op_calls": "compiled calls through dynamo's guards",
 }
 
 
