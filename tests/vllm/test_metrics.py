@@ -11,6 +11,7 @@ changes, and pyproject.toml names the same class: a test below checks it).
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -116,11 +117,13 @@ def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work
     assert _value(scraped, "tbo:steps") == small["steps"] >= MAX_TOKENS
     assert _value(scraped, "tbo:split_steps") == 0 == _value(scraped, "tbo:split_ratio")
 
-    seen, stop = [], threading.Event()
+    seen, frames, stop = [], [], threading.Event()
 
     def watch() -> None:  # a scraper beside the clients
         while not stop.is_set():
-            seen.append(_value(_scrape(base), "tbo:split_steps"))
+            scraped = _scrape(base)
+            seen.append(_value(scraped, "tbo:split_steps"))
+            frames.append((time.time(), {k: v for k, v in scraped.items() if k.startswith("tbo:")}))
             time.sleep(0.1)
 
     watcher = threading.Thread(target=watch)
@@ -136,6 +139,9 @@ def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work
     scraped = _settled(base, final["steps"])
     assert seen and seen == sorted(seen), seen  # counters never went back while the clients ran
     _assert_equal(scraped, final)
+    record = os.environ.get("TBO_METRICS_RECORD")  # the scrapes, for scripts/render_metrics_panels.py
+    if record:
+        Path(record).write_text(json.dumps([*frames, (time.time(), scraped)]))
     samples = {name for family in scraped.values() for name, _, _ in family}
     named = dashboard_metrics()
     assert named and named <= samples, sorted(named - samples)  # the dashboard shows only what a server shows
