@@ -134,3 +134,31 @@ def test_the_metrics_keys_are_checked():
         parse_config({"tbo": {"metrics_interval_s": 0}})
     with pytest.raises(TboConfigError, match="unknown key 'metric'"):
         parse_config({"tbo": {"metric": True}})
+
+
+def test_the_panels_render_from_recorded_scrapes(tmp_path):
+    """scripts/render_metrics_panels.py: a recording in the served test's shape becomes a PNG; its rates are the
+    counters' differences over the window (here 3 of 4 steps split in each second)."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "render_metrics_panels", Path(__file__).resolve().parents[1] / "scripts" / "render_metrics_panels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ids = {"engine": "0", "model_name": "m", "rank": "0"}
+
+    def frame(t: int) -> list:
+        return [t, {"tbo:steps": [["tbo:steps_total", ids, 4 * t]],
+                    "tbo:split_steps": [["tbo:split_steps_total", ids, 3 * t]],
+                    "tbo:steps_by_mode": [["tbo:steps_by_mode_total", {**ids, "mode": "decode"}, 4 * t]],
+                    "tbo:op_seconds": [["tbo:op_seconds_total", {**ids, "op": "attn"}, 0.5 * t]],
+                    "tbo:info": [["tbo:info", {**ids, "split": "static"}, 1]]}]
+
+    frames = [frame(t) for t in range(6)]
+    xs, ys = script._rates(frames, 1.0, lambda f: script._total(f, "tbo:split_steps"),
+                           lambda f: script._total(f, "tbo:steps"))
+    assert xs == [1, 2, 3, 4, 5] and ys == [0.75] * 5
+    script.render(frames, str(tmp_path / "panels.png"))
+    assert (tmp_path / "panels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
