@@ -173,6 +173,7 @@ VLLM_ORDER = [
     (("afd",), "attention-FFN disaggregation inside vLLM (reuses tbo.afd)"),
     (("runner",), "the engine built on a runner in undoable steps, patches, layer loop, forwards, DP, MTP draft"),
     (("plugin",), "the entry point"),
+    (("metrics",), "the stat-logger entry point: tbo's figures in vLLM's /metrics"),
     (("__init__",), "the package's front door"),
 ]
 _VLLM_ROW = {unit: row for row, (units, _) in enumerate(VLLM_ORDER) for unit in units}

@@ -12,6 +12,8 @@ import pytest
     ('{"link": "fast"}', "link"),
     ('{"backend": "deepep"}', "backend='deepep'"),
     ('{"afd": {"ffn": "127.0.0.1:1"}}', "afd"),
+    ('{"metrics": true}', "metrics=True"),
+    ('{"metrics_interval_s": 5}', "metrics_interval_s=5"),
     ('[1, 2]', "JSON object"),
     ('{"split": ', "not JSON"),
 ])
@@ -29,3 +31,9 @@ def test_unset_or_empty_leaves_the_plugin_idle():
 
     assert read({}) is None and read({"TBO_SGLANG_CONFIG": " "}) is None
     assert read({"TBO_SGLANG_CONFIG": "{}"}).num_microbatches == 2
+
+
+def test_metrics_off_is_accepted():
+    from tbo.integrations.sglang.config import parse_config
+
+    assert parse_config('{"metrics": false}').metrics is False and parse_config("{}").metrics is True

