@@ -1,0 +1,110 @@
+"""tbo on vLLM's Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``), run here under Triton's interpreter.
+
+The V2 engines run in one process of their own (tests/vllm/v2_engine.py, with the Triton shims of tests/vllm/v2_site
+on its path only: they must never reach a V1 engine), one after the other, shared by every test here through the
+module-scoped `v2` fixture: plain V2, tbo at 2 and at 3 microbatches, and the engines tbo must refuse on V2. The
+interpreter costs about 0.15 s a step, so the scenarios are short.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .helpers import ENGINE, SCENARIOS, TBO, _free, _generate, _llm, _prompt, _tokens, needs_vllm
+
+pytestmark = needs_vllm
+
+#: name -> (prompts, max_tokens): a prefill step then decode steps; a prefill cut between requests; one prompt cut
+#: inside (two-chunk); a long prompt chunked beside decodes (mixed steps)
+RUNS = {
+    "decode": (SCENARIOS["decode"], 4),
+    "prefill": (SCENARIOS["prefill"], 2),
+    "cut": (SCENARIOS["cut"], 2),
+    "mixed": ([_prompt(4, 9), _prompt(5, 10), _prompt(50, 11)], 3),
+}
+
+#: microbatches -> tbo's config (a decode step of 3 tokens gives each of 3 microbatches one)
+SPLIT = {2: {**TBO, "num_microbatches": 2}, 3: {**TBO, "num_microbatches": 3, "decode_token_threshold": 3}}
+
+#: what tbo does not run on V2 yet, each refused at engine start: name -> (engine settings, tbo config, culprit)
+REFUSED = {
+    "compiled": ({"enforce_eager": False}, TBO, "enforce_eager=False"),
+    "speculative": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                            "prompt_lookup_max": 2}}, TBO, "speculative_config='ngram'"),
+    "adaptive": ({}, {**TBO, "split": "adaptive"}, "split='adaptive'"),
+    "deepep": ({}, {**TBO, "backend": "deepep"}, "backend='deepep'"),
+    "link": ({}, {**TBO, "link": "10,100"}, "link"),
+    "afd": ({}, {**TBO, "afd": {"ffn": "127.0.0.1:9"}}, "afd"),
+}
+
+
+@pytest.fixture(scope="module")
+def v2(qwen3_moe: Path, tmp_path_factory) -> dict[str, dict]:
+    """Every V2 engine of this module, run once: ``"plain"``, ``2`` and ``3`` (tbo's microbatches), and each of
+    `REFUSED`'s names."""
+    from .v2_engine import run_v2
+
+    engine = {**ENGINE, "model": str(qwen3_moe)}
+    runs = [{"prompts": prompts, "max_tokens": n} for prompts, n in RUNS.values()]
+    names: list = ["plain", *SPLIT, *REFUSED]
+    items = [{"engine": engine, "tbo": None, "runs": runs}]
+    items += [{"engine": engine, "tbo": tbo, "runs": runs} for tbo in SPLIT.values()]
+    items += [{"engine": {**engine, **kw}, "tbo": tbo, "runs": []} for kw, tbo, _ in REFUSED.values()]
+    return dict(zip(names, run_v2(tmp_path_factory.mktemp("v2"), items)))
+
+
+def _runs(result: dict) -> dict[str, dict]:
+    assert "error" not in result, result["error"]
+    return dict(zip(RUNS, result["runs"]))
+
+
+def test_plain_v2_runs_here_and_equals_v1(v2, qwen3_moe):
+    """The shims run V2 here: its runner is V2's CPU runner, and its tokens are plain V1's."""
+    plain = v2["plain"]
+    assert plain.get("runner") == "vllm.v1.worker.cpu.model_runner.CPUModelRunner", plain
+    assert not plain["tbo"]
+    llm = _llm(qwen3_moe)  # V1: this process has no shim
+    try:
+        from .helpers import _runner
+
+        assert type(_runner(llm)).__module__ == "vllm.v1.worker.cpu_model_runner"
+        for name, run in _runs(plain).items():
+            prompts, n = RUNS[name]
+            assert _tokens(_generate(llm, prompts, max_tokens=[n] * len(prompts))) == run["tokens"], name
+    finally:
+        _free(llm)
+
+
+@pytest.mark.parametrize("microbatches", list(SPLIT))
+def test_v2_splits_with_tokens_equal_plain_v2(v2, microbatches):
+    """With V2 selected, an engine given tbo's config splits its decode and prefill steps (a request cut inside, a
+    mixed step) at 2 and 3 microbatches, with the tokens of plain V2: tbo's counters say so, not silence."""
+    result, plain = v2[microbatches], _runs(v2["plain"])
+    assert result["tbo"], "tbo is not installed on V2's runner"
+    for name, run in _runs(result).items():
+        s = run["stats"]
+        assert run["tokens"] == plain[name]["tokens"], (name, microbatches)
+        assert s["split_steps"] > 0 and s["microbatches"] == microbatches * s["split_steps"], (name, s)
+    by_run = {name: run["stats"] for name, run in _runs(result).items()}
+    assert by_run["decode"]["split_steps_by_mode"]["decode"] == RUNS["decode"][1] - 1  # every decode step
+    assert by_run["decode"]["split_steps_by_mode"]["prefill"] == 1
+    assert by_run["prefill"]["split_steps_by_mode"]["prefill"] == 1
+    assert by_run["cut"]["cut_requests"] >= 1  # the 30-token prompt was cut inside
+    assert by_run["mixed"]["split_steps_by_mode"]["mixed"] >= 1
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_v2_refuses_what_it_cannot_run_by_name(v2, name):
+    """What tbo does not run on V2 yet refuses the engine at start, naming the setting, V2's runner, the vLLM
+    version and the way out."""
+    import vllm
+
+    culprit = REFUSED[name][2]
+    error = v2[name].get("error")
+    assert error is not None, f"{name}: the engine started on V2 ({v2[name]})"
+    assert error.startswith("TboConfigError: "), error
+    assert f"additional_config['tbo'] with {culprit}: not supported" in error, error
+    assert f"vLLM {vllm.__version__}'s Model Runner V2 (vllm.v1.worker.cpu.model_runner.CPUModelRunner)" in error
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in error, error
