@@ -17,12 +17,14 @@ from .helpers import ENGINE, SCENARIOS, TBO, _free, _generate, _llm, _prompt, _t
 pytestmark = needs_vllm
 
 #: name -> (prompts, max_tokens): a prefill step then decode steps; a prefill cut between requests; one prompt cut
-#: inside (two-chunk); a long prompt chunked beside decodes (mixed steps)
+#: inside (two-chunk); a long prompt chunked beside decodes (mixed steps); prompts behind one prefix under prefix
+#: caching, some admitted on a cache hit against blocks another request of the same step writes (helpers.SCENARIOS)
 RUNS = {
     "decode": (SCENARIOS["decode"], 4),
     "prefill": (SCENARIOS["prefill"], 2),
     "cut": (SCENARIOS["cut"], 2),
     "mixed": ([_prompt(4, 9), _prompt(5, 10), _prompt(50, 11)], 3),
+    "shared_prefix": (SCENARIOS["shared_prefix"], 1),
 }
 
 #: microbatches -> tbo's config (a decode step of 3 tokens gives each of 3 microbatches one)
@@ -93,6 +95,8 @@ def test_v2_splits_with_tokens_equal_plain_v2(v2, microbatches):
     assert by_run["prefill"]["split_steps_by_mode"]["prefill"] == 1
     assert by_run["cut"]["cut_requests"] >= 1  # the 30-token prompt was cut inside
     assert by_run["mixed"]["split_steps_by_mode"]["mixed"] >= 1
+    # V2 has no prefix-cache veto of its own: tbo's (readers_last) kept some steps whole, and the tokens held
+    assert result["runs"][list(RUNS).index("shared_prefix")]["vetoes"] > 0
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -108,3 +112,61 @@ def test_v2_refuses_what_it_cannot_run_by_name(v2, name):
     assert f"additional_config['tbo'] with {culprit}: not supported" in error, error
     assert f"vLLM {vllm.__version__}'s Model Runner V2 (vllm.v1.worker.cpu.model_runner.CPUModelRunner)" in error
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in error, error
+
+
+def test_v2_refuses_data_and_tensor_parallelism_by_name(qwen3_moe):
+    """Data parallelism (DP attention + EP) and tensor parallelism, refused on V2 by the same check the engine runs
+    before its weights load, on vLLM's own config of such an engine (their engines need processes of their own)."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+    from tbo.integrations.vllm.admit.runners import check_v2
+    from tbo.integrations.vllm.config import TboConfigError, parse_config
+
+    config = parse_config({"tbo": TBO})
+    for kw, culprit in (({"data_parallel_size": 2, "enable_expert_parallel": True}, "data_parallel_size=2"),
+                        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2")):
+        vllm_config = EngineArgs(model=str(qwen3_moe), skip_tokenizer_init=True, enforce_eager=True,
+                                 max_model_len=256, **kw).create_engine_config()
+        with pytest.raises(TboConfigError) as e:
+            check_v2(CPUModelRunner, vllm_config, config, vllm.__version__)
+        assert f"additional_config['tbo'] with {culprit}: not supported" in str(e.value), e.value
+        assert "Model Runner V2 (vllm.v1.worker.cpu.model_runner.CPUModelRunner)" in str(e.value)
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(e.value)
+
+
+def test_every_model_runner_class_is_wrapped_or_refused():
+    """Every model runner class this vLLM ships (V1 and V2, GPU, CPU, XPU, encoder-only) runs tbo's checks where its
+    weights load: the plugin wrapped its ``load_model``, its own or inherited; and a runner of neither kind is refused
+    by name."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import vllm
+    import vllm.v1.worker as worker
+
+    from tbo.integrations.vllm.admit.runners import runner_kind
+    from tbo.integrations.vllm.config import TboConfigError
+    from tbo.integrations.vllm.plugin import register
+
+    register()
+    found = []
+    for info in pkgutil.walk_packages(worker.__path__, "vllm.v1.worker."):
+        if "model_runner" not in info.name:
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # a platform's runner whose kernels this build lacks
+            continue
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == info.name and name.endswith(("ModelRunner", "ModelRunnerV2")) \
+                    and hasattr(cls, "load_model"):
+                found.append(f"{info.name}.{name}")
+                assert getattr(cls.load_model, "__tbo_wrapped__", False), f"{info.name}.{name}.load_model unwrapped"
+    assert {"vllm.v1.worker.gpu.model_runner.GPUModelRunner", "vllm.v1.worker.cpu.model_runner.CPUModelRunner",
+            "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+            "vllm.v1.worker.mm_encoder_model_runner.MMEncoderModelRunner"} <= set(found), found
+    with pytest.raises(TboConfigError, match=rf"vLLM {vllm.__version__}'s model runner builtins.object: not supported"):
+        runner_kind(object(), vllm.__version__)

@@ -6,7 +6,7 @@ never reach a V1 engine: so the V2 engines run here, in a process of their own w
 null, "runs": [{"prompts": [[ids]], "max_tokens": n}]}``; they run one after the other, in-process (no engine
 subprocess, so that tbo's ``stats()`` sees them). OUT gets, per engine, ``{"error": "<Type>: <message>"}`` if it did
 not start, else its ``runner`` class and, per run, its greedy ``tokens`` and what tbo's counters did meanwhile
-(``stats``).
+(``stats``), and the steps tbo's prefix-cache rule kept whole (``vetoes``).
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ def _engine(item: dict[str, Any]) -> dict[str, Any]:
                                   "tbo": "tbo" in vars(runner), "runs": []}
         for run in item["runs"]:
             params = SamplingParams(temperature=0, max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True)
-            before = stats()
+            engine = vars(runner).get("tbo")
+            before, vetoes = stats(), 0 if engine is None else engine.patches.vetoes
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params, use_tqdm=False)
             result["runs"].append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                   "stats": _delta(stats(), before)})
+                                   "stats": _delta(stats(), before),
+                                   "vetoes": None if engine is None else engine.patches.vetoes - vetoes})
         return result
     finally:
         llm.llm_engine.engine_core.shutdown()

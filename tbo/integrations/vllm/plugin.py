@@ -78,7 +78,7 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
         kind = runner_kind(self, vllm.__version__)
         if kind == "v2":
             check_vllm_version(vllm.__version__)
-            check_v2(self, self.vllm_config, config, vllm.__version__)
+            check_v2(type(self), self.vllm_config, config, vllm.__version__)
         architecture = check_engine(self.vllm_config, config, vllm.__version__, current_platform.device_type)
         result = original(self, *args, **kwargs)
         if kind == "v2":

@@ -49,12 +49,13 @@ def runner_kind(runner: Any, vllm_version: str) -> str:
                          "remove additional_config['tbo']")
 
 
-def check_v2(runner: Any, vllm_config: Any, config: TboVllmConfig, vllm_version: str) -> None:
+def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_version: str) -> None:
     """Refuse, by name, what tbo does not run on Model Runner V2 yet (docs/vllm.md, "V1 and V2"): it runs one rank's
     eager steps of a MoE model, split at any microbatch count by the config's thresholds over tbo's local backend.
     Everything else (data parallelism with expert parallelism, tensor parallelism, AFD, compiled mode and CUDA graphs,
-    speculative decoding, adaptive splitting, DeepEP, an emulated link) runs on the V1 runner only."""
-    where = f"vLLM {vllm_version}'s Model Runner V2 ({_name(type(runner))})"
+    speculative decoding, adaptive splitting, DeepEP, an emulated link) runs on the V1 runner only. ``runner_cls``:
+    the runner's class, as the refusal names it."""
+    where = f"vLLM {vllm_version}'s Model Runner V2 ({_name(runner_cls)})"
 
     def no(setting: dict[str, Any], what: str) -> None:
         refuse(setting, f"the V1 runner; {V2_WAY_OUT}", f"{what} runs on vLLM's V1 model runner only; tbo does not "

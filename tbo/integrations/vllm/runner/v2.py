@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
-from tbo.integrations.engine.step import Step, StepFacts, decide_facts
+from tbo.integrations.engine.step import Step, StepFacts, decide_facts, readers_last
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.vllm.runner.engine import TboEngine
 from tbo.integrations.vllm.runner.patches import check_metadata_builders
@@ -217,6 +217,9 @@ class V2Patches:
         self._module = importlib.import_module(_RUNNER_MODULE)
         self._batch: Any = None  #: the step's BatchReqState, as gather_batch_req_state returned it
         self._depth = 0
+        #: steps the prefix-cache rule kept whole (`tbo.integrations.engine.step.readers_last`: a request reading
+        #: cached blocks before another request of the step)
+        self.vetoes = 0
 
     @property
     def policy(self) -> Any:
@@ -273,6 +276,7 @@ class V2Patches:
             if desc.cg_mode != CUDAGraphMode.NONE:  # a graph's step runs vLLM's graph, whole
                 facts = replace(facts, allowed=False)
             step = decide_facts(self.policy, facts)
+            self.vetoes += int(facts.computed is not None and not readers_last(facts.scheduled, facts.computed))
         self.decider.step = step  # one decision, told once (the forward the step runs: StepForwards)
         if step is not None and step.plan is not None:
             desc = replace(desc, num_ubatches=step.plan.num_microbatches)
