@@ -27,8 +27,10 @@ RUNS = {
     "shared_prefix": (SCENARIOS["shared_prefix"], 1),
 }
 
-#: microbatches -> tbo's config (a decode step of 3 tokens gives each of 3 microbatches one)
-SPLIT = {2: {**TBO, "num_microbatches": 2}, 3: {**TBO, "num_microbatches": 3, "decode_token_threshold": 3}}
+#: microbatches -> tbo's config (a decode step of 3 tokens gives each of 3 microbatches one). With ``op_times`` every
+#: step runs tbo's layer loop; without it (3), unsplit steps run vLLM's own forward (runner/forwards.py)
+SPLIT = {2: {**TBO, "num_microbatches": 2},
+         3: {**TBO, "num_microbatches": 3, "decode_token_threshold": 3, "op_times": False}}
 
 #: what tbo does not run on V2 yet, each refused at engine start: name -> (engine settings, tbo config, culprit)
 REFUSED = {
@@ -170,3 +172,27 @@ def test_every_model_runner_class_is_wrapped_or_refused():
             "vllm.v1.worker.mm_encoder_model_runner.MMEncoderModelRunner"} <= set(found), found
     with pytest.raises(TboConfigError, match=rf"vLLM {vllm.__version__}'s model runner builtins.object: not supported"):
         runner_kind(object(), vllm.__version__)
+
+
+def test_every_v2_symbol_tbo_touches_exists_in_this_vllm():
+    """`V2_SYMBOLS` (every Model Runner V2 name tbo reads, patches or wraps) against the installed vLLM: each module
+    imports and holds each name, and the functions tbo calls by keyword take those keywords."""
+    import importlib
+    import inspect
+
+    from tbo.integrations.vllm.runner.v2 import V2_SYMBOLS
+
+    for module_name, name, how in V2_SYMBOLS:
+        obj = importlib.import_module(module_name)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        assert how, (module_name, name)
+    from vllm.v1.worker.gpu.model_states.interface import ModelState
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner, _slice_input_batch
+
+    assert {"ubatch_idx", "for_capture"} <= set(inspect.signature(ModelState.prepare_attn).parameters)
+    assert list(inspect.signature(_slice_input_batch).parameters)[:4] == [
+        "input_batch", "ubatch_slice", "query_start_loc_buf", "seq_lens_buf"]
+    assert list(inspect.signature(UBatchRunner.prepare).parameters)[1:4] == [
+        "input_batch", "block_tables", "slot_mappings"]
+    assert list(inspect.signature(UBatchRunner.run).parameters)[1:] == ["model", "model_inputs", "ubatch_state"]
