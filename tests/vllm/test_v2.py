@@ -196,3 +196,35 @@ def test_every_v2_symbol_tbo_touches_exists_in_this_vllm():
     assert list(inspect.signature(UBatchRunner.prepare).parameters)[1:4] == [
         "input_batch", "block_tables", "slot_mappings"]
     assert list(inspect.signature(UBatchRunner.run).parameters)[1:] == ["model", "model_inputs", "ubatch_state"]
+
+
+def test_v2_facts_adapt_batch_req_state():
+    """V2's ``BatchReqState`` (decode first, as V2 sorts it) adapted to the `StepFacts` tbo decides on: a reader
+    of cached blocks followed by another request keeps the step whole; last, it splits."""
+    import numpy as np
+    from vllm.v1.worker.gpu.model_runner import BatchReqState
+
+    from tbo.integrations.engine.step import decide_facts
+    from tbo.integrations.vllm.runner.v2 import v2_facts
+    from tbo.split import SplitPolicy
+
+    def state(scheduled, computed, prefill_len):
+        computed, prefill_len = np.array(computed), np.array(prefill_len)
+        return BatchReqState(req_ids=[str(i) for i in range(len(scheduled))],
+                             num_scheduled_tokens=np.array(scheduled, dtype=np.int32), num_tokens=sum(scheduled),
+                             num_draft_tokens_np=None, idx_mapping_np=np.arange(len(scheduled)),
+                             prefill_len_np=prefill_len, num_computed_prefill_tokens_np=computed,
+                             is_prefilling_np=computed < prefill_len, max_seq_len_np=None,
+                             has_prefill=bool((computed < prefill_len).any()), prefill_runs_as_decode_np=None,
+                             decode_graph_eligible=False)
+
+    policy = SplitPolicy(num_microbatches=2, decode_token_threshold=2, prefill_token_threshold=12)
+    facts = v2_facts(state([1, 1, 20], [5, 7, 0], [5, 7, 20]), 22)
+    assert facts.scheduled == (1, 1, 20) and facts.past_prompt == (True, True, False)
+    assert facts.computed == (5, 7, 0) and facts.padded_tokens == 22 and facts.drafts is None
+    step = decide_facts(policy, facts)
+    assert step.mode == "mixed" and step.plan is not None
+    reader_first = v2_facts(state([12, 12], [32, 0], [44, 12]), 24)  # a cache hit before a new prompt
+    assert decide_facts(policy, reader_first).plan is None
+    reader_last = v2_facts(state([12, 12], [0, 32], [12, 44]), 24)
+    assert decide_facts(policy, reader_last).plan is not None
