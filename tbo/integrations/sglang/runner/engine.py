@@ -18,6 +18,7 @@ from tbo.comm.alltoall import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
 from tbo.core.errors import StrategyError
+from tbo.integrations.engine.adaptive import AdaptiveSteps
 from tbo.integrations.engine.stats import StatsFile, StepStats, summary_line
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.sglang.config import TboSglangConfig
@@ -90,8 +91,6 @@ class SglangEngine:
         bound = {"decode": self._bind(names.decode), "prefill": self._bind(names.prefill)}
         adaptive = None
         if config.split == "adaptive":  # one rank: only a link has transfers to hide, and its wire time to observe
-            from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
-
             adaptive = self.adaptive = AdaptiveSteps(config, names, transfers=isinstance(backend, EmulatedLink))
             if isinstance(backend, EmulatedLink):
                 adaptive.wire = lambda: backend.booked_s
