@@ -175,27 +175,43 @@ def test_every_model_runner_class_is_wrapped_or_refused():
 
 
 def test_every_v2_symbol_tbo_touches_exists_in_this_vllm():
-    """`V2_SYMBOLS` (every Model Runner V2 name tbo reads, patches or wraps) against the installed vLLM: each module
-    imports and holds each name, and the functions tbo calls by keyword take those keywords."""
+    """`V2_SYMBOLS` (the vLLM contract's V2 entries: every Model Runner V2 name tbo reads, patches or wraps) against
+    the installed vLLM, asked of Python where ``make contract`` reads the source: each entry of this release names
+    something that imports, a wrapped ``own`` method is the class's own, the parameters tbo passes are its
+    signature's (in order where tbo passes them positionally), and a dataclass's or named tuple's fields tbo reads
+    are there."""
+    import dataclasses
     import importlib
     import inspect
 
+    import vllm
+
+    from tbo.integrations.vllm.contract import release_of
     from tbo.integrations.vllm.runner.v2 import V2_SYMBOLS
 
-    for module_name, name, how in V2_SYMBOLS:
-        obj = importlib.import_module(module_name)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        assert how, (module_name, name)
-    from vllm.v1.worker.gpu.model_states.interface import ModelState
-    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner, _slice_input_batch
-
-    assert {"ubatch_idx", "for_capture"} <= set(inspect.signature(ModelState.prepare_attn).parameters)
-    assert list(inspect.signature(_slice_input_batch).parameters)[:4] == [
-        "input_batch", "ubatch_slice", "query_start_loc_buf", "seq_lens_buf"]
-    assert list(inspect.signature(UBatchRunner.prepare).parameters)[1:4] == [
-        "input_batch", "block_tables", "slot_mappings"]
-    assert list(inspect.signature(UBatchRunner.run).parameters)[1:] == ["model", "model_inputs", "ubatch_state"]
+    release = release_of(vllm.__version__)
+    entries = [e for e in V2_SYMBOLS if release in e.releases]
+    assert len(entries) >= 20 and {e.kind for e in entries} == {"wrap", "read", "patch", "call", "import"}
+    checked = {"params": 0, "fields": 0}
+    for e in entries:
+        owner = obj = importlib.import_module(e.module)
+        for part in (e.name or "").split(".") if e.name else ():
+            owner, obj = obj, (getattr(obj, part) if hasattr(obj, part) or not inspect.ismodule(obj)
+                               else importlib.import_module(f"{obj.__name__}.{part}"))
+        if e.own:
+            assert e.name.split(".")[-1] in owner.__dict__, e.label
+        if e.params:
+            names = [p for p in inspect.signature(obj).parameters if p != "self"]
+            if e.leading:
+                assert names[:len(e.params)] == list(e.params), (e.label, names)
+            else:
+                assert set(e.params) <= set(names), (e.label, names)
+            checked["params"] += 1
+        if e.kind == "read" and (dataclasses.is_dataclass(obj) or hasattr(obj, "_fields")):
+            fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set(obj._fields)
+            assert set(e.attrs) <= fields | set(dir(obj)), (e.label, set(e.attrs) - fields)
+            checked["fields"] += 1
+    assert checked["params"] >= 12 and checked["fields"] >= 3, checked  # BatchReqState, the descriptor, InputBatch
 
 
 def test_v2_facts_adapt_batch_req_state():

@@ -20,7 +20,8 @@ for one ``execute_model`` call at a time (`V2Patches.scope`), with these changes
   `LayerLoop`: microbatch k's stages run in microbatch k's forward context, as on V1.
 
 Everything V2 does not run with tbo yet is refused at engine start (`tbo.integrations.vllm.admit.runners.check_v2`).
-`V2_SYMBOLS` lists every V2 name this module reads, patches or wraps.
+`V2_SYMBOLS` lists every V2 name this module reads, patches or wraps: the vLLM contract's V2 entries
+(`tbo.integrations.vllm.contract.V2_ENTRIES`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 from tbo.integrations.engine.step import Step, StepFacts, decide_facts, readers_last
 from tbo.integrations.engine.undo import UndoStack
+from tbo.integrations.vllm.contract import V2_ENTRIES
 from tbo.integrations.vllm.runner.engine import TboEngine
 from tbo.integrations.vllm.runner.patches import check_metadata_builders
 from tbo.integrations.vllm.step.decider import StepDecider
@@ -41,34 +43,9 @@ __all__ = ["TboUBatchRunner", "V2Engine", "V2Patches", "V2_SYMBOLS", "v2_facts"]
 
 _RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
-#: every Model Runner V2 symbol tbo touches, as (module, name, how): what a contract check of a vLLM release must find
-V2_SYMBOLS = (
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "load_model wrapped (plugin.RUNNER_CLASSES); instance "
-     "methods execute_model, initialize_kv_cache, gather_batch_req_state, shutdown wrapped; attributes model, "
-     "vllm_config, model_state, attn_groups, kv_cache_config, device, max_num_reqs, ubatch_runner read, "
-     "ubatch_runner set"),
-    ("vllm.v1.worker.cpu.model_runner", "CPUModelRunner", "a subclass of GPUModelRunner: load_model inherited"),
-    ("vllm.v1.worker.mm_encoder_model_runner", "MMEncoderModelRunner", "a subclass of GPUModelRunner"),
-    ("vllm.v1.worker.gpu.model_runner", "dispatch_cg_and_sync_dp", "module global patched in scope (args: "
-     "cudagraph_manager, num_reqs, num_tokens, ...; returns (BatchExecutionDescriptor, DPSyncState | None))"),
-    ("vllm.v1.worker.gpu.model_runner", "BatchReqState", "read: num_scheduled_tokens, is_prefilling_np, "
-     "num_computed_prefill_tokens_np, num_draft_tokens_np"),
-    ("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor", "read: cg_mode, num_tokens; "
-     "dataclasses.replace(num_ubatches=)"),
-    ("vllm.v1.worker.gpu.attn_utils", "get_num_ubatches", "module global patched during initialize_kv_cache"),
-    ("vllm.v1.worker.gpu.attn_utils", "build_slot_mappings_by_layer", "called (slot_mappings, kv_cache_config)"),
-    ("vllm.v1.worker.gpu.ubatch_utils", "_slice_input_batch", "called (input_batch, ubatch_slice, "
-     "query_start_loc_buf, seq_lens_buf)"),
-    ("vllm.v1.worker.gpu.ubatch_utils", "UBatchState", "built (slices, forward_contexts)"),
-    ("vllm.v1.worker.gpu.ubatch_utils", "UBatchRunner", "its prepare(input_batch, block_tables, slot_mappings, "
-     "cg_mode, for_capture) and run(model, model_inputs, ubatch_state) are what TboUBatchRunner answers"),
-    ("vllm.v1.worker.gpu.model_states.interface", "ModelState.prepare_attn", "called with ubatch_idx="),
-    ("vllm.v1.worker.gpu.input_batch", "InputBatch", "read: num_reqs, num_tokens, num_scheduled_tokens, "
-     "is_padding, max_query_len; dataclasses.replace(max_query_len=)"),
-    ("vllm.v1.worker.ubatch_utils", "UBatchSlice", "built (request_slice, token_slice)"),
-    ("vllm.forward_context", "create_forward_context", "called, one context per microbatch"),
-    ("vllm.config", "CUDAGraphMode", "read: NONE"),
-)
+#: every Model Runner V2 symbol tbo touches: the contract's V2 entries (`tbo.integrations.vllm.contract.V2_ENTRIES`,
+#: one table, checked per release by AST and, for the installed vLLM, by ``tests/vllm/test_v2.py``)
+V2_SYMBOLS = V2_ENTRIES
 
 
 class _ModuleDispatch:
