@@ -217,6 +217,16 @@ def test_the_plugins_wrapped_classes_have_entries():
     assert labels[f"{module}:{cls}.{method}"].own
 
 
+def test_every_runner_class_of_the_contract_is_wrapped_by_the_plugin():
+    """A runner class whose ``load_model`` the contract lists, for any release, is one the plugin wraps: a runner
+    vLLM can build and the plugin does not wrap would serve tbo's config silently unsplit (0.34's standalone CPU
+    runner was one)."""
+    runners = {tuple(e.label.rsplit(".load_model", 1)[0].split(":")) for e in CONTRACT
+               if e.kind == "wrap" and e.name is not None and e.name.endswith(".load_model")}
+    assert ("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner") in runners
+    assert runners <= set(plugin.RUNNER_CLASSES), runners - set(plugin.RUNNER_CLASSES)
+
+
 def test_the_table_is_well_formed():
     labels = [(e.label, e.kind, e.releases) for e in CONTRACT]  # one symbol may have an entry per release set
     assert len(labels) == len(set(labels))

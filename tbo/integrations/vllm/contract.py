@@ -107,11 +107,11 @@ V2_ENTRIES: tuple[Entry, ...] = (
           params=("load_dummy_weights",),
           where="plugin (RUNNER_CLASSES; inherited from V2's GPUModelRunner, wrapped there), admit.runners"),
     # 0.34 only: the non-x86 CPU worker's V2 runner without Triton (``CpuPlatform.uses_standalone_cpu_model_runner``),
-    # not a GPUModelRunner subclass, its own load_model. The plugin must wrap it for tbo's config to be refused there
-    # (never silent); RUNNER_CLASSES does not list it yet (issue 57 item 1).
+    # not a GPUModelRunner subclass, its own load_model. The plugin wraps it so that tbo's config is refused there by
+    # name (never silent): admit.runners.REFUSED_RUNNER_CLASSES.
     Entry("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner.load_model", "wrap",
           params=("load_dummy_weights",), own=True, releases=("0.34",),
-          where="plugin (RUNNER_CLASSES must list it to refuse it by name; not yet)"),
+          where="plugin (RUNNER_CLASSES: admit.runners.REFUSED_RUNNER_CLASSES, refused by runner_kind)"),
     # ---- the V2 runner's methods wrapped on the instance, attributes read -------------------------------------------
     Entry(_V2, "GPUModelRunner.execute_model", "wrap", params=("scheduler_output",), where="runner.v2"),
     Entry(_V2, "GPUModelRunner.initialize_kv_cache", "wrap", params=("kv_cache_config",), where="runner.v2"),
@@ -142,11 +142,15 @@ V2_ENTRIES: tuple[Entry, ...] = (
     # what V2's execute_model asks of its ubatch_runner, which tbo's TboUBatchRunner answers in its place. 0.34 changed
     # prepare's signature: (input_batch, block_tables, slot_mappings, batch_desc, dp_sync_state=None, for_capture=),
     # called with batch_desc and dp_sync_state positionally, where 0.32 and 0.33 have cg_mode=. TboUBatchRunner.prepare
-    # takes 0.32's (cg_mode as the fourth parameter), so this entry holds on 0.32 and 0.33 only, and tbo's split step
-    # on 0.34's V2 would fail in prepare until TboUBatchRunner takes 0.34's parameters.
+    # takes either (its fourth parameter is the mode or the descriptor whose cg_mode it reads; its fifth 0.34's
+    # dp_sync_state), so each signature is an entry for its releases.
     Entry(_V2U, "UBatchRunner.prepare", "patch",
           params=("input_batch", "block_tables", "slot_mappings", "cg_mode", "for_capture"), leading=True,
           releases=("0.32", "0.33"), where="runner.v2 (TboUBatchRunner.prepare, in the runner's ubatch_runner)"),
+    Entry(_V2U, "UBatchRunner.prepare", "patch",
+          params=("input_batch", "block_tables", "slot_mappings", "batch_desc", "dp_sync_state", "for_capture"),
+          leading=True, releases=("0.34",),
+          where="runner.v2 (TboUBatchRunner.prepare, in the runner's ubatch_runner; 0.34's signature)"),
     Entry(_V2U, "UBatchRunner.run", "patch", params=("model", "model_inputs", "ubatch_state"), leading=True,
           where="runner.v2 (TboUBatchRunner.run)"),
     Entry(_V2U, "UBatchRunner.abort_pending_run", "patch", where="runner.v2 (TboUBatchRunner.abort_pending_run)"),

@@ -22,7 +22,7 @@ import functools
 import logging
 from typing import Any, Callable
 
-from tbo.integrations.vllm.admit.runners import V1_RUNNER_CLASSES, V2_RUNNER_CLASSES
+from tbo.integrations.vllm.admit.runners import REFUSED_RUNNER_CLASSES, V1_RUNNER_CLASSES, V2_RUNNER_CLASSES
 from tbo.integrations.vllm.config import parse_config
 
 __all__ = ["register", "RUNNER_CLASSES"]
@@ -30,8 +30,9 @@ __all__ = ["register", "RUNNER_CLASSES"]
 logger = logging.getLogger("vllm.tbo")
 
 #: (module, class) of the model runners whose ``load_model`` the plugin wraps where the class defines it: V1's (the
-#: CPU runner overrides it) and Model Runner V2's (its subclasses inherit the GPU runner's, wrapped)
-RUNNER_CLASSES = V1_RUNNER_CLASSES + V2_RUNNER_CLASSES
+#: CPU runner overrides it), Model Runner V2's (its subclasses inherit the GPU runner's, wrapped), and those tbo
+#: refuses by name (0.34's standalone CPU runner)
+RUNNER_CLASSES = V1_RUNNER_CLASSES + V2_RUNNER_CLASSES + REFUSED_RUNNER_CLASSES
 #: (module, class, method) of vLLM's data-parallel engine-loop all-reduce, which the plugin bounds
 DP_ENGINE_SYNC = ("vllm.v1.engine.core", "DPEngineCoreProc", "_has_global_unfinished_reqs")
 _MARK = "__tbo_wrapped__"
@@ -44,9 +45,12 @@ def register() -> None:
     for module_name, class_name in RUNNER_CLASSES:
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as e:  # a vLLM without that runner: an engine asking for tbo on it
-            logger.warning("tbo plugin: cannot wrap %s.%s (%s); additional_config['tbo'] has no effect on it",
-                           module_name, class_name, e)
+        except ModuleNotFoundError as e:  # a release without that runner's module (V1 on 0.34): it cannot build it
+            logger.debug("tbo plugin: vLLM has no %s.%s (%s)", module_name, class_name, e)
+            continue
+        except (ImportError, AttributeError) as e:  # the module is there but the runner is not: an engine asking
+            logger.warning("tbo plugin: cannot wrap %s.%s (%s); an engine it serves with additional_config['tbo'] "
+                           "is refused by name", module_name, class_name, e)  # for tbo on it meets runner_kind
             continue
         original = cls.__dict__.get("load_model")
         if original is not None and not getattr(original, _MARK, False):

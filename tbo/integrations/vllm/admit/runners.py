@@ -18,7 +18,8 @@ from typing import Any
 from tbo.integrations.vllm.config import TboVllmConfig
 from tbo.integrations.vllm.errors import ON, TboConfigError, refuse
 
-__all__ = ["V1_RUNNER_CLASSES", "V2_RUNNER_CLASSES", "V2_WAY_OUT", "check_v2", "runner_kind"]
+__all__ = ["REFUSED_RUNNER_CLASSES", "V1_RUNNER_CLASSES", "V2_RUNNER_CLASSES", "V2_WAY_OUT", "check_v2",
+           "runner_kind"]
 
 #: (module, class) of the V1 runners (the CPU one overrides ``load_model``)
 V1_RUNNER_CLASSES = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
@@ -27,6 +28,10 @@ V1_RUNNER_CLASSES = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
 V2_RUNNER_CLASSES = (("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
                      ("vllm.v1.worker.cpu.model_runner", "CPUModelRunner"),
                      ("vllm.v1.worker.mm_encoder_model_runner", "MMEncoderModelRunner"))
+#: (module, class) of runners tbo does not drive, which the plugin wraps all the same so that `runner_kind` refuses an
+#: engine given tbo's config on them by name: vLLM 0.34's V2 runner of the CPU worker on non-x86 CPUs without Triton
+#: (``CpuPlatform.uses_standalone_cpu_model_runner``), not a V2 ``GPUModelRunner`` subclass, its own ``load_model``
+REFUSED_RUNNER_CLASSES = (("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner"),)
 #: what a refused V2 engine is told to do instead
 V2_WAY_OUT = ("run vLLM's V1 model runner instead (VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.32 and 0.33), or remove "
               "additional_config['tbo']")

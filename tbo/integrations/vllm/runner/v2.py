@@ -128,8 +128,19 @@ class TboUBatchRunner:
                                   torch.zeros(n, dtype=torch.int32, device=device)))
         return self._buffers[k]
 
-    def prepare(self, input_batch: Any, block_tables: Any, slot_mappings: Any, cg_mode: Any = None,
-                for_capture: bool = False) -> Any:
+    def prepare(self, input_batch: Any, block_tables: Any, slot_mappings: Any, mode: Any = None,
+                dp_sync_state: Any = None, for_capture: bool = False, **named: Any) -> Any:
+        """Each microbatch of tbo's plan as V2's `UBatchState`: its slice of the input batch, and its attention
+        metadata and forward context built by the runner's own model state (``ubatch_idx``: its own builder).
+
+        ``mode``: the step's CUDA graph mode, which vLLM 0.32 and 0.33 pass as ``cg_mode``; 0.34 passes the step's
+        ``BatchExecutionDescriptor`` (``batch_desc``, whose ``cg_mode`` it is) and its ``dp_sync_state`` (None on
+        one rank; tbo's plan, not the sync's uniform count, cuts the step)."""
+        mode = named.pop("cg_mode", named.pop("batch_desc", mode))
+        if named:
+            raise TypeError(f"TboUBatchRunner.prepare got unexpected arguments {sorted(named)} from vLLM's Model "
+                            "Runner V2 (tbo.integrations.vllm.contract lists the signatures it answers)")
+        cg_mode = getattr(mode, "cg_mode", mode)  # 0.34: the descriptor's
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import create_forward_context
         from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
