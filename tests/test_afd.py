@@ -216,8 +216,9 @@ class _Server:
     """`AFDGroup.listen` in a thread, then an echo FFN loop (x * 2 + layer) until shutdown or a failure."""
 
     def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0, stall_layer=None, stall_s=0.0,
-                 microbatches=None):
+                 microbatches=None, answer=None):
         self.port, self.failure, self.refusals, self.served = None, [], [], []
+        self.answer = answer or (lambda x, meta: x * 2 + meta.layer_idx)
         self.microbatches, self.peer_link = microbatches, None
         self.listening_at_start: list[str] = []
         self.stall_layer, self.stall_s = stall_layer, stall_s  # a slow FFN: layer stall_layer answers stall_s late
@@ -250,7 +251,7 @@ class _Server:
                 self.served.append(meta)
                 if meta.layer_idx == self.stall_layer:
                     time.sleep(self.stall_s)
-                ffn.send_ffn_output(x * 2 + meta.layer_idx, meta)
+                ffn.send_ffn_output(self.answer(x, meta), meta)
             ffn.flush()
         except Exception as e:  # noqa: BLE001 - for the test
             self.failure.append(e)
@@ -429,6 +430,50 @@ def test_a_lying_peer_is_refused_by_name_not_aborted(fault, match):
     assert server.failure and re.search(match, str(server.failure[0])), server.failure
     assert len(server.served) == 1
     assert HEADER_WORDS == 10
+    group.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("answer, match", [
+    (lambda x: x.half(), r"dtype float16 where float32 was asked"),
+    (lambda x: x.double(), r"dtype float64 where float32 was asked"),
+    (lambda x: x[:, :8].contiguous(), r"hidden size 8 where 16 was asked"),
+    (lambda x: torch.cat([x, x], 1), r"hidden size 32 where 16 was asked"),
+], ids=["float16", "float64", "hidden8", "hidden32"])
+def test_an_answer_unlike_its_request_is_refused_by_name(answer, match):
+    """Issue 61: an answer of another dtype or hidden size than its request was handed on (in vLLM: tokens
+    [0, 0, 0, 0] from a float16 answer, a raw RuntimeError from a hidden-64 one). Each is refused by name, with
+    room for it posted (as vLLM's engine posts a step's room), and the pair still answers right afterwards (other
+    rows were already refused, by the step rule: `test_a_stale_answer_is_refused_by_its_step...`)."""
+    server = _Server(answer=lambda x, meta: answer(x) if meta.layer_idx == 0 else x * 2 + meta.layer_idx)
+    group = AFDGroup.connect(server.address, timeout_s=20, connect_timeout_s=5)
+    engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, max_answer_bytes=8 * 32 * 8)
+    x = torch.randn(2, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))
+    with pytest.raises(RuntimeError, match=match):
+        engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))
+    engine.send_attn_output(x, AFDMeta(1, 0, 1, 2, 16))  # the next request is its own: served right
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(1, 0, 1, 2, 16)), x * 2 + 1)
+    engine.shutdown()
+    server.join()
+    group.close()
+
+
+@pytest.mark.dist
+def test_a_non_finite_answer_is_refused_when_asked_and_handed_on_by_default():
+    """``refuse_nonfinite`` (off by default): a NaN answer is refused by name; without it, handed on as it came."""
+    server = _Server(answer=lambda x, meta: torch.full_like(x, float("nan")) if meta.layer_idx == 0 else x * 2)
+    group = AFDGroup.connect(server.address, timeout_s=20, connect_timeout_s=5)
+    engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, refuse_nonfinite=True)
+    x = torch.randn(2, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))
+    with pytest.raises(AFDPeerError, match=r"answered layer 0, microbatch 0/1 with 32 non-finite value\(s\)"):
+        engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))
+    engine.refuse_nonfinite = False
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))
+    assert torch.isnan(engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))).all()
+    engine.shutdown()
+    server.join()
     group.close()
 
 

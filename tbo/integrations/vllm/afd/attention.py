@@ -140,7 +140,8 @@ class AFDAttentionSide:
                                       num_microbatches=num_microbatches, link=link)
         connector = TorchDistributedAFDConnector(AFDTopology(1, 1), config.timeout_s, group=self.group,
                                                  device=runner.device if runner.device.type != "cpu" else None,
-                                                 max_answer_bytes=largest, link=link)
+                                                 max_answer_bytes=largest, link=link,
+                                                 refuse_nonfinite=config.refuse_nonfinite)
         self.link = AFDLink(connector, config.ffn, counters)
         model = runner.model.model
         self.freed_bytes = _take_out_ffns(runner.model, model, vllm_config, config.ffn)

@@ -31,6 +31,8 @@ class AFDVllmConfig(BaseModel):
     token: str | None = Field(default=None, repr=False, min_length=1,
                               description="the shared secret the FFN server requires (its --token); default: the "
                                           "TBO_AFD_TOKEN environment variable at engine start")
+    refuse_nonfinite: bool = Field(default=False, description="refuse, by name, an FFN answer holding a NaN or an "
+                                                              "inf (reads every answer once more)")
 
     @field_validator("ffn")
     @classmethod
