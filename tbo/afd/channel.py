@@ -15,11 +15,20 @@ it, 16 a step),
 ``recv`` posted before its message arrives (its bytes are read straight into the posted buffer), matched per tag in
 the order posted, and work handles that ``wait(timeout)``. Every frame has a 16-byte header (kind, tag, length);
 a message longer than the receive posted for it, or than ``max_message_bytes``, is refused by name (gloo would abort
-the process), and at most `MAX_UNCLAIMED` messages wait for a receive. A lost peer, or a broken frame, poisons the
-channel: every wait then raises `AFDPeerError` naming it.
+the process). A lost peer, or a broken frame, poisons the channel: every wait then raises `AFDPeerError` naming it.
 
 ``kv`` frames carry a small key-value table for NCCL's bootstrap (`ChannelStore`), so that a CUDA pair forms its
 NCCL group over the same authenticated connection, with no store anyone else can reach.
+
+Budgets (issue 61). What a joined peer can make this side hold is bounded, in messages and in bytes, by what the
+join agreed: at most `MAX_UNCLAIMED` messages and ``max_unclaimed_bytes`` (default twice ``max_message_bytes``,
+the largest request or answer: room for one arriving before its receive is posted, and one more) wait for a
+receive, checked from a frame's header before a byte of it is read; the key-value table holds at most
+``kv_budget`` = (keys, bytes), and none at all on a ``tcp`` pair, which never uses it (a server that wrote 1,500
+frames of 60 KB grew its engine by 150 MiB). A peer past a budget is refused by name, the channel poisoned and the
+connection shut, so its further writes fail at once. What this side sends waits in the writer's queue only as long
+as the connector keeps it (at most 16 messages before it waits for the oldest); the received frames are read into
+posted buffers or into the budget above.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ MAX_UNCLAIMED = 64
 _HEADER = struct.Struct("!IIQ")  # kind, tag, length
 _MSG, _KV = 1, 2
 _MAX_KV = 1 << 16
+#: the key-value table's budget on an NCCL pair: keys, bytes (NCCL's bootstrap of two ranks sets a few ids)
+KV_BUDGET = (256, 1 << 20)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -80,10 +91,17 @@ class SocketChannel:
     """Two ranks, one connected socket (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, rank: int, peer: str, max_message_bytes: int = 1 << 30,
-                 send_timeout_s: float = 60.0) -> None:
+                 send_timeout_s: float = 60.0, *, max_unclaimed_bytes: int | None = None,
+                 kv_budget: tuple[int, int] | None = KV_BUDGET) -> None:
+        """``max_unclaimed_bytes``: what may wait for a receive (default twice ``max_message_bytes``);
+        ``kv_budget``: (keys, bytes) of the key-value table, or None: no key-value frame is taken (a tcp pair)."""
         from tbo.afd.group import AFDPeerError
 
         self.sock, self.rank, self.peer, self.max_message_bytes = sock, rank, peer, max_message_bytes
+        self.max_unclaimed_bytes = 2 * max_message_bytes if max_unclaimed_bytes is None else max_unclaimed_bytes
+        self.kv_budget = kv_budget
+        self._unclaimed_bytes = 0
+        self._kv_bytes = 0
         self._peer_error = AFDPeerError
         self.send_timeout_s = send_timeout_s
         sock.settimeout(send_timeout_s)  # bounds a send to a peer that stopped reading (its reader just waits on)
@@ -157,6 +175,7 @@ class SocketChannel:
                 return work
             data = arrived.popleft()
             self._unclaimed -= 1
+            self._unclaimed_bytes -= len(data)
         if len(data) > len(room):
             error = self._too_long(len(data), len(room), tag)
             self._fail(error)
@@ -187,13 +206,25 @@ class SocketChannel:
                 self._recv_exact(memoryview(header))
                 kind, tag, length = _HEADER.unpack(header)
                 if kind == _KV:
+                    if self.kv_budget is None:
+                        raise self._peer_error(f"{self.peer} sent a key-value frame ({length} bytes), which a tcp "
+                                               "pair never uses (only an NCCL pair's bootstrap does): refused")
                     if length > _MAX_KV or length < 4:
                         raise self._peer_error(f"{self.peer} sent a key-value frame of {length} bytes")
                     data = bytearray(length)
                     self._recv_exact(memoryview(data))
                     (klen,) = struct.unpack("!I", data[:4])
+                    key, value = bytes(data[4:4 + klen]).decode("utf-8", "replace"), bytes(data[4 + klen:])
                     with self._lock:
-                        self.kv[bytes(data[4:4 + klen]).decode("utf-8", "replace")] = bytes(data[4 + klen:])
+                        old = self.kv.get(key)
+                        grown = self._kv_bytes + len(key) + len(value) - (0 if old is None else len(key) + len(old))
+                        keys = len(self.kv) + (old is None)
+                        if keys > self.kv_budget[0] or grown > self.kv_budget[1]:
+                            raise self._peer_error(
+                                f"{self.peer} set more key-value entries than the {self.kv_budget[0]} keys and "
+                                f"{self.kv_budget[1]} bytes an NCCL bootstrap needs ({keys} keys, {grown} bytes): "
+                                "refused")
+                        self.kv[key], self._kv_bytes = value, grown
                         self.kv_changed.notify_all()
                     continue
                 if kind != _MSG:
@@ -206,11 +237,23 @@ class SocketChannel:
                     posted = self._posted.get(tag)
                     work = posted.popleft() if posted else None
                 if work is None:
+                    with self._lock:  # the budget is checked before a byte of the message is read
+                        if self._unclaimed >= MAX_UNCLAIMED or \
+                                self._unclaimed_bytes + length > self.max_unclaimed_bytes:
+                            raise self._peer_error(
+                                f"{self.peer} sent more than this side asked for: {self._unclaimed + 1} messages "
+                                f"({self._unclaimed_bytes + length} bytes) waiting for a receive, over the budget of "
+                                f"{MAX_UNCLAIMED} messages and {self.max_unclaimed_bytes} bytes: refused")
+                        self._unclaimed += 1  # reserved while it is read
+                        self._unclaimed_bytes += length
                     data = bytearray(length)
                     self._recv_exact(memoryview(data))
                     with self._lock:  # a receive may have been posted meanwhile: it takes the message
                         posted = self._posted.get(tag)
                         work = posted.popleft() if posted else None
+                        if work is not None:
+                            self._unclaimed -= 1
+                            self._unclaimed_bytes -= length
                     if work is not None:
                         room = _bytes_of(work.buffer)
                         if length > len(room):
@@ -222,11 +265,7 @@ class SocketChannel:
                         work.finish()
                         continue
                     with self._lock:
-                        if self._unclaimed >= MAX_UNCLAIMED:
-                            raise self._peer_error(f"{self.peer} sent more than {MAX_UNCLAIMED} messages nobody "
-                                                   "asked for: refused")
                         self._arrived.setdefault(tag, deque()).append(data)  # no copy: nothing else holds it
-                        self._unclaimed += 1
                     continue
                 room = _bytes_of(work.buffer)
                 if length > len(room):
@@ -244,6 +283,10 @@ class SocketChannel:
                                         "(connection reset: the peer is gone)"))
         except BaseException as e:  # noqa: BLE001 - a protocol error: poisons the channel, named
             self._fail(e)
+            try:  # and ends the connection: the peer's further writes fail at once, nothing more is read
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:

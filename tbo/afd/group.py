@@ -182,7 +182,10 @@ class AFDGroup:
                              "'nccl' (CUDA)")
         self.rank, self.size, self.where = rank, 2, where
         self.backend = "nccl" if backend == "nccl" else "tcp"
-        self.channel = SocketChannel(sock, rank, where, max_message_bytes, send_timeout_s=timeout_s)
+        from tbo.afd.channel import KV_BUDGET
+
+        self.channel = SocketChannel(sock, rank, where, max_message_bytes, send_timeout_s=timeout_s,
+                                     kv_budget=KV_BUDGET if self.backend == "nccl" else None)
         self.pg: Any = None
         #: FFN side: the emulated link (``"LATENCY_US,GBPS"``) the engine asked for at the join, or None
         self.peer_link: str | None = None
