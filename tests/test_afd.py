@@ -371,6 +371,80 @@ def test_the_secret_guards_the_claim_and_one_engine_is_served():
     group.close()
 
 
+def _claim(port, claim):
+    """A stranger's claim on a raw connection: the server's answer frame."""
+    from tbo.afd.handshake import recv_frame, send_frame
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        deadline = time.monotonic() + 10
+        recv_frame(sock, deadline, "hello")
+        send_frame(sock, claim, deadline)
+        return recv_frame(sock, deadline, "verdict")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("field, value, match", [
+    ("proof", "\u00e9" * 64, r"its proof is not 64 lowercase hex characters \(got 64 characters: '\\xe9"),
+    ("proof", "\ud800" + "a" * 63, r"its proof is not 64 lowercase hex characters"),
+    ("nonce", "\ud800" * 32, r"its nonce is not at least 32 lowercase hex characters \(got 32 characters: "
+                             r"'\\ud800"),
+    ("nonce", "a" * 31 + "\0", r"its nonce is not at least 32 lowercase hex characters"),
+], ids=["latin1-proof", "surrogate-proof", "surrogate-nonce", "nul-nonce"])
+def test_any_characters_in_a_claim_s_proof_or_nonce_are_refused_by_name(field, value, match):
+    """Issue 61: a non-ASCII proof raised an unnamed TypeError (hmac.compare_digest) in the server's handshake
+    thread, a surrogate in a nonce a UnicodeEncodeError. Each is refused by name, told to the stranger and logged,
+    and the engine with the secret joins after it."""
+    server = _Server(token="s3cret")
+    claim = {"nonce": "ab" * 16, "proof": "cd" * 32, "token": True, field: value}
+    verdict = _claim(server.port, claim)
+    assert verdict.get("ok") is False and re.search(match, verdict["error"]), verdict
+    assert any(re.search(match, r) for r in server.refusals), server.refusals
+    group, engine = _engine(server.address, token="s3cret")
+    engine.shutdown()
+    server.join()
+    assert not server.failure
+    group.close()
+
+
+def _rogue_server(frames):
+    """A listener that answers one connection with ``frames`` (the hello, then, after the claim, a verdict)."""
+    from tbo.afd.handshake import recv_frame, send_frame
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = listener.accept()
+        with conn:
+            deadline = time.monotonic() + 10
+            send_frame(conn, frames[0], deadline)
+            try:
+                recv_frame(conn, deadline, "claim")
+                for frame in frames[1:]:
+                    send_frame(conn, frame, deadline)
+                recv_frame(conn, deadline, "join")
+            except Exception:  # noqa: BLE001 - the engine hung up: what the test wants
+                pass
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("frames, match", [
+    ([{"protocol": "tbo-afd/1", "nonce": "\ud800" * 32, "token_required": True}],
+     r"did not complete a tbo AFD handshake .*its hello's nonce is not at least 32 lowercase hex"),
+    ([{"protocol": "tbo-afd/1", "nonce": "ab" * 16, "token_required": True},
+      {"ok": True, "proof": "\u00e9" * 64, "info": {"tbo_afd": 1}}],
+     r"did not prove it knows the shared secret: refused before anything was sent to it"),
+], ids=["surrogate-nonce", "latin1-proof"])
+def test_any_characters_in_a_server_s_nonce_or_proof_are_refused_by_name(frames, match):
+    """The engine's side of the same: a server's hello or verdict with such characters raised a TypeError or a
+    UnicodeEncodeError at engine start; now an `AFDPeerError` naming the server."""
+    address = _rogue_server(frames)
+    with pytest.raises(AFDPeerError, match=match):
+        AFDGroup.connect(address, token="s3cret", connect_timeout_s=5)
+
+
 def test_engine_start_against_a_silent_listener_is_bounded_and_names_the_address():
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -624,10 +698,29 @@ def test_a_token_on_the_command_line_warns_and_the_file_is_read(tmp_path):
 
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
+    secret.chmod(0o600)
     args = argparse.Namespace(token=None, token_file=str(secret), listen="0.0.0.0:0", insecure=False)
     assert _secret(args) == "s3cret"  # a secret makes a wider --listen acceptable
     args = argparse.Namespace(token=None, token_file=None, listen="0.0.0.0:0", insecure=True)
     assert _secret(args) is None  # said --insecure
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o602])
+def test_a_token_file_others_can_read_or_write_is_refused_unless_insecure(tmp_path, mode):
+    """Issue 61: a token file readable or writable by everyone was accepted without a word. Refused now, naming the
+    file, its mode and the fix, as ssh refuses such a private key; --insecure takes it."""
+    import argparse
+
+    from tbo.integrations.vllm.afd.ffn import _secret
+
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(mode)
+    args = argparse.Namespace(token=None, token_file=str(secret), listen="127.0.0.1:0", insecure=False)
+    with pytest.raises(ValueError, match=rf"--token-file '{re.escape(str(secret))}' can be read or written by others "
+                                         rf"\(mode {mode:04o}\): `chmod 600` it .*or say --insecure"):
+        _secret(args)
+    assert _secret(argparse.Namespace(**{**vars(args), "insecure": True})) == "s3cret"
 
 
 def _listening_addresses(rank, world):

@@ -62,6 +62,18 @@ def proof(token: str, role: str, server_nonce: str, engine_nonce: str) -> str:
     return hmac.new(token.encode(), text, hashlib.sha256).hexdigest()
 
 
+def _hex(value: str, what: str, length: int | None = None) -> str:
+    """``value`` if it is lowercase hex (of ``length`` characters, or at least 32), else a `HandshakeError` naming
+    ``what``: a proof or a nonce is compared and hashed as ASCII, and any other character (a non-ASCII letter, a lone
+    surrogate, a NUL) raised an unnamed TypeError or UnicodeEncodeError."""
+    ok = value.isascii() and all(c in "0123456789abcdef" for c in value)
+    if not ok or (len(value) != length if length is not None else len(value) < 32):
+        shown = value[:40].encode("ascii", "backslashreplace").decode()
+        raise HandshakeError(f"{what} is not {length or 'at least 32'} lowercase hex characters (got "
+                             f"{len(value)} characters: '{shown}'): not a tbo AFD peer of this version")
+    return value
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -173,8 +185,14 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
         given = _field(claim, "proof", str, f"the claim from {peer}")
         has_token = bool(claim.get("token"))
         problem = None
-        if len(theirs) < 32:
-            problem = "its nonce is shorter than 32 characters"
+        try:
+            _hex(theirs, "its nonce")
+            if token and has_token:
+                _hex(given, "its proof", 64)
+        except HandshakeError as e:
+            problem = str(e)
+        if problem is not None:
+            pass  # a malformed nonce or proof, named above
         elif token and not has_token:
             problem = "the engine has no shared secret and this server requires one (give the engine the same secret)"
         elif not token and has_token:
@@ -292,7 +310,7 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
             hello = recv_frame(sock, deadline, f"the hello of {where}", MAX_CLAIM_FRAME)
             if hello.get("protocol") != PROTOCOL:
                 raise HandshakeError(f"it speaks {str(hello.get('protocol'))[:40]!r}, not {PROTOCOL!r}")
-            theirs = _field(hello, "nonce", str, "its hello")
+            theirs = _hex(_field(hello, "nonce", str, "its hello"), "its hello's nonce")
             required = bool(hello.get("token_required"))
             ours = secrets.token_hex(16)
             send_frame(sock, {"nonce": ours, "proof": proof(token, "engine", theirs, ours) if token else "",
@@ -309,7 +327,9 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
             if verdict.get("ok") is not True:
                 raise AFDPeerError(f"the FFN server at {where} refused this engine: "
                                    f"{str(verdict.get('error', 'no reason given'))[:300]}")
-            if token and not hmac.compare_digest(str(verdict.get("proof", "")), proof(token, "server", theirs, ours)):
+            given = verdict.get("proof", "")
+            if token and not (isinstance(given, str) and given.isascii() and
+                              hmac.compare_digest(given, proof(token, "server", theirs, ours))):
                 raise AFDPeerError(f"the server at {where} did not prove it knows the shared secret: refused before "
                                    "anything was sent to it (a rogue server, or another secret)")
             info = verdict.get("info")

@@ -255,7 +255,7 @@ def add_parser(sub: Any) -> None:
                              f"--token-file or {TOKEN_ENV})")
     p.add_argument("--insecure", action="store_true",
                    help="allow a --listen address beyond loopback without a shared secret (anyone who reaches it "
-                        "can claim the server)")
+                        "can claim the server), and a --token-file others can read or write")
     p.set_defaults(func=main)
 
 
@@ -276,6 +276,10 @@ def _secret(args: argparse.Namespace) -> str | None:
 
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"--token-file {path!r} is not a regular file")
+        if st.st_mode & 0o077 and not getattr(args, "insecure", False):
+            raise ValueError(f"--token-file {path!r} can be read or written by others (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}): `chmod 600` it (as ssh refuses such a private key), "
+                             "or say --insecure")
         if st.st_size > MAX_TOKEN_FILE:
             raise ValueError(f"--token-file {path!r} is {st.st_size} bytes, more than the {MAX_TOKEN_FILE} read")
         with open(path, "rb") as f:
