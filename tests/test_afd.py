@@ -461,6 +461,50 @@ def test_engine_start_against_a_silent_listener_is_bounded_and_names_the_address
     assert f"127.0.0.1:{port}" in str(caught[0].value) and "connect_timeout_s" in str(caught[0].value)
 
 
+def test_a_full_backlog_is_named_as_such_not_as_nothing_answering():
+    """Issue 61: a held connect flood made the engine say "nothing answered" while the server ran. A listener whose
+    backlog is full (connections held open, none taken) is named as such."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    held = []
+    for _ in range(4):  # the flood: connections the listener never takes
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        held.append(s)
+    try:
+        with pytest.raises(AFDPeerError, match=rf"the FFN server at 127.0.0.1:{port} did not accept the connection "
+                                               r"within 1s \(connect_timeout_s\): its listen backlog is full"):
+            AFDGroup.connect(f"127.0.0.1:{port}", connect_timeout_s=1)
+    finally:
+        for s in held:
+            s.close()
+        listener.close()
+
+
+@pytest.mark.dist
+def test_a_flood_of_strangers_is_logged_a_few_lines_and_a_count():
+    """Issue 61: each stranger's connection wrote a line (14,000 in 10 s of flood). Now at most 10 per 10 s are
+    told one by one, the rest counted in one line; the engine with the secret joins after the flood."""
+    server = _Server(token="s3cret")
+    for _ in range(40):
+        verdict = _claim(server.port, {"nonce": "ab" * 16, "proof": "cd" * 32, "token": True})
+        assert verdict.get("ok") is False
+    group, engine = _engine(server.address, token="s3cret")
+    engine.shutdown()
+    server.join()
+    group.close()
+    one_by_one = [r for r in server.refusals if r.startswith("refused a claim")]
+    assert len(one_by_one) == 10, server.refusals
+    counted = [r for r in server.refusals if "not logged one by one" in r]
+    assert len(counted) == 1 and counted[0].startswith("30 more connection(s) refused or dropped in "), counted
+
+
 def _raw_pair():
     server = _Server()
     group, engine = _engine(server.address)

@@ -49,6 +49,10 @@ MAX_FRAME = 1 << 16
 MAX_CLAIM_FRAME = 1024
 #: connections in the handshake at once on the server; a new one beyond drops the oldest
 MAX_PENDING = 16
+#: refusals told one by one per `LOG_WINDOW_S`; the rest are counted and told in one line (a stranger's flood of
+#: connections wrote 14,000 lines in 10 s)
+LOG_BURST = 10
+LOG_WINDOW_S = 10.0
 _LENGTH = struct.Struct("!I")
 
 
@@ -134,6 +138,44 @@ def _field(message: dict[str, Any], name: str, kind: type, what: str) -> Any:
 
 
 # ---- the server's side ---------------------------------------------------------------------------------------------
+class _RateLimited:
+    """``on_refused`` at most `LOG_BURST` times per `LOG_WINDOW_S`; the refusals past it are counted, and the count
+    told in one line when the window ends (at the next refusal, or when the server stops listening)."""
+
+    def __init__(self, emit: Callable[[str], None], burst: int = LOG_BURST, window_s: float = LOG_WINDOW_S) -> None:
+        self.emit, self.burst, self.window_s = emit, burst, window_s
+        self.lock = threading.Lock()
+        self.start, self.told, self.untold = time.monotonic(), 0, 0
+
+    def __call__(self, message: str) -> None:
+        with self.lock:
+            summary = self._roll(time.monotonic())
+            tell = self.told < self.burst
+            if tell:
+                self.told += 1
+            else:
+                self.untold += 1
+        if summary:
+            self.emit(summary)
+        if tell:
+            self.emit(message)
+
+    def _roll(self, now: float, force: bool = False) -> str | None:
+        """Start a new window if this one ended (or ``force``); the line counting what it did not tell."""
+        if not force and now - self.start < self.window_s:
+            return None
+        summary = (f"{self.untold} more connection(s) refused or dropped in {now - self.start:.1f}s, not logged one "
+                   f"by one (at most {self.burst} lines per {self.window_s:g}s)") if self.untold else None
+        self.start, self.told, self.untold = now, 0, 0
+        return summary
+
+    def flush(self) -> None:
+        with self.lock:
+            summary = self._roll(time.monotonic(), force=True)
+        if summary:
+            self.emit(summary)
+
+
 class _Pending:
     """The connections in the handshake: at most `MAX_PENDING`, the first accepted claim wins."""
 
@@ -259,6 +301,8 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
     pending = _Pending()
     pending.listener = listener
     deadline = time.monotonic() + timeout_s
+    log = None if on_refused is None else _RateLimited(on_refused)
+    on_refused = log
     listener.settimeout(0.1)
     try:
         while not pending.done.is_set():
@@ -283,6 +327,8 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
             winner = pending.winner
             pending.conns = [c for c in pending.conns if c is not winner]
         pending.drop_all()
+        if log is not None:
+            log.flush()
     assert winner is not None
     winner.settimeout(None)
     return winner, pending.joined
@@ -300,6 +346,11 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
     deadline = time.monotonic() + timeout_s
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
+    except (socket.timeout, TimeoutError):  # the SYN went unanswered: nothing refused it, nothing took it
+        raise AFDPeerError(f"the FFN server at {where} did not accept the connection within {timeout_s:g}s "
+                           "(connect_timeout_s): its listen backlog is full, connections held open to it faster than "
+                           "it takes them (a connect flood; it accepts again once they end), or a firewall drops the "
+                           "connection; not a server that is down, which refuses at once") from None
     except OSError as e:
         raise AFDPeerError(f"no tbo AFD FFN server at {where} (nothing answered within {timeout_s:g}s: "
                            f"{e.strerror or e}); start it first with `tbo afd-ffn --model DIR --listen {where}` "
