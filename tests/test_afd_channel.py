@@ -197,3 +197,45 @@ def test_an_engine_flooding_its_ffn_server_after_the_join_is_refused_by_name_and
                      r"pair never uses", out), out
     grown = int(re.search(r"grew (-?\d+)", out).group(1))
     assert grown < 16 << 20, (grown, out)
+
+
+_EXIT = r"""
+import atexit, sys, threading
+# registered before tbo is imported, so it runs after tbo's own exit handler (atexit runs them last-in first-out)
+atexit.register(lambda: print("alive at exit:", sorted(t.name for t in threading.enumerate()
+                                                      if t.name.startswith("tbo-afd-") and t.is_alive()), flush=True))
+import torch
+from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup, AFDPeerError
+
+ports, groups = [], []
+def serve():
+    group = AFDGroup.listen("127.0.0.1:0", {"tbo_afd": 1}, timeout_s=20, on_listening=lambda h, p: ports.append(p))
+    groups.append(group)
+    ffn = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, idle_timeout_s=20)
+    x, meta = ffn.recv_attn_output()
+    ffn.send_ffn_output(x.half(), meta)  # an answer of another dtype: refused by the engine
+    ffn.recv_attn_output()  # and waits on, its reader blocked in the socket, until the process exits
+threading.Thread(target=serve, daemon=True).start()
+while not ports:
+    threading.Event().wait(0.01)
+group = AFDGroup.connect(f"127.0.0.1:{ports[0]}", timeout_s=20)
+engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, max_answer_bytes=1 << 12)
+engine.send_attn_output(torch.ones(2, 16), AFDMeta(0, 0, 1, 2, 16))
+try:
+    engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))
+except AFDPeerError as e:
+    print("refused:", str(e)[:60], flush=True)
+engine.send_attn_output(torch.ones(2, 16), AFDMeta(1, 0, 1, 2, 16))  # in flight at exit; nothing closed
+"""
+
+
+def test_nothing_of_a_channel_runs_when_the_interpreter_exits():
+    """Issue 61: the engine aborted (SIGABRT) at interpreter exit in 2 of 51 runs after a refused answer, its
+    channel's daemon threads still in a socket call while Python finalized. An exit handler now closes every open
+    channel and ends its threads first: at the last exit handler no tbo-afd thread is alive, and the exit is 0."""
+    done = subprocess.run([sys.executable, "-c", _EXIT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": _ROOT})
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert "refused: rank 0: FFN rank 1 answered layer 0" in done.stdout, done.stdout
+    assert "alive at exit: []" in done.stdout, done.stdout
