@@ -216,12 +216,13 @@ class _Server:
     """`AFDGroup.listen` in a thread, then an echo FFN loop (x * 2 + layer) until shutdown or a failure."""
 
     def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0, stall_layer=None, stall_s=0.0,
-                 microbatches=None, answer=None):
+                 microbatches=None, answer=None, integrity="full"):
         self.port, self.failure, self.refusals, self.served = None, [], [], []
         self.answer = answer or (lambda x, meta: x * 2 + meta.layer_idx)
         self.microbatches, self.peer_link = microbatches, None
         self.listening_at_start: list[str] = []
         self.stall_layer, self.stall_s = stall_layer, stall_s  # a slow FFN: layer stall_layer answers stall_s late
+        self.integrity = integrity
         self.thread = threading.Thread(target=self._run, args=(token, max_request_bytes, timeout_s), daemon=True)
         self.thread.start()
         while self.port is None and self.thread.is_alive():
@@ -235,7 +236,7 @@ class _Server:
         try:
             group = AFDGroup.listen("127.0.0.1:0", {"tbo_afd": 1}, timeout_s=timeout_s, token=token,
                                     on_listening=self._on_listening, on_refused=self.refusals.append,
-                                    microbatches=self.microbatches)
+                                    microbatches=self.microbatches, integrity=self.integrity)
             self.peer_link = group.peer_link
         except Exception as e:  # noqa: BLE001 - for the test
             self.failure.append(e)
@@ -443,6 +444,98 @@ def test_any_characters_in_a_server_s_nonce_or_proof_are_refused_by_name(frames,
     address = _rogue_server(frames)
     with pytest.raises(AFDPeerError, match=match):
         AFDGroup.connect(address, token="s3cret", connect_timeout_s=5)
+
+
+class _Relay:
+    """A relay the engine dials instead of the server: it passes the handshake and the engine's frames on as they
+    are, and hands each of the server's frames after the join to ``rewrite(kind, payload)`` (the MAC, if any, kept
+    as it came), as a machine between the two could."""
+
+    def __init__(self, server_port, tags, rewrite):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.server_port, self.tags, self.rewrite, self.rewritten = server_port, tags, rewrite, 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def _read(sock, n):
+        data = bytearray()
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return bytes(data)
+
+    def _run(self):
+        engine, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self.server_port))
+        self.listener.close()
+
+        def upstream():
+            try:
+                while data := engine.recv(1 << 16):
+                    server.sendall(data)
+            except OSError:
+                pass
+            try:
+                server.shutdown(socket.SHUT_RDWR)  # wakes the loop below, and the server sees the engine gone
+            except OSError:
+                pass
+
+        threading.Thread(target=upstream, daemon=True).start()
+        try:
+            for _ in range(2):  # the hello and the verdict: length-prefixed JSON, passed on
+                length = self._read(server, 4)
+                engine.sendall(length + self._read(server, int.from_bytes(length, "big")))
+            while True:
+                header = self._read(server, 16)
+                kind, _tag, length = __import__("struct").unpack("!IIQ", header)
+                payload = self._read(server, length)
+                mac = self._read(server, 16) if self.tags else b""
+                changed = self.rewrite(kind, payload)
+                self.rewritten += changed != payload
+                engine.sendall(header + changed + mac)
+        except (EOFError, OSError):
+            pass
+        engine.close()
+
+
+def _nan_answers(kind, payload):
+    """Every answer's rows NaN, its trailer kept (the connector's length check passes): what the issue's relay did."""
+    if kind != 1 or len(payload) <= 80:
+        return payload
+    rows = torch.full(((len(payload) - 8) // 4,), float("nan")).view(torch.uint8).numpy().tobytes()
+    return rows + payload[-8:]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("integrity", ["full", "headers"])
+def test_a_relay_that_rewrites_a_frame_is_refused_at_its_first(integrity):
+    """Issue 61: the secret covered the join only: a relay the engine dialled joined through and rewrote every
+    answer to NaN, which the engine took. Now each frame carries a MAC under the session key: under "full" the
+    first rewritten answer is refused by name (the relay rewrote one frame, no more got through); under "headers"
+    the bulk payloads are not covered (that is the option's trade, docs/hardening.md), but a rewritten metadata
+    header (80 bytes) is refused the same way."""
+    server = _Server(token="s3cret", integrity=integrity)
+    rewrite = _nan_answers
+    if integrity == "headers":
+        def rewrite(kind, payload):  # the answer's metadata (80 bytes): its layer word 0 -> 1
+            if kind != 1 or len(payload) != 80:
+                return payload
+            return payload[:16] + (1).to_bytes(8, "little") + payload[24:]
+    relay = _Relay(server.port, tags=True, rewrite=rewrite)
+    group = AFDGroup.connect(relay.address, token="s3cret", timeout_s=20, connect_timeout_s=5, integrity=integrity)
+    assert group.integrity == integrity
+    engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group)
+    engine.send_attn_output(torch.ones(2, 16), AFDMeta(0, 0, 1, 2, 16))
+    with pytest.raises(AFDPeerError, match=r"frame \d+ from the FFN server at 127.0.0.1:\d+ failed its integrity "
+                                           rf"check \(HMAC-SHA256 under this connection's session key, integrity "
+                                           rf"'{integrity}'\): rewritten, replayed, reordered or dropped"):
+        engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))
+    assert relay.rewritten == 1
+    group.close()
+    server.thread.join(30)
 
 
 def test_engine_start_against_a_silent_listener_is_bounded_and_names_the_address():

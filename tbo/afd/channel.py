@@ -29,12 +29,22 @@ frames of 60 KB grew its engine by 150 MiB). A peer past a budget is refused by 
 connection shut, so its further writes fail at once. What this side sends waits in the writer's queue only as long
 as the connector keeps it (at most 16 messages before it waits for the oldest); the received frames are read into
 posted buffers or into the budget above.
+
+Integrity (issue 61). With a shared secret the handshake gives each direction a key (`tbo.afd.handshake.
+session_keys`), and every frame is followed by a 16-byte MAC (HMAC-SHA256, truncated) under its direction's key,
+over the frame's number on its connection (counted by both sides, never sent), its header, and its payload: all of
+it under ``"full"``, under ``"headers"`` only a payload of at most `SMALL_FRAME` bytes (the connector's metadata
+headers, key-value frames), not the bulk tensors. A frame is handed on only once its MAC verified: a relay that
+rewrites, replays, drops or reorders one is refused by name at that frame, the channel poisoned. What a frame says
+is not secret: confidentiality is the network's.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
+import hmac
 import queue
 import socket
 import struct
@@ -54,6 +64,11 @@ _MSG, _KV = 1, 2
 _MAX_KV = 1 << 16
 #: the key-value table's budget on an NCCL pair: keys, bytes (NCCL's bootstrap of two ranks sets a few ids)
 KV_BUDGET = (256, 1 << 20)
+#: under integrity "headers", a payload up to this size is covered by its frame's MAC (the connector's 80-byte
+#: metadata headers, key-value frames); a longer one (a tensor) is not
+SMALL_FRAME = 256
+_TAG = 16  # bytes of MAC after each frame, with integrity on
+_SEQ = struct.Struct("!Q")
 
 
 #: the channels not closed yet, ended at interpreter exit (`_close_at_exit`)
@@ -116,9 +131,12 @@ class SocketChannel:
 
     def __init__(self, sock: socket.socket, rank: int, peer: str, max_message_bytes: int = 1 << 30,
                  send_timeout_s: float = 60.0, *, max_unclaimed_bytes: int | None = None,
-                 kv_budget: tuple[int, int] | None = KV_BUDGET) -> None:
+                 kv_budget: tuple[int, int] | None = KV_BUDGET,
+                 integrity: tuple[bytes, bytes, str] | None = None) -> None:
         """``max_unclaimed_bytes``: what may wait for a receive (default twice ``max_message_bytes``);
-        ``kv_budget``: (keys, bytes) of the key-value table, or None: no key-value frame is taken (a tcp pair)."""
+        ``kv_budget``: (keys, bytes) of the key-value table, or None: no key-value frame is taken (a tcp pair);
+        ``integrity``: (this side's sending key, its receiving key, "full" or "headers"): every frame carries a MAC
+        (see the module docstring); None: no MAC (a pair without a secret)."""
         from tbo.afd.group import AFDPeerError
 
         self.sock, self.rank, self.peer, self.max_message_bytes = sock, rank, peer, max_message_bytes
@@ -126,6 +144,10 @@ class SocketChannel:
         self.kv_budget = kv_budget
         self._unclaimed_bytes = 0
         self._kv_bytes = 0
+        self._send_key, self._recv_key, mode = integrity if integrity is not None else (None, None, "off")
+        self.integrity = mode  #: what the frames' MAC covers: "full", "headers" or "off"
+        self._covered = (1 << 64) if mode == "full" else SMALL_FRAME  # payloads up to this size are MAC'd
+        self._frames_sent = self._frames_received = 0
         self._peer_error = AFDPeerError
         self.send_timeout_s = send_timeout_s
         sock.settimeout(send_timeout_s)  # bounds a send to a peer that stopped reading (its reader just waits on)
@@ -169,6 +191,9 @@ class SocketChannel:
             try:
                 self.sock.sendall(header)
                 self.sock.sendall(payload)
+                if self._send_key is not None:
+                    self.sock.sendall(self._mac(self._send_key, self._frames_sent, header, payload))
+                    self._frames_sent += 1
             except OSError as e:
                 error = self._peer_error(f"the AFD connection to {self.peer} failed while sending: "
                                          f"{'timed out' if isinstance(e, socket.timeout) else e.strerror or e}")
@@ -176,6 +201,35 @@ class SocketChannel:
                 work.finish(self._poison)
                 continue
             work.finish()
+
+    def _mac(self, key: bytes, number: int, header: bytes | bytearray, payload: Any = b"") -> bytes:
+        """A frame's MAC: over its number, its header and (if covered) its payload."""
+        mac = hmac.new(key, _SEQ.pack(number) + bytes(header), hashlib.sha256)
+        if len(payload) <= self._covered or _HEADER.unpack(header)[0] == _KV:
+            mac.update(payload)
+        return mac.digest()[:_TAG]
+
+    def _begin_check(self, header: bytearray, length: int) -> Any:
+        """The receiving MAC of the frame whose header was just read (None without integrity, or for a payload it
+        does not cover); the payload's bytes are added as they arrive (`_recv_exact`)."""
+        if self._recv_key is None:
+            return None
+        mac = hmac.new(self._recv_key, _SEQ.pack(self._frames_received) + bytes(header), hashlib.sha256)
+        self._frames_received += 1
+        self._mac_payload = length <= self._covered or _HEADER.unpack(header)[0] == _KV
+        return mac
+
+    def _check(self, mac: Any) -> None:
+        """Read the frame's MAC and compare: a frame is handed on only once it verified."""
+        if mac is None:
+            return
+        tag = bytearray(_TAG)
+        self._recv_exact(memoryview(tag))
+        if not hmac.compare_digest(mac.digest()[:_TAG], bytes(tag)):
+            raise self._peer_error(f"frame {self._frames_received - 1} from {self.peer} failed its integrity check "
+                                   f"(HMAC-SHA256 under this connection's session key, integrity {self.integrity!r}): "
+                                   "rewritten, replayed, reordered or dropped on the way (a relay?), or sent under "
+                                   "another secret: refused, the connection ended")
 
     def send(self, tensor: torch.Tensor, tag: int) -> _Work:
         return self._write(_MSG, tag, _bytes_of(tensor))
@@ -217,7 +271,10 @@ class SocketChannel:
         return self._peer_error(f"{self.peer} sent a message of {got} bytes where {room} were posted (tag {tag}): "
                                 "refused, the pair is out of step or the peer speaks another version")
 
-    def _recv_exact(self, view: memoryview) -> None:
+    def _recv_exact(self, view: memoryview, mac: Any = None) -> None:
+        """Fill ``view``; each chunk is added to ``mac`` as it arrives (when the frame's MAC covers its payload)."""
+        if mac is not None and not self._mac_payload:
+            mac = None
         while len(view):
             try:
                 n = self.sock.recv_into(view)
@@ -225,6 +282,8 @@ class SocketChannel:
                 continue
             if n == 0:
                 raise EOFError
+            if mac is not None:
+                mac.update(view[:n])
             view = view[n:]
 
     def _read_loop(self) -> None:
@@ -233,6 +292,7 @@ class SocketChannel:
             while True:
                 self._recv_exact(memoryview(header))
                 kind, tag, length = _HEADER.unpack(header)
+                mac = self._begin_check(header, length)
                 if kind == _KV:
                     if self.kv_budget is None:
                         raise self._peer_error(f"{self.peer} sent a key-value frame ({length} bytes), which a tcp "
@@ -240,7 +300,8 @@ class SocketChannel:
                     if length > _MAX_KV or length < 4:
                         raise self._peer_error(f"{self.peer} sent a key-value frame of {length} bytes")
                     data = bytearray(length)
-                    self._recv_exact(memoryview(data))
+                    self._recv_exact(memoryview(data), mac)
+                    self._check(mac)
                     (klen,) = struct.unpack("!I", data[:4])
                     key, value = bytes(data[4:4 + klen]).decode("utf-8", "replace"), bytes(data[4 + klen:])
                     with self._lock:
@@ -275,7 +336,8 @@ class SocketChannel:
                         self._unclaimed += 1  # reserved while it is read
                         self._unclaimed_bytes += length
                     data = bytearray(length)
-                    self._recv_exact(memoryview(data))
+                    self._recv_exact(memoryview(data), mac)
+                    self._check(mac)
                     with self._lock:  # a receive may have been posted meanwhile: it takes the message
                         posted = self._posted.get(tag)
                         work = posted.popleft() if posted else None
@@ -300,7 +362,13 @@ class SocketChannel:
                     error = self._too_long(length, len(room), tag)
                     work.finish(error)
                     raise error
-                self._recv_exact(room[:length])
+                try:
+                    self._recv_exact(room[:length], mac)
+                    self._check(mac)
+                except BaseException as e:  # the receive is told why: its bytes are not handed on
+                    work.finish(e if isinstance(e, self._peer_error) else self._peer_error(
+                        f"the AFD connection to {self.peer} ended in the middle of a message (the peer is gone)"))
+                    raise
                 work.nbytes = length
                 work.finish()
         except EOFError:

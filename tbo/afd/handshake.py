@@ -14,6 +14,14 @@ not having one. Here the FFN server listens on one socket, and every connection 
    name, not mid-step); the join carries what the engine asks of the pair (an emulated ``link``, a string the
    server parses itself).
 
+Integrity after the join (issue 61). With a secret, both sides derive a session key from it and both nonces
+(`session_keys`: one key per direction), and every frame of the channel after the join carries a MAC under its
+direction's key over its sequence number, its header and (`INTEGRITY` "full") its payload (`tbo.afd.channel`): a
+relay between the two can read, but neither rewrite, replay, drop nor reorder a frame without the next check
+failing. "headers" covers every frame's header and every small message in full (the connector's 80-byte metadata
+headers, the key-value frames), and not the bulk tensors. The server says its minimum in the verdict, the engine
+asks for the stronger of the two in its join. Confidentiality stays the network's.
+
 Both proofs cover both nonces and a role label: a proof recorded from one connection verifies on no other (fresh
 nonces), and the server's proof is not an engine's (the label), so neither can be replayed or reflected. The secret
 never crosses the wire. The engine sends nothing but its claim before the server proved itself, so a rogue server
@@ -39,7 +47,8 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["HandshakeError", "MAX_FRAME", "MAX_PENDING", "PROTOCOL", "accept_engine", "claim_server", "proof"]
+__all__ = ["HandshakeError", "INTEGRITY", "MAX_FRAME", "MAX_PENDING", "PROTOCOL", "accept_engine", "claim_server",
+           "proof", "session_keys"]
 
 #: the protocol's name and version, in every hello
 PROTOCOL = "tbo-afd/1"
@@ -54,6 +63,9 @@ MAX_PENDING = 16
 LOG_BURST = 10
 LOG_WINDOW_S = 10.0
 _LENGTH = struct.Struct("!I")
+#: what a secret's MAC covers after the join, weakest first: "headers" (every frame's header and every small message
+#: in full), "full" (every byte)
+INTEGRITY = ("headers", "full")
 
 
 class HandshakeError(RuntimeError):
@@ -64,6 +76,22 @@ def proof(token: str, role: str, server_nonce: str, engine_nonce: str) -> str:
     """``role`` ("engine" or "server") proves it knows ``token`` for this one pair of nonces."""
     text = f"{PROTOCOL}|{role}|{server_nonce}|{engine_nonce}".encode()
     return hmac.new(token.encode(), text, hashlib.sha256).hexdigest()
+
+
+def session_keys(token: str, server_nonce: str, engine_nonce: str) -> tuple[bytes, bytes]:
+    """The pair's MAC keys after the join, engine-to-server and server-to-engine: derived from the secret and this
+    connection's two nonces (so no other connection's frames verify), one per direction (so a frame reflected back
+    to its sender does not)."""
+    session = hmac.new(token.encode(), f"{PROTOCOL}|session|{server_nonce}|{engine_nonce}".encode(),
+                       hashlib.sha256).digest()
+    return (hmac.new(session, b"engine->server", hashlib.sha256).digest(),
+            hmac.new(session, b"server->engine", hashlib.sha256).digest())
+
+
+def _integrity(value: Any, what: str) -> str:
+    if value not in INTEGRITY:
+        raise HandshakeError(f"{what} asks for integrity {str(value)[:40]!r}: accepted {', '.join(INTEGRITY)}")
+    return value
 
 
 def _hex(value: str, what: str, length: int | None = None) -> str:
@@ -186,7 +214,8 @@ class _Pending:
         self.serving = False  # a claim was accepted and its join is awaited
         self.done = threading.Event()
         self.listener: socket.socket | None = None
-        self.joined: dict[str, Any] = {}  #: what the winner's join asked (``link``)
+        self.joined: dict[str, Any] = {}  #: what the winner's join asked (``link``), and its ``session``
+        self.integrity = INTEGRITY[-1]  #: the least this server accepts (with a secret)
 
     def add(self, conn: socket.socket) -> None:
         with self.lock:
@@ -252,8 +281,8 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
                 on_refused(f"refused a claim from {peer}: {problem}")
             send_frame(conn, {"ok": False, "error": problem}, deadline)
             return
-        send_frame(conn, {"ok": True, "proof": proof(token, "server", ours, theirs) if token else "", "info": info},
-                   deadline)
+        send_frame(conn, {"ok": True, "proof": proof(token, "server", ours, theirs) if token else "", "info": info,
+                          **({"integrity": pending.integrity} if token else {})}, deadline)
         answer = recv_frame(conn, deadline, f"the join from {peer}", MAX_CLAIM_FRAME)
         if answer.get("join") is not True:
             reason = str(answer.get("error", "no reason given"))[:300]
@@ -270,9 +299,16 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
                 parse_link_spec(link)
             except ValueError:
                 raise HandshakeError(f"the join from {peer} has a malformed 'link' (a 'LATENCY_US,GBPS' string)")
+        session = None
+        if token:
+            asked = _integrity(answer.get("integrity"), f"the join from {peer}")
+            if INTEGRITY.index(asked) < INTEGRITY.index(pending.integrity):
+                raise HandshakeError(f"the join from {peer} asks for integrity {asked!r}, less than this server's "
+                                     f"{pending.integrity!r}")
+            session = (*session_keys(token, ours, theirs), asked)
         with pending.lock:
             pending.winner = conn
-            pending.joined = {"link": link}
+            pending.joined = {"link": link, "session": session}
             pending.done.set()
         if pending.listener is not None:  # wakes the accept loop at once (accept fails on a shut-down listener)
             try:
@@ -293,13 +329,16 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
 
 def accept_engine(listener: socket.socket, token: str | None, info: dict[str, Any], timeout_s: float, where: str,
                   on_refused: Callable[[str], None] | None = None,
-                  handshake_s: float = 10.0) -> tuple[socket.socket, dict[str, Any]]:
-    """Serve handshakes on ``listener`` until one engine joined (returned, connected, with what its join asked) or
-    ``timeout_s`` passed; the listener is closed either way. Each connection has ``handshake_s`` to finish."""
+                  handshake_s: float = 10.0, integrity: str = INTEGRITY[-1]) -> tuple[socket.socket, dict[str, Any]]:
+    """Serve handshakes on ``listener`` until one engine joined (returned, connected, with what its join asked:
+    ``link``, and ``session``, (engine-to-server key, server-to-engine key, integrity) with a secret, else None)
+    or ``timeout_s`` passed; the listener is closed either way. Each connection has ``handshake_s`` to finish.
+    ``integrity``: the least MAC coverage this server accepts after the join (`INTEGRITY`)."""
     from tbo.afd.group import AFDPeerError
 
     pending = _Pending()
     pending.listener = listener
+    pending.integrity = integrity
     deadline = time.monotonic() + timeout_s
     log = None if on_refused is None else _RateLimited(on_refused)
     on_refused = log
@@ -337,9 +376,11 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
 # ---- the engine's side ---------------------------------------------------------------------------------------------
 def claim_server(host: str, port: int, token: str | None, timeout_s: float,
                  check_info: Callable[[dict[str, Any]], None] | None, where: str,
-                 join: dict[str, Any] | None = None) -> tuple[socket.socket, dict]:
-    """Connect, claim, check the server's proof and description, join (with ``join``'s fields: ``link``); the
-    connected socket and the description. Everything is bounded by ``timeout_s``; on any failure the connection is
+                 join: dict[str, Any] | None = None,
+                 integrity: str = INTEGRITY[-1]) -> tuple[socket.socket, dict, tuple[bytes, bytes, str] | None]:
+    """Connect, claim, check the server's proof and description, join (with ``join``'s fields: ``link``; and, with a
+    secret, the stronger of ``integrity`` and the server's); the connected socket, the description and the session
+    (engine-to-server key, server-to-engine key, integrity; None without a secret). Everything is bounded by ``timeout_s``; on any failure the connection is
     closed (so it claims nothing)."""
     from tbo.afd.group import TOKEN_ENV, AFDPeerError
 
@@ -392,7 +433,13 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
             except Exception as e:
                 send_frame(sock, {"join": False, "error": str(e)[:300]}, deadline)
                 raise
-            send_frame(sock, {**(join or {}), "join": True}, deadline)
+            session = None
+            if token:
+                mode = max(integrity, _integrity(verdict.get("integrity"), f"the verdict of {where}"),
+                           key=INTEGRITY.index)
+                session = (*session_keys(token, theirs, ours), mode)
+            send_frame(sock, {**(join or {}), **({"integrity": session[2]} if session else {}), "join": True},
+                       deadline)
         except HandshakeError as e:
             raise AFDPeerError(f"{where} did not complete a tbo AFD handshake within {timeout_s:g}s "
                                f"(connect_timeout_s={timeout_s:g}): {e} "
@@ -401,4 +448,4 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
         sock.close()
         raise
     sock.settimeout(None)
-    return sock, info
+    return sock, info, session
