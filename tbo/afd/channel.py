@@ -148,6 +148,7 @@ class SocketChannel:
         self.integrity = mode  #: what the frames' MAC covers: "full", "headers" or "off"
         self._covered = (1 << 64) if mode == "full" else SMALL_FRAME  # payloads up to this size are MAC'd
         self._frames_sent = self._frames_received = 0
+        self._mac_payload = False  #: whether the frame being read has its payload under its MAC
         self._peer_error = AFDPeerError
         self.send_timeout_s = send_timeout_s
         sock.settimeout(send_timeout_s)  # bounds a send to a peer that stopped reading (its reader just waits on)
@@ -272,9 +273,9 @@ class SocketChannel:
                                 "refused, the pair is out of step or the peer speaks another version")
 
     def _recv_exact(self, view: memoryview, mac: Any = None) -> None:
-        """Fill ``view``; each chunk is added to ``mac`` as it arrives (when the frame's MAC covers its payload)."""
-        if mac is not None and not self._mac_payload:
-            mac = None
+        """Fill ``view``, then add it to ``mac`` (when the frame's MAC covers its payload) in one call: hashing each
+        chunk as it arrived took the GIL back once more per chunk, each a wait behind the compute thread."""
+        whole = view
         while len(view):
             try:
                 n = self.sock.recv_into(view)
@@ -282,9 +283,9 @@ class SocketChannel:
                 continue
             if n == 0:
                 raise EOFError
-            if mac is not None:
-                mac.update(view[:n])
             view = view[n:]
+        if mac is not None and self._mac_payload:
+            mac.update(whole)
 
     def _read_loop(self) -> None:
         header = bytearray(_HEADER.size)
