@@ -216,7 +216,7 @@ class _Server:
     """`AFDGroup.listen` in a thread, then an echo FFN loop (x * 2 + layer) until shutdown or a failure."""
 
     def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0, stall_layer=None, stall_s=0.0,
-                 microbatches=None, answer=None, integrity="full"):
+                 microbatches=None, answer=None, integrity="headers"):
         self.port, self.failure, self.refusals, self.served = None, [], [], []
         self.answer = answer or (lambda x, meta: x * 2 + meta.layer_idx)
         self.microbatches, self.peer_link = microbatches, None

@@ -224,7 +224,7 @@ class AFDGroup:
                on_listening: Any = None, token: str | None = None,
                on_refused: Callable[[str], None] | None = None, max_message_bytes: int = 1 << 30,
                handshake_s: float = 10.0, microbatches: Sequence[int] | None = None,
-               integrity: str = "full") -> "AFDGroup":
+               integrity: str = "headers") -> "AFDGroup":
         """The FFN side (rank 1): listen on ``address`` (port 0: a free one) and on nothing else, call
         ``on_listening(host, port)``, and serve handshakes for up to ``timeout_s`` until one engine joined.
         ``token``: the shared secret both sides prove they know; a connection that does not is refused (told to the
@@ -233,7 +233,8 @@ class AFDGroup:
         ``microbatches``: the counts of a split step this server serves (default all of `AFD_MICROBATCH_COUNTS`;
         published in ``info``, checked by the engine at the join). The port is closed once the engine joined; the
         link the engine asked for is ``peer_link``. ``integrity`` (with a secret): the least MAC coverage of the
-        frames after the join this server accepts, "full" (every byte) or "headers" (see `tbo.afd.channel`)."""
+        frames after the join this server accepts, "headers" (the default) or "full" (every byte; see
+        `tbo.afd.channel`)."""
         if token is not None and not token:
             raise ValueError("the shared secret is empty: give a non-empty one, or none")
         host, port = parse_address(address, "--listen")
@@ -262,7 +263,7 @@ class AFDGroup:
     def connect(cls, address: str, *, backend: str = "tcp", connect_timeout_s: float = 10.0,
                 timeout_s: float = 60.0, check_info: Any = None, token: str | None = None,
                 max_message_bytes: int = 1 << 30, num_microbatches: int | Sequence[int] | None = None,
-                link: str | None = None, integrity: str = "full") -> "AFDGroup":
+                link: str | None = None, integrity: str = "headers") -> "AFDGroup":
         """The attention side (rank 0): reach the FFN server at ``address``, prove the secret (``token``), check
         the server's proof, check that it serves every count in ``num_microbatches`` (the counts this engine's
         split steps may have; refused by name here, not mid-step), pass its description to ``check_info`` (which

@@ -16,7 +16,7 @@ not having one. Here the FFN server listens on one socket, and every connection 
 
 Integrity after the join (issue 61). With a secret, both sides derive a session key from it and both nonces
 (`session_keys`: one key per direction), and every frame of the channel after the join carries a MAC under its
-direction's key over its sequence number, its header and (`INTEGRITY` "full") its payload (`tbo.afd.channel`): a
+direction's key over its sequence number, its header and (`INTEGRITY` "full", an option) its payload (`tbo.afd.channel`): a
 relay between the two can read, but neither rewrite, replay, drop nor reorder a frame without the next check
 failing. "headers" covers every frame's header and every small message in full (the connector's 80-byte metadata
 headers, the key-value frames), and not the bulk tensors. The server says its minimum in the verdict, the engine
@@ -66,6 +66,9 @@ _LENGTH = struct.Struct("!I")
 #: what a secret's MAC covers after the join, weakest first: "headers" (every frame's header and every small message
 #: in full), "full" (every byte)
 INTEGRITY = ("headers", "full")
+#: the default: covering the bulk payloads too cost more than 3% of a decode step (docs/hardening.md), so "full" is
+#: an option, asked by either side
+DEFAULT_INTEGRITY = "headers"
 
 
 class HandshakeError(RuntimeError):
@@ -215,7 +218,7 @@ class _Pending:
         self.done = threading.Event()
         self.listener: socket.socket | None = None
         self.joined: dict[str, Any] = {}  #: what the winner's join asked (``link``), and its ``session``
-        self.integrity = INTEGRITY[-1]  #: the least this server accepts (with a secret)
+        self.integrity = DEFAULT_INTEGRITY  #: the least this server accepts (with a secret)
 
     def add(self, conn: socket.socket) -> None:
         with self.lock:
@@ -329,7 +332,8 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
 
 def accept_engine(listener: socket.socket, token: str | None, info: dict[str, Any], timeout_s: float, where: str,
                   on_refused: Callable[[str], None] | None = None,
-                  handshake_s: float = 10.0, integrity: str = INTEGRITY[-1]) -> tuple[socket.socket, dict[str, Any]]:
+                  handshake_s: float = 10.0,
+                  integrity: str = DEFAULT_INTEGRITY) -> tuple[socket.socket, dict[str, Any]]:
     """Serve handshakes on ``listener`` until one engine joined (returned, connected, with what its join asked:
     ``link``, and ``session``, (engine-to-server key, server-to-engine key, integrity) with a secret, else None)
     or ``timeout_s`` passed; the listener is closed either way. Each connection has ``handshake_s`` to finish.
@@ -377,7 +381,7 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
 def claim_server(host: str, port: int, token: str | None, timeout_s: float,
                  check_info: Callable[[dict[str, Any]], None] | None, where: str,
                  join: dict[str, Any] | None = None,
-                 integrity: str = INTEGRITY[-1]) -> tuple[socket.socket, dict, tuple[bytes, bytes, str] | None]:
+                 integrity: str = DEFAULT_INTEGRITY) -> tuple[socket.socket, dict, tuple[bytes, bytes, str] | None]:
     """Connect, claim, check the server's proof and description, join (with ``join``'s fields: ``link``; and, with a
     secret, the stronger of ``integrity`` and the server's); the connected socket, the description and the session
     (engine-to-server key, server-to-engine key, integrity; None without a secret). Everything is bounded by ``timeout_s``; on any failure the connection is

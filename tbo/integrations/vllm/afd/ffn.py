@@ -253,10 +253,10 @@ def add_parser(sub: Any) -> None:
     secret.add_argument("--token", default=None,
                         help="the shared secret itself (readable by every local user in /proc/PID/cmdline: prefer "
                              f"--token-file or {TOKEN_ENV})")
-    p.add_argument("--integrity", choices=("full", "headers"), default="full",
-                   help="with a secret: the least the MAC of each frame after the join covers, 'full' (every byte, "
-                        "default) or 'headers' (headers and small messages, not the hidden states); the engine may "
-                        "ask for more")
+    p.add_argument("--integrity", choices=("headers", "full"), default="headers",
+                   help="with a secret: the least the MAC of each frame after the join covers, 'headers' (headers and "
+                        "small messages, not the hidden states; default) or 'full' (every byte); the engine may ask "
+                        "for more")
     p.add_argument("--insecure", action="store_true",
                    help="allow a --listen address beyond loopback without a shared secret (anyone who reaches it "
                         "can claim the server), and a --token-file others can read or write")
@@ -340,7 +340,7 @@ def main(args: argparse.Namespace) -> int:
         group = AFDGroup.listen(args.listen, model.info(), backend=backend, timeout_s=args.idle_timeout_s,
                                 on_listening=listening, token=token, on_refused=refused,
                                 max_message_bytes=model.max_request_bytes + 128, microbatches=model.microbatches,
-                                integrity=getattr(args, "integrity", "full"))
+                                integrity=getattr(args, "integrity", "headers"))
         if group.integrity != "off":
             print(f"tbo afd-ffn: the engine joined; each frame after the join carries a MAC (integrity "
                   f"{group.integrity})", flush=True)
