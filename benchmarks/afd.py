@@ -68,12 +68,16 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="which cases (default: all)")
     parser.add_argument("--transport", choices=("tcp", "gloo"), default="tcp",
                         help="tcp: an AFDGroup pair, as engines run (default); gloo: the launch's process group")
+    parser.add_argument("--integrity", choices=("off", "headers", "full"), default="off",
+                        help="tcp: a secret on both sides and what each frame's MAC covers (off: no secret)")
     args = parser.parse_args()
     for name in args.cases.split(","):
         case = AFDCase(**{**CASES[name].__dict__, "repeats": args.repeats, "microbatches": args.microbatches,
-                          "link": args.link, "transport": args.transport})
+                          "link": args.link, "transport": args.transport,
+                          "integrity": None if args.integrity == "off" else args.integrity})
         attention, ffn = launch(run_afd, 2, case, timeout_s=600)
         link = f", link {args.link}" if args.link else ""
+        link += f", integrity {args.integrity}" if args.integrity != "off" else ""
         print(f"{name}: {attention.tokens} tokens, hidden {case.hidden_size}, {case.num_layers} layers{link}, "
               f"over {attention.transport}")
         for mode, microbatches in (("no_dbo", 1), ("dbo", args.microbatches[0])):

@@ -216,11 +216,13 @@ class _Server:
     """`AFDGroup.listen` in a thread, then an echo FFN loop (x * 2 + layer) until shutdown or a failure."""
 
     def __init__(self, token=None, max_request_bytes=8 * 16 * 4, timeout_s=20.0, stall_layer=None, stall_s=0.0,
-                 microbatches=None):
+                 microbatches=None, answer=None, integrity="headers"):
         self.port, self.failure, self.refusals, self.served = None, [], [], []
+        self.answer = answer or (lambda x, meta: x * 2 + meta.layer_idx)
         self.microbatches, self.peer_link = microbatches, None
         self.listening_at_start: list[str] = []
         self.stall_layer, self.stall_s = stall_layer, stall_s  # a slow FFN: layer stall_layer answers stall_s late
+        self.integrity = integrity
         self.thread = threading.Thread(target=self._run, args=(token, max_request_bytes, timeout_s), daemon=True)
         self.thread.start()
         while self.port is None and self.thread.is_alive():
@@ -234,7 +236,7 @@ class _Server:
         try:
             group = AFDGroup.listen("127.0.0.1:0", {"tbo_afd": 1}, timeout_s=timeout_s, token=token,
                                     on_listening=self._on_listening, on_refused=self.refusals.append,
-                                    microbatches=self.microbatches)
+                                    microbatches=self.microbatches, integrity=self.integrity)
             self.peer_link = group.peer_link
         except Exception as e:  # noqa: BLE001 - for the test
             self.failure.append(e)
@@ -250,7 +252,7 @@ class _Server:
                 self.served.append(meta)
                 if meta.layer_idx == self.stall_layer:
                     time.sleep(self.stall_s)
-                ffn.send_ffn_output(x * 2 + meta.layer_idx, meta)
+                ffn.send_ffn_output(self.answer(x, meta), meta)
             ffn.flush()
         except Exception as e:  # noqa: BLE001 - for the test
             self.failure.append(e)
@@ -370,6 +372,172 @@ def test_the_secret_guards_the_claim_and_one_engine_is_served():
     group.close()
 
 
+def _claim(port, claim):
+    """A stranger's claim on a raw connection: the server's answer frame."""
+    from tbo.afd.handshake import recv_frame, send_frame
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        deadline = time.monotonic() + 10
+        recv_frame(sock, deadline, "hello")
+        send_frame(sock, claim, deadline)
+        return recv_frame(sock, deadline, "verdict")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("field, value, match", [
+    ("proof", "\u00e9" * 64, r"its proof is not 64 lowercase hex characters \(got 64 characters: '\\xe9"),
+    ("proof", "\ud800" + "a" * 63, r"its proof is not 64 lowercase hex characters"),
+    ("nonce", "\ud800" * 32, r"its nonce is not at least 32 lowercase hex characters \(got 32 characters: "
+                             r"'\\ud800"),
+    ("nonce", "a" * 31 + "\0", r"its nonce is not at least 32 lowercase hex characters"),
+], ids=["latin1-proof", "surrogate-proof", "surrogate-nonce", "nul-nonce"])
+def test_any_characters_in_a_claim_s_proof_or_nonce_are_refused_by_name(field, value, match):
+    """Issue 61: a non-ASCII proof raised an unnamed TypeError (hmac.compare_digest) in the server's handshake
+    thread, a surrogate in a nonce a UnicodeEncodeError. Each is refused by name, told to the stranger and logged,
+    and the engine with the secret joins after it."""
+    server = _Server(token="s3cret")
+    claim = {"nonce": "ab" * 16, "proof": "cd" * 32, "token": True, field: value}
+    verdict = _claim(server.port, claim)
+    assert verdict.get("ok") is False and re.search(match, verdict["error"]), verdict
+    assert any(re.search(match, r) for r in server.refusals), server.refusals
+    group, engine = _engine(server.address, token="s3cret")
+    engine.shutdown()
+    server.join()
+    assert not server.failure
+    group.close()
+
+
+def _rogue_server(frames):
+    """A listener that answers one connection with ``frames`` (the hello, then, after the claim, a verdict)."""
+    from tbo.afd.handshake import recv_frame, send_frame
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = listener.accept()
+        with conn:
+            deadline = time.monotonic() + 10
+            send_frame(conn, frames[0], deadline)
+            try:
+                recv_frame(conn, deadline, "claim")
+                for frame in frames[1:]:
+                    send_frame(conn, frame, deadline)
+                recv_frame(conn, deadline, "join")
+            except Exception:  # noqa: BLE001 - the engine hung up: what the test wants
+                pass
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("frames, match", [
+    ([{"protocol": "tbo-afd/1", "nonce": "\ud800" * 32, "token_required": True}],
+     r"did not complete a tbo AFD handshake .*its hello's nonce is not at least 32 lowercase hex"),
+    ([{"protocol": "tbo-afd/1", "nonce": "ab" * 16, "token_required": True},
+      {"ok": True, "proof": "\u00e9" * 64, "info": {"tbo_afd": 1}}],
+     r"did not prove it knows the shared secret: refused before anything was sent to it"),
+], ids=["surrogate-nonce", "latin1-proof"])
+def test_any_characters_in_a_server_s_nonce_or_proof_are_refused_by_name(frames, match):
+    """The engine's side of the same: a server's hello or verdict with such characters raised a TypeError or a
+    UnicodeEncodeError at engine start; now an `AFDPeerError` naming the server."""
+    address = _rogue_server(frames)
+    with pytest.raises(AFDPeerError, match=match):
+        AFDGroup.connect(address, token="s3cret", connect_timeout_s=5)
+
+
+class _Relay:
+    """A relay the engine dials instead of the server: it passes the handshake and the engine's frames on as they
+    are, and hands each of the server's frames after the join to ``rewrite(kind, payload)`` (the MAC, if any, kept
+    as it came), as a machine between the two could."""
+
+    def __init__(self, server_port, tags, rewrite):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.server_port, self.tags, self.rewrite, self.rewritten = server_port, tags, rewrite, 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def _read(sock, n):
+        data = bytearray()
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return bytes(data)
+
+    def _run(self):
+        engine, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self.server_port))
+        self.listener.close()
+
+        def upstream():
+            try:
+                while data := engine.recv(1 << 16):
+                    server.sendall(data)
+            except OSError:
+                pass
+            try:
+                server.shutdown(socket.SHUT_RDWR)  # wakes the loop below, and the server sees the engine gone
+            except OSError:
+                pass
+
+        threading.Thread(target=upstream, daemon=True).start()
+        try:
+            for _ in range(2):  # the hello and the verdict: length-prefixed JSON, passed on
+                length = self._read(server, 4)
+                engine.sendall(length + self._read(server, int.from_bytes(length, "big")))
+            while True:
+                header = self._read(server, 16)
+                kind, _tag, length = __import__("struct").unpack("!IIQ", header)
+                payload = self._read(server, length)
+                mac = self._read(server, 16) if self.tags else b""
+                changed = self.rewrite(kind, payload)
+                self.rewritten += changed != payload
+                engine.sendall(header + changed + mac)
+        except (EOFError, OSError):
+            pass
+        engine.close()
+
+
+def _nan_answers(kind, payload):
+    """Every answer's rows NaN, its trailer kept (the connector's length check passes): what the issue's relay did."""
+    if kind != 1 or len(payload) <= 80:
+        return payload
+    rows = torch.full(((len(payload) - 8) // 4,), float("nan")).view(torch.uint8).numpy().tobytes()
+    return rows + payload[-8:]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("integrity", ["full", "headers"])
+def test_a_relay_that_rewrites_a_frame_is_refused_at_its_first(integrity):
+    """Issue 61: the secret covered the join only: a relay the engine dialled joined through and rewrote every
+    answer to NaN, which the engine took. Now each frame carries a MAC under the session key: under "full" the
+    first rewritten answer is refused by name (the relay rewrote one frame, no more got through); under "headers"
+    the bulk payloads are not covered (that is the option's trade, docs/hardening.md), but a rewritten metadata
+    header (80 bytes) is refused the same way."""
+    server = _Server(token="s3cret", integrity=integrity)
+    rewrite = _nan_answers
+    if integrity == "headers":
+        def rewrite(kind, payload):  # the answer's metadata (80 bytes): its layer word 0 -> 1
+            if kind != 1 or len(payload) != 80:
+                return payload
+            return payload[:16] + (1).to_bytes(8, "little") + payload[24:]
+    relay = _Relay(server.port, tags=True, rewrite=rewrite)
+    group = AFDGroup.connect(relay.address, token="s3cret", timeout_s=20, connect_timeout_s=5, integrity=integrity)
+    assert group.integrity == integrity
+    engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group)
+    engine.send_attn_output(torch.ones(2, 16), AFDMeta(0, 0, 1, 2, 16))
+    with pytest.raises(AFDPeerError, match=r"frame \d+ from the FFN server at 127.0.0.1:\d+ failed its integrity "
+                                           rf"check \(HMAC-SHA256 under this connection's session key, integrity "
+                                           rf"'{integrity}'\): rewritten, replayed, reordered or dropped"):
+        engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))
+    assert relay.rewritten == 1
+    group.close()
+    server.thread.join(30)
+
+
 def test_engine_start_against_a_silent_listener_is_bounded_and_names_the_address():
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -384,6 +552,50 @@ def test_engine_start_against_a_silent_listener_is_bounded_and_names_the_address
     silent.close()
     assert not worker.is_alive(), "engine start still blocked: a hang"
     assert f"127.0.0.1:{port}" in str(caught[0].value) and "connect_timeout_s" in str(caught[0].value)
+
+
+def test_a_full_backlog_is_named_as_such_not_as_nothing_answering():
+    """Issue 61: a held connect flood made the engine say "nothing answered" while the server ran. A listener whose
+    backlog is full (connections held open, none taken) is named as such."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    held = []
+    for _ in range(4):  # the flood: connections the listener never takes
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        held.append(s)
+    try:
+        with pytest.raises(AFDPeerError, match=rf"the FFN server at 127.0.0.1:{port} did not accept the connection "
+                                               r"within 1s \(connect_timeout_s\): its listen backlog is full"):
+            AFDGroup.connect(f"127.0.0.1:{port}", connect_timeout_s=1)
+    finally:
+        for s in held:
+            s.close()
+        listener.close()
+
+
+@pytest.mark.dist
+def test_a_flood_of_strangers_is_logged_a_few_lines_and_a_count():
+    """Issue 61: each stranger's connection wrote a line (14,000 in 10 s of flood). Now at most 10 per 10 s are
+    told one by one, the rest counted in one line; the engine with the secret joins after the flood."""
+    server = _Server(token="s3cret")
+    for _ in range(40):
+        verdict = _claim(server.port, {"nonce": "ab" * 16, "proof": "cd" * 32, "token": True})
+        assert verdict.get("ok") is False
+    group, engine = _engine(server.address, token="s3cret")
+    engine.shutdown()
+    server.join()
+    group.close()
+    one_by_one = [r for r in server.refusals if r.startswith("refused a claim")]
+    assert len(one_by_one) == 10, server.refusals
+    counted = [r for r in server.refusals if "not logged one by one" in r]
+    assert len(counted) == 1 and counted[0].startswith("30 more connection(s) refused or dropped in "), counted
 
 
 def _raw_pair():
@@ -429,6 +641,50 @@ def test_a_lying_peer_is_refused_by_name_not_aborted(fault, match):
     assert server.failure and re.search(match, str(server.failure[0])), server.failure
     assert len(server.served) == 1
     assert HEADER_WORDS == 10
+    group.close()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("answer, match", [
+    (lambda x: x.half(), r"dtype float16 where float32 was asked"),
+    (lambda x: x.double(), r"dtype float64 where float32 was asked"),
+    (lambda x: x[:, :8].contiguous(), r"hidden size 8 where 16 was asked"),
+    (lambda x: torch.cat([x, x], 1), r"hidden size 32 where 16 was asked"),
+], ids=["float16", "float64", "hidden8", "hidden32"])
+def test_an_answer_unlike_its_request_is_refused_by_name(answer, match):
+    """Issue 61: an answer of another dtype or hidden size than its request was handed on (in vLLM: tokens
+    [0, 0, 0, 0] from a float16 answer, a raw RuntimeError from a hidden-64 one). Each is refused by name, with
+    room for it posted (as vLLM's engine posts a step's room), and the pair still answers right afterwards (other
+    rows were already refused, by the step rule: `test_a_stale_answer_is_refused_by_its_step...`)."""
+    server = _Server(answer=lambda x, meta: answer(x) if meta.layer_idx == 0 else x * 2 + meta.layer_idx)
+    group = AFDGroup.connect(server.address, timeout_s=20, connect_timeout_s=5)
+    engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, max_answer_bytes=8 * 32 * 8)
+    x = torch.randn(2, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))
+    with pytest.raises(RuntimeError, match=match):
+        engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))
+    engine.send_attn_output(x, AFDMeta(1, 0, 1, 2, 16))  # the next request is its own: served right
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(1, 0, 1, 2, 16)), x * 2 + 1)
+    engine.shutdown()
+    server.join()
+    group.close()
+
+
+@pytest.mark.dist
+def test_a_non_finite_answer_is_refused_when_asked_and_handed_on_by_default():
+    """``refuse_nonfinite`` (off by default): a NaN answer is refused by name; without it, handed on as it came."""
+    server = _Server(answer=lambda x, meta: torch.full_like(x, float("nan")) if meta.layer_idx == 0 else x * 2)
+    group = AFDGroup.connect(server.address, timeout_s=20, connect_timeout_s=5)
+    engine = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, refuse_nonfinite=True)
+    x = torch.randn(2, 16)
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))
+    with pytest.raises(AFDPeerError, match=r"answered layer 0, microbatch 0/1 with 32 non-finite value\(s\)"):
+        engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))
+    engine.refuse_nonfinite = False
+    engine.send_attn_output(x, AFDMeta(0, 0, 1, 2, 16))
+    assert torch.isnan(engine.recv_ffn_output(AFDMeta(0, 0, 1, 2, 16))).all()
+    engine.shutdown()
+    server.join()
     group.close()
 
 
@@ -579,10 +835,29 @@ def test_a_token_on_the_command_line_warns_and_the_file_is_read(tmp_path):
 
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
+    secret.chmod(0o600)
     args = argparse.Namespace(token=None, token_file=str(secret), listen="0.0.0.0:0", insecure=False)
     assert _secret(args) == "s3cret"  # a secret makes a wider --listen acceptable
     args = argparse.Namespace(token=None, token_file=None, listen="0.0.0.0:0", insecure=True)
     assert _secret(args) is None  # said --insecure
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o602])
+def test_a_token_file_others_can_read_or_write_is_refused_unless_insecure(tmp_path, mode):
+    """Issue 61: a token file readable or writable by everyone was accepted without a word. Refused now, naming the
+    file, its mode and the fix, as ssh refuses such a private key; --insecure takes it."""
+    import argparse
+
+    from tbo.integrations.vllm.afd.ffn import _secret
+
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(mode)
+    args = argparse.Namespace(token=None, token_file=str(secret), listen="127.0.0.1:0", insecure=False)
+    with pytest.raises(ValueError, match=rf"--token-file '{re.escape(str(secret))}' can be read or written by others "
+                                         rf"\(mode {mode:04o}\): `chmod 600` it .*or say --insecure"):
+        _secret(args)
+    assert _secret(argparse.Namespace(**{**vars(args), "insecure": True})) == "s3cret"
 
 
 def _listening_addresses(rank, world):

@@ -166,7 +166,7 @@ class TorchDistributedAFDConnector:
                  idle_timeout_s: float = 600.0, *, device: Any = None,
                  check_request: Callable[[AFDMeta], None] | None = None,
                  max_request_bytes: int | None = None, max_answer_bytes: int | None = None,
-                 link: str | LinkTimeline | None = None) -> None:
+                 link: str | LinkTimeline | None = None, refuse_nonfinite: bool = False) -> None:
         """``timeout_s`` bounds every wait inside a step; ``idle_timeout_s`` bounds how long an FFN rank waits for
         the next request, which includes the attention side's time between steps. ``group``: a registered
         process group, or an `AFDGroup`. ``device``: where received payloads go. ``check_request`` (FFN side)
@@ -176,7 +176,9 @@ class TorchDistributedAFDConnector:
         a buffer of that size. ``max_answer_bytes`` (attention side): the largest answer the FFN side may send (its
         ``max_tokens`` of hidden states); each answer's receive is posted with that room (default: the request's
         size). ``link``: ``"LATENCY_US,GBPS"`` (or a `LinkTimeline`): this side's messages leave when an emulated
-        link of that latency and bandwidth delivers them (`tbo.afd.link`); None: at once."""
+        link of that latency and bandwidth delivers them (`tbo.afd.link`); None: at once. ``refuse_nonfinite``
+        (attention side): an answer holding a NaN or an inf is refused by name instead of handed on (off by default:
+        it reads every answer once more; docs/hardening.md has its cost)."""
         import torch.distributed as dist
 
         self.topology, self.timeout_s, self.group = topology, timeout_s, group
@@ -214,6 +216,7 @@ class TorchDistributedAFDConnector:
         #: messages in flight that would pair with the next step's, as in `TorchDistributedTransport`
         self.poisoned: str | None = None
         self.link = link_timeline(link)
+        self.refuse_nonfinite = refuse_nonfinite
         self._delayed = None if self.link is None else DelayedSends(self.link, self._isend, str(self.rank))
 
     def _call(self, fn: Callable[[torch.Tensor, Any], Any], tensor: torch.Tensor, peer: Any, what: str) -> Any:
@@ -409,10 +412,32 @@ class TorchDistributedAFDConnector:
             raise RuntimeError(f"rank {self.rank}: FFN rank {peer} answered {got.describe()} ({got.num_tokens} "
                                f"tokens, step {got.step}) while {meta.describe()} ({meta.num_tokens} tokens, step "
                                f"{step}) was expected")
+        self._check_answer(got, meta, peer)
         if answer is None:
-            return self._recv_payload(got, peer, what)
-        self._wait(answer.payload_work, self.timeout_s, what)
-        return self._payload(answer.payload, got, peer, answer.payload_work)
+            out = self._recv_payload(got, peer, what)
+        else:
+            self._wait(answer.payload_work, self.timeout_s, what)
+            out = self._payload(answer.payload, got, peer, answer.payload_work)
+        if self.refuse_nonfinite and not bool(torch.isfinite(out).all()):
+            bad = int((~torch.isfinite(out)).sum())
+            raise AFDPeerError(f"rank {self.rank}: FFN rank {peer} answered {meta.describe()} with {bad} non-finite "
+                               f"value(s) (NaN or inf) in its {meta.num_tokens} x {meta.hidden} rows: refused "
+                               "(refuse_nonfinite is on)")
+        return out
+
+    def _check_answer(self, got: AFDMeta, meta: AFDMeta, peer: int) -> None:
+        """An answer is its request's shape: the same rows, hidden size, dtype and microbatch count (the step, layer
+        and microbatch are checked with the stale-answer rule above; the sequence by `_check_seq`). Anything else is
+        refused by name before its payload is used: it would be handed to the model as if it were the FFN output."""
+        wrong = [f"{name} {theirs} where {ours} was asked" for name, theirs, ours in (
+            ("rows", got.num_tokens, meta.num_tokens), ("hidden size", got.hidden, meta.hidden),
+            ("dtype", str(got.dtype).removeprefix("torch."), str(meta.dtype).removeprefix("torch.")),
+            ("microbatch count", got.num_microbatches, meta.num_microbatches)) if theirs != ours]
+        if got.shutdown:
+            wrong.insert(0, "a shutdown message")
+        if wrong:
+            raise AFDPeerError(f"rank {self.rank}: FFN rank {peer} answered {meta.describe()} with {'; '.join(wrong)}: "
+                               "refused, not handed on (another model or dtype on the server, or a faulty peer)")
 
     def _take_answer(self, meta: AFDMeta) -> _Posted | None:
         """The receives posted for this layer and stage's answer."""

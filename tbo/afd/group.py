@@ -140,6 +140,15 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 
 
+def _integrity(value: str) -> str:
+    from tbo.afd.handshake import INTEGRITY
+
+    if value not in INTEGRITY:
+        raise ValueError(f"integrity {value!r}: accepted {', '.join(map(repr, INTEGRITY))} (what the MAC of each frame "
+                         "after the join covers, with a secret)")
+    return value
+
+
 def _served(microbatches: Sequence[int] | None) -> list[int]:
     from tbo.afd.config import AFD_MICROBATCH_COUNTS
 
@@ -174,7 +183,9 @@ class AFDGroup:
     """
 
     def __init__(self, sock: socket.socket, rank: int, backend: str, timeout_s: float, where: str,
-                 max_message_bytes: int = 1 << 30) -> None:
+                 max_message_bytes: int = 1 << 30, session: tuple[bytes, bytes, str] | None = None) -> None:
+        """``session``: (engine-to-server key, server-to-engine key, integrity) from the handshake, with a secret:
+        every frame after the join then carries a MAC (`tbo.afd.channel`)."""
         from tbo.afd.channel import ChannelStore, SocketChannel
 
         if backend not in BACKENDS:
@@ -182,7 +193,16 @@ class AFDGroup:
                              "'nccl' (CUDA)")
         self.rank, self.size, self.where = rank, 2, where
         self.backend = "nccl" if backend == "nccl" else "tcp"
-        self.channel = SocketChannel(sock, rank, where, max_message_bytes, send_timeout_s=timeout_s)
+        from tbo.afd.channel import KV_BUDGET
+
+        keys = None
+        if session is not None:  # rank 0 (the engine) sends under the engine-to-server key
+            to_server, to_engine, mode = session
+            keys = (to_server, to_engine, mode) if rank == 0 else (to_engine, to_server, mode)
+        self.channel = SocketChannel(sock, rank, where, max_message_bytes, send_timeout_s=timeout_s,
+                                     kv_budget=KV_BUDGET if self.backend == "nccl" else None, integrity=keys)
+        #: what each frame's MAC covers after the join: "full", "headers", or "off" (no secret)
+        self.integrity = self.channel.integrity
         self.pg: Any = None
         #: FFN side: the emulated link (``"LATENCY_US,GBPS"``) the engine asked for at the join, or None
         self.peer_link: str | None = None
@@ -203,7 +223,8 @@ class AFDGroup:
     def listen(cls, address: str, info: dict[str, Any], *, backend: str = "tcp", timeout_s: float = 600.0,
                on_listening: Any = None, token: str | None = None,
                on_refused: Callable[[str], None] | None = None, max_message_bytes: int = 1 << 30,
-               handshake_s: float = 10.0, microbatches: Sequence[int] | None = None) -> "AFDGroup":
+               handshake_s: float = 10.0, microbatches: Sequence[int] | None = None,
+               integrity: str = "headers") -> "AFDGroup":
         """The FFN side (rank 1): listen on ``address`` (port 0: a free one) and on nothing else, call
         ``on_listening(host, port)``, and serve handshakes for up to ``timeout_s`` until one engine joined.
         ``token``: the shared secret both sides prove they know; a connection that does not is refused (told to the
@@ -211,7 +232,9 @@ class AFDGroup:
         engine once the server proved itself. ``max_message_bytes``: the largest message the engine may send.
         ``microbatches``: the counts of a split step this server serves (default all of `AFD_MICROBATCH_COUNTS`;
         published in ``info``, checked by the engine at the join). The port is closed once the engine joined; the
-        link the engine asked for is ``peer_link``."""
+        link the engine asked for is ``peer_link``. ``integrity`` (with a secret): the least MAC coverage of the
+        frames after the join this server accepts, "headers" (the default) or "full" (every byte; see
+        `tbo.afd.channel`)."""
         if token is not None and not token:
             raise ValueError("the shared secret is empty: give a non-empty one, or none")
         host, port = parse_address(address, "--listen")
@@ -228,9 +251,11 @@ class AFDGroup:
         except BaseException:
             sock.close()
             raise
-        conn, joined = accept_engine(sock, token, info, timeout_s, where, on_refused, handshake_s)  # closes ``sock``
+        conn, joined = accept_engine(sock, token, info, timeout_s, where, on_refused, handshake_s,
+                                     _integrity(integrity))  # closes ``sock``
         peer = conn.getpeername()
-        group = cls(conn, 1, backend, timeout_s, f"the engine at {peer[0]}:{peer[1]}", max_message_bytes)
+        group = cls(conn, 1, backend, timeout_s, f"the engine at {peer[0]}:{peer[1]}", max_message_bytes,
+                    joined.get("session"))
         group.peer_link = joined.get("link")
         return group
 
@@ -238,14 +263,15 @@ class AFDGroup:
     def connect(cls, address: str, *, backend: str = "tcp", connect_timeout_s: float = 10.0,
                 timeout_s: float = 60.0, check_info: Any = None, token: str | None = None,
                 max_message_bytes: int = 1 << 30, num_microbatches: int | Sequence[int] | None = None,
-                link: str | None = None) -> "AFDGroup":
+                link: str | None = None, integrity: str = "headers") -> "AFDGroup":
         """The attention side (rank 0): reach the FFN server at ``address``, prove the secret (``token``), check
         the server's proof, check that it serves every count in ``num_microbatches`` (the counts this engine's
         split steps may have; refused by name here, not mid-step), pass its description to ``check_info`` (which
         raises on a mismatch), then join, asking for ``link`` (``"LATENCY_US,GBPS"``: the server's answers then
         cross an emulated link of that latency, as this side's requests do). All of it is bounded by
         ``connect_timeout_s``; a connect that failed or gave up closed its connection, so it never claims the
-        server later."""
+        server later. ``integrity`` (with a secret): the MAC coverage of the frames after the join this engine asks
+        for, "full" or "headers"; the pair runs the stronger of its and the server's."""
         if token is not None and not token:
             raise ValueError("the shared secret is empty: give a non-empty one, or none")
         from tbo.afd.handshake import claim_server
@@ -259,10 +285,11 @@ class AFDGroup:
             if check_info is not None:
                 check_info(info)
 
-        conn, _info = claim_server(host, port, token, connect_timeout_s, check, where,
-                                   join=None if link is None else {"link": link})
+        conn, _info, session = claim_server(host, port, token, connect_timeout_s, check, where,
+                                            join=None if link is None else {"link": link},
+                                            integrity=_integrity(integrity))
         return cls(conn, 0, backend, max(timeout_s, connect_timeout_s), f"the FFN server at {where}",
-                   max_message_bytes)
+                   max_message_bytes, session)
 
     # ---- point to point ----------------------------------------------------------------------------------------
     # A message's tag is its sender's rank, so each direction is matched apart (NCCL ignores tags).

@@ -14,6 +14,14 @@ not having one. Here the FFN server listens on one socket, and every connection 
    name, not mid-step); the join carries what the engine asks of the pair (an emulated ``link``, a string the
    server parses itself).
 
+Integrity after the join (issue 61). With a secret, both sides derive a session key from it and both nonces
+(`session_keys`: one key per direction), and every frame of the channel after the join carries a MAC under its
+direction's key over its sequence number, its header and (`INTEGRITY` "full", an option) its payload (`tbo.afd.channel`): a
+relay between the two can read, but neither rewrite, replay, drop nor reorder a frame without the next check
+failing. "headers" covers every frame's header and every small message in full (the connector's 80-byte metadata
+headers, the key-value frames), and not the bulk tensors. The server says its minimum in the verdict, the engine
+asks for the stronger of the two in its join. Confidentiality stays the network's.
+
 Both proofs cover both nonces and a role label: a proof recorded from one connection verifies on no other (fresh
 nonces), and the server's proof is not an engine's (the label), so neither can be replayed or reflected. The secret
 never crosses the wire. The engine sends nothing but its claim before the server proved itself, so a rogue server
@@ -39,7 +47,8 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["HandshakeError", "MAX_FRAME", "MAX_PENDING", "PROTOCOL", "accept_engine", "claim_server", "proof"]
+__all__ = ["HandshakeError", "INTEGRITY", "MAX_FRAME", "MAX_PENDING", "PROTOCOL", "accept_engine", "claim_server",
+           "proof", "session_keys"]
 
 #: the protocol's name and version, in every hello
 PROTOCOL = "tbo-afd/1"
@@ -49,7 +58,17 @@ MAX_FRAME = 1 << 16
 MAX_CLAIM_FRAME = 1024
 #: connections in the handshake at once on the server; a new one beyond drops the oldest
 MAX_PENDING = 16
+#: refusals told one by one per `LOG_WINDOW_S`; the rest are counted and told in one line (a stranger's flood of
+#: connections wrote 14,000 lines in 10 s)
+LOG_BURST = 10
+LOG_WINDOW_S = 10.0
 _LENGTH = struct.Struct("!I")
+#: what a secret's MAC covers after the join, weakest first: "headers" (every frame's header and every small message
+#: in full), "full" (every byte)
+INTEGRITY = ("headers", "full")
+#: the default: covering the bulk payloads too cost more than 3% of a decode step (docs/hardening.md), so "full" is
+#: an option, asked by either side
+DEFAULT_INTEGRITY = "headers"
 
 
 class HandshakeError(RuntimeError):
@@ -60,6 +79,34 @@ def proof(token: str, role: str, server_nonce: str, engine_nonce: str) -> str:
     """``role`` ("engine" or "server") proves it knows ``token`` for this one pair of nonces."""
     text = f"{PROTOCOL}|{role}|{server_nonce}|{engine_nonce}".encode()
     return hmac.new(token.encode(), text, hashlib.sha256).hexdigest()
+
+
+def session_keys(token: str, server_nonce: str, engine_nonce: str) -> tuple[bytes, bytes]:
+    """The pair's MAC keys after the join, engine-to-server and server-to-engine: derived from the secret and this
+    connection's two nonces (so no other connection's frames verify), one per direction (so a frame reflected back
+    to its sender does not)."""
+    session = hmac.new(token.encode(), f"{PROTOCOL}|session|{server_nonce}|{engine_nonce}".encode(),
+                       hashlib.sha256).digest()
+    return (hmac.new(session, b"engine->server", hashlib.sha256).digest(),
+            hmac.new(session, b"server->engine", hashlib.sha256).digest())
+
+
+def _integrity(value: Any, what: str) -> str:
+    if value not in INTEGRITY:
+        raise HandshakeError(f"{what} asks for integrity {str(value)[:40]!r}: accepted {', '.join(INTEGRITY)}")
+    return value
+
+
+def _hex(value: str, what: str, length: int | None = None) -> str:
+    """``value`` if it is lowercase hex (of ``length`` characters, or at least 32), else a `HandshakeError` naming
+    ``what``: a proof or a nonce is compared and hashed as ASCII, and any other character (a non-ASCII letter, a lone
+    surrogate, a NUL) raised an unnamed TypeError or UnicodeEncodeError."""
+    ok = value.isascii() and all(c in "0123456789abcdef" for c in value)
+    if not ok or (len(value) != length if length is not None else len(value) < 32):
+        shown = value[:40].encode("ascii", "backslashreplace").decode()
+        raise HandshakeError(f"{what} is not {length or 'at least 32'} lowercase hex characters (got "
+                             f"{len(value)} characters: '{shown}'): not a tbo AFD peer of this version")
+    return value
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
@@ -122,6 +169,44 @@ def _field(message: dict[str, Any], name: str, kind: type, what: str) -> Any:
 
 
 # ---- the server's side ---------------------------------------------------------------------------------------------
+class _RateLimited:
+    """``on_refused`` at most `LOG_BURST` times per `LOG_WINDOW_S`; the refusals past it are counted, and the count
+    told in one line when the window ends (at the next refusal, or when the server stops listening)."""
+
+    def __init__(self, emit: Callable[[str], None], burst: int = LOG_BURST, window_s: float = LOG_WINDOW_S) -> None:
+        self.emit, self.burst, self.window_s = emit, burst, window_s
+        self.lock = threading.Lock()
+        self.start, self.told, self.untold = time.monotonic(), 0, 0
+
+    def __call__(self, message: str) -> None:
+        with self.lock:
+            summary = self._roll(time.monotonic())
+            tell = self.told < self.burst
+            if tell:
+                self.told += 1
+            else:
+                self.untold += 1
+        if summary:
+            self.emit(summary)
+        if tell:
+            self.emit(message)
+
+    def _roll(self, now: float, force: bool = False) -> str | None:
+        """Start a new window if this one ended (or ``force``); the line counting what it did not tell."""
+        if not force and now - self.start < self.window_s:
+            return None
+        summary = (f"{self.untold} more connection(s) refused or dropped in {now - self.start:.1f}s, not logged one "
+                   f"by one (at most {self.burst} lines per {self.window_s:g}s)") if self.untold else None
+        self.start, self.told, self.untold = now, 0, 0
+        return summary
+
+    def flush(self) -> None:
+        with self.lock:
+            summary = self._roll(time.monotonic(), force=True)
+        if summary:
+            self.emit(summary)
+
+
 class _Pending:
     """The connections in the handshake: at most `MAX_PENDING`, the first accepted claim wins."""
 
@@ -132,7 +217,8 @@ class _Pending:
         self.serving = False  # a claim was accepted and its join is awaited
         self.done = threading.Event()
         self.listener: socket.socket | None = None
-        self.joined: dict[str, Any] = {}  #: what the winner's join asked (``link``)
+        self.joined: dict[str, Any] = {}  #: what the winner's join asked (``link``), and its ``session``
+        self.integrity = DEFAULT_INTEGRITY  #: the least this server accepts (with a secret)
 
     def add(self, conn: socket.socket) -> None:
         with self.lock:
@@ -173,8 +259,14 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
         given = _field(claim, "proof", str, f"the claim from {peer}")
         has_token = bool(claim.get("token"))
         problem = None
-        if len(theirs) < 32:
-            problem = "its nonce is shorter than 32 characters"
+        try:
+            _hex(theirs, "its nonce")
+            if token and has_token:
+                _hex(given, "its proof", 64)
+        except HandshakeError as e:
+            problem = str(e)
+        if problem is not None:
+            pass  # a malformed nonce or proof, named above
         elif token and not has_token:
             problem = "the engine has no shared secret and this server requires one (give the engine the same secret)"
         elif not token and has_token:
@@ -192,8 +284,8 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
                 on_refused(f"refused a claim from {peer}: {problem}")
             send_frame(conn, {"ok": False, "error": problem}, deadline)
             return
-        send_frame(conn, {"ok": True, "proof": proof(token, "server", ours, theirs) if token else "", "info": info},
-                   deadline)
+        send_frame(conn, {"ok": True, "proof": proof(token, "server", ours, theirs) if token else "", "info": info,
+                          **({"integrity": pending.integrity} if token else {})}, deadline)
         answer = recv_frame(conn, deadline, f"the join from {peer}", MAX_CLAIM_FRAME)
         if answer.get("join") is not True:
             reason = str(answer.get("error", "no reason given"))[:300]
@@ -210,9 +302,16 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
                 parse_link_spec(link)
             except ValueError:
                 raise HandshakeError(f"the join from {peer} has a malformed 'link' (a 'LATENCY_US,GBPS' string)")
+        session = None
+        if token:
+            asked = _integrity(answer.get("integrity"), f"the join from {peer}")
+            if INTEGRITY.index(asked) < INTEGRITY.index(pending.integrity):
+                raise HandshakeError(f"the join from {peer} asks for integrity {asked!r}, less than this server's "
+                                     f"{pending.integrity!r}")
+            session = (*session_keys(token, ours, theirs), asked)
         with pending.lock:
             pending.winner = conn
-            pending.joined = {"link": link}
+            pending.joined = {"link": link, "session": session}
             pending.done.set()
         if pending.listener is not None:  # wakes the accept loop at once (accept fails on a shut-down listener)
             try:
@@ -233,14 +332,20 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
 
 def accept_engine(listener: socket.socket, token: str | None, info: dict[str, Any], timeout_s: float, where: str,
                   on_refused: Callable[[str], None] | None = None,
-                  handshake_s: float = 10.0) -> tuple[socket.socket, dict[str, Any]]:
-    """Serve handshakes on ``listener`` until one engine joined (returned, connected, with what its join asked) or
-    ``timeout_s`` passed; the listener is closed either way. Each connection has ``handshake_s`` to finish."""
+                  handshake_s: float = 10.0,
+                  integrity: str = DEFAULT_INTEGRITY) -> tuple[socket.socket, dict[str, Any]]:
+    """Serve handshakes on ``listener`` until one engine joined (returned, connected, with what its join asked:
+    ``link``, and ``session``, (engine-to-server key, server-to-engine key, integrity) with a secret, else None)
+    or ``timeout_s`` passed; the listener is closed either way. Each connection has ``handshake_s`` to finish.
+    ``integrity``: the least MAC coverage this server accepts after the join (`INTEGRITY`)."""
     from tbo.afd.group import AFDPeerError
 
     pending = _Pending()
     pending.listener = listener
+    pending.integrity = integrity
     deadline = time.monotonic() + timeout_s
+    log = None if on_refused is None else _RateLimited(on_refused)
+    on_refused = log
     listener.settimeout(0.1)
     try:
         while not pending.done.is_set():
@@ -265,6 +370,8 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
             winner = pending.winner
             pending.conns = [c for c in pending.conns if c is not winner]
         pending.drop_all()
+        if log is not None:
+            log.flush()
     assert winner is not None
     winner.settimeout(None)
     return winner, pending.joined
@@ -273,15 +380,22 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
 # ---- the engine's side ---------------------------------------------------------------------------------------------
 def claim_server(host: str, port: int, token: str | None, timeout_s: float,
                  check_info: Callable[[dict[str, Any]], None] | None, where: str,
-                 join: dict[str, Any] | None = None) -> tuple[socket.socket, dict]:
-    """Connect, claim, check the server's proof and description, join (with ``join``'s fields: ``link``); the
-    connected socket and the description. Everything is bounded by ``timeout_s``; on any failure the connection is
+                 join: dict[str, Any] | None = None,
+                 integrity: str = DEFAULT_INTEGRITY) -> tuple[socket.socket, dict, tuple[bytes, bytes, str] | None]:
+    """Connect, claim, check the server's proof and description, join (with ``join``'s fields: ``link``; and, with a
+    secret, the stronger of ``integrity`` and the server's); the connected socket, the description and the session
+    (engine-to-server key, server-to-engine key, integrity; None without a secret). Everything is bounded by ``timeout_s``; on any failure the connection is
     closed (so it claims nothing)."""
     from tbo.afd.group import TOKEN_ENV, AFDPeerError
 
     deadline = time.monotonic() + timeout_s
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
+    except (socket.timeout, TimeoutError):  # the SYN went unanswered: nothing refused it, nothing took it
+        raise AFDPeerError(f"the FFN server at {where} did not accept the connection within {timeout_s:g}s "
+                           "(connect_timeout_s): its listen backlog is full, connections held open to it faster than "
+                           "it takes them (a connect flood; it accepts again once they end), or a firewall drops the "
+                           "connection; not a server that is down, which refuses at once") from None
     except OSError as e:
         raise AFDPeerError(f"no tbo AFD FFN server at {where} (nothing answered within {timeout_s:g}s: "
                            f"{e.strerror or e}); start it first with `tbo afd-ffn --model DIR --listen {where}` "
@@ -292,7 +406,7 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
             hello = recv_frame(sock, deadline, f"the hello of {where}", MAX_CLAIM_FRAME)
             if hello.get("protocol") != PROTOCOL:
                 raise HandshakeError(f"it speaks {str(hello.get('protocol'))[:40]!r}, not {PROTOCOL!r}")
-            theirs = _field(hello, "nonce", str, "its hello")
+            theirs = _hex(_field(hello, "nonce", str, "its hello"), "its hello's nonce")
             required = bool(hello.get("token_required"))
             ours = secrets.token_hex(16)
             send_frame(sock, {"nonce": ours, "proof": proof(token, "engine", theirs, ours) if token else "",
@@ -309,7 +423,9 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
             if verdict.get("ok") is not True:
                 raise AFDPeerError(f"the FFN server at {where} refused this engine: "
                                    f"{str(verdict.get('error', 'no reason given'))[:300]}")
-            if token and not hmac.compare_digest(str(verdict.get("proof", "")), proof(token, "server", theirs, ours)):
+            given = verdict.get("proof", "")
+            if token and not (isinstance(given, str) and given.isascii() and
+                              hmac.compare_digest(given, proof(token, "server", theirs, ours))):
                 raise AFDPeerError(f"the server at {where} did not prove it knows the shared secret: refused before "
                                    "anything was sent to it (a rogue server, or another secret)")
             info = verdict.get("info")
@@ -321,7 +437,13 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
             except Exception as e:
                 send_frame(sock, {"join": False, "error": str(e)[:300]}, deadline)
                 raise
-            send_frame(sock, {**(join or {}), "join": True}, deadline)
+            session = None
+            if token:
+                mode = max(integrity, _integrity(verdict.get("integrity"), f"the verdict of {where}"),
+                           key=INTEGRITY.index)
+                session = (*session_keys(token, theirs, ours), mode)
+            send_frame(sock, {**(join or {}), **({"integrity": session[2]} if session else {}), "join": True},
+                       deadline)
         except HandshakeError as e:
             raise AFDPeerError(f"{where} did not complete a tbo AFD handshake within {timeout_s:g}s "
                                f"(connect_timeout_s={timeout_s:g}): {e} "
@@ -330,4 +452,4 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
         sock.close()
         raise
     sock.settimeout(None)
-    return sock, info
+    return sock, info, session

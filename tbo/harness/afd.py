@@ -13,7 +13,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 from tbo.models import ModelConfig, ReferenceModel
@@ -51,6 +51,9 @@ class AFDCase:
     #: "gloo": the launch's process group (any M:N); "tcp": an `AFDGroup` pair, the authenticated socket that
     #: ``tbo afd-ffn`` serves and vLLM's AFD joins (1:1), its FFN side posting each request's header ahead
     transport: Literal["gloo", "tcp"] = "gloo"
+    #: "tcp" only: None, no secret (no MAC); "full" / "headers": a secret on both sides, and what each frame's MAC
+    #: covers after the join (`tbo.afd.channel`)
+    integrity: Literal["full", "headers"] | None = None
 
 
 @dataclass
@@ -126,7 +129,7 @@ def _connector(rank: int, case: AFDCase, topology: AFDTopology, config: AFDConfi
     if topology.is_attention(rank):
         dist.broadcast_object_list(port, src=topology.ffn_peer(rank))
         group = AFDGroup.connect(f"127.0.0.1:{port[0]}", connect_timeout_s=case.timeout_s, timeout_s=case.timeout_s,
-                                 num_microbatches=case.microbatches, link=config.link)
+                                 num_microbatches=case.microbatches, link=config.link, **_secret(case))
         return TorchDistributedAFDConnector(topology, case.timeout_s, group=group, link=config.link)
     tokens = case.num_seqs * (2 * case.ctx if case.mode == "prefill" else 1)  # make_batch: prompts <= 1.5 x ctx
     max_bytes = tokens * case.hidden_size * model_config(case).torch_dtype.itemsize
@@ -135,9 +138,16 @@ def _connector(rank: int, case: AFDCase, topology: AFDTopology, config: AFDConfi
         dist.broadcast_object_list([bound], src=rank)
 
     group = AFDGroup.listen("127.0.0.1:0", {}, timeout_s=case.timeout_s, on_listening=listening,
-                            max_message_bytes=max_bytes + 128, microbatches=case.microbatches)
+                            max_message_bytes=max_bytes + 128, microbatches=case.microbatches, **_secret(case))
     return TorchDistributedAFDConnector(topology, case.timeout_s, group=group, link=group.peer_link,
                                         max_request_bytes=max_bytes)
+
+
+def _secret(case: AFDCase) -> dict[str, Any]:
+    """The pair's secret and integrity (a fixed secret: the two ranks are one run's, on loopback)."""
+    if case.integrity is None:
+        return {}
+    return {"token": "tbo-afd-harness", "integrity": case.integrity}
 
 
 def _die_after(server: AFDFFNServer, n: int) -> None:

@@ -342,6 +342,58 @@ def test_the_ffn_server_checks_requests_and_names_a_vanished_attention_side(mode
         assert rc == 3 and __import__("re").search(match, err), err[-3000:]
 
 
+_WRONG_FFN = r"""
+import json, sys, torch
+from tbo.afd.connector import AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup
+from tbo.integrations.vllm.afd.ffn import ffn_info
+cfg = json.load(open(sys.argv[1] + "/config.json"))
+layers = cfg["num_hidden_layers"]
+info = ffn_info(cfg["architectures"][0], layers, cfg["hidden_size"], torch.float32, 8192, ["moe"] * layers)
+say = lambda host, port: print(f"tbo afd-ffn: serving a wrong FFN on {host}:{port}, float16 answers", flush=True)
+group = AFDGroup.listen("127.0.0.1:0", info, timeout_s=300, on_listening=say)
+c = TorchDistributedAFDConnector(AFDTopology(1, 1), 60, group=group, idle_timeout_s=300,
+                                 max_request_bytes=8192 * cfg["hidden_size"] * 4)
+x, meta = c.recv_attn_output()
+c.send_ffn_output(x.half(), meta)  # the request's rows and hidden size, another dtype
+c.flush()
+print("ANSWERED", flush=True)
+try:
+    c.recv_attn_output()  # until the engine goes
+except Exception:
+    pass
+"""
+
+
+@needs_vllm
+def test_an_answer_of_another_dtype_is_refused_by_name_in_a_real_engine(models):
+    """Issue 61: an FFN server answering float16 to a float32 engine gave tokens [0, 0, 0, 0] without a word. The
+    engine's step now fails naming the FFN server, the layer and both dtypes; no token comes of it."""
+    model = models["qwen3_moe"]
+    proc = subprocess.Popen([sys.executable, "-c", _WRONG_FFN, str(model)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("tbo afd-ffn: serving"), line
+        address = line.split(" on ", 1)[1].split(",", 1)[0]
+        llm = _llm(model, {**SPLIT, "afd": {"ffn": address, "timeout_s": 20}}, dtype="float32")
+        try:
+            error = _raises_within(300, lambda: _generate(llm, SCENARIOS["decode"]))
+        finally:
+            _free(llm)
+        chain, e = [], error
+        while e is not None and len(chain) < 8:
+            chain.append(str(e))
+            e = e.__cause__ or e.__context__
+        text = " | ".join(chain)
+        assert re.search(rf"the FFN server at {re.escape(address)} failed to answer for layer 0, microbatch \d/\d.*"
+                         r"with dtype float16 where float32 was asked: refused, not handed on", text), text
+        assert proc.stdout.readline() == "ANSWERED\n"  # the answer really came, and was refused
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
 def _afd_run(model: Path, tbo: dict, server: "Server", prompts: list, dtype: str) -> tuple:
     """``prompts`` through an AFD engine on ``server``, then the engine shut down and the server exited 0; returns
     the outputs and what the tbo counters did."""

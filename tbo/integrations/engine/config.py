@@ -39,6 +39,12 @@ class AFDSettings(BaseModel):
     token: str | None = Field(default=None, repr=False, min_length=1,
                               description="the shared secret the FFN server requires (its --token); default: the "
                                           "TBO_AFD_TOKEN environment variable at engine start")
+    integrity: Literal["headers", "full"] = Field(
+        default="headers", description="with a secret: what each frame's MAC covers after the join, 'headers' "
+                                       "(headers and small messages, not the hidden states; the default) or 'full' "
+                                       "(every byte); the pair runs the stronger of the engine's and the server's")
+    refuse_nonfinite: bool = Field(default=False, description="refuse, by name, an FFN answer holding a NaN or an "
+                                                              "inf (reads every answer once more)")
 
     @field_validator("ffn")
     @classmethod

@@ -137,10 +137,11 @@ class AFDAttentionSide:
                                       connect_timeout_s=config.connect_timeout_s, timeout_s=config.timeout_s,
                                       check_info=lambda info: _check_info(info, vllm_config, config.ffn),
                                       token=token, max_message_bytes=largest + 128,
-                                      num_microbatches=num_microbatches, link=link)
+                                      num_microbatches=num_microbatches, link=link, integrity=config.integrity)
         connector = TorchDistributedAFDConnector(AFDTopology(1, 1), config.timeout_s, group=self.group,
                                                  device=runner.device if runner.device.type != "cpu" else None,
-                                                 max_answer_bytes=largest, link=link)
+                                                 max_answer_bytes=largest, link=link,
+                                                 refuse_nonfinite=config.refuse_nonfinite)
         self.link = AFDLink(connector, config.ffn, counters)
         model = runner.model.model
         self.freed_bytes = _take_out_ffns(runner.model, model, vllm_config, config.ffn)

@@ -253,9 +253,13 @@ def add_parser(sub: Any) -> None:
     secret.add_argument("--token", default=None,
                         help="the shared secret itself (readable by every local user in /proc/PID/cmdline: prefer "
                              f"--token-file or {TOKEN_ENV})")
+    p.add_argument("--integrity", choices=("headers", "full"), default="headers",
+                   help="with a secret: the least the MAC of each frame after the join covers, 'headers' (headers and "
+                        "small messages, not the hidden states; default) or 'full' (every byte); the engine may ask "
+                        "for more")
     p.add_argument("--insecure", action="store_true",
                    help="allow a --listen address beyond loopback without a shared secret (anyone who reaches it "
-                        "can claim the server)")
+                        "can claim the server), and a --token-file others can read or write")
     p.set_defaults(func=main)
 
 
@@ -276,6 +280,10 @@ def _secret(args: argparse.Namespace) -> str | None:
 
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"--token-file {path!r} is not a regular file")
+        if st.st_mode & 0o077 and not getattr(args, "insecure", False):
+            raise ValueError(f"--token-file {path!r} can be read or written by others (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}): `chmod 600` it (as ssh refuses such a private key), "
+                             "or say --insecure")
         if st.st_size > MAX_TOKEN_FILE:
             raise ValueError(f"--token-file {path!r} is {st.st_size} bytes, more than the {MAX_TOKEN_FILE} read")
         with open(path, "rb") as f:
@@ -331,7 +339,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         group = AFDGroup.listen(args.listen, model.info(), backend=backend, timeout_s=args.idle_timeout_s,
                                 on_listening=listening, token=token, on_refused=refused,
-                                max_message_bytes=model.max_request_bytes + 128, microbatches=model.microbatches)
+                                max_message_bytes=model.max_request_bytes + 128, microbatches=model.microbatches,
+                                integrity=getattr(args, "integrity", "headers"))
+        if group.integrity != "off":
+            print(f"tbo afd-ffn: the engine joined; each frame after the join carries a MAC (integrity "
+                  f"{group.integrity})", flush=True)
         if group.peer_link is not None:
             print(f"tbo afd-ffn: the engine joined over an emulated link of {group.peer_link} (LATENCY_US,GBPS)",
                   flush=True)
