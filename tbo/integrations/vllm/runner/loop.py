@@ -67,6 +67,9 @@ class LayerLoop:
         self.op_times = op_times  #: ``op_times``: time every op of the counted steps
         #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows
         self.agreed_rows = agreed_rows
+        #: the live trace a request arms (`tbo.integrations.engine.live_trace`; set with the metrics publisher): a
+        #: step reads its ``armed`` flag and nothing else while nobody traces
+        self.live_trace: Any = None
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -87,6 +90,8 @@ class LayerLoop:
                 observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
         counted = step is not None and step.mode != "warmup"
         timer = OpTimes() if self.op_times and counted else None
+        live = self.live_trace
+        recorder = live.recorder() if live is not None and live.armed and counted else None
         traffic_before = self._traffic()
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
@@ -101,7 +106,7 @@ class LayerLoop:
         with no_host_reads(_split_decode(step)):  # tbo's part of a split decode step reads nothing on the host
             out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
                                           output_key=self.ends.outputs, backend=backend,
-                                          observer=as_observer([observer, timer]))
+                                          observer=as_observer([observer, timer, recorder]))
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
         hidden = self.ends.end(out, self.compute)
         if counted:
@@ -117,6 +122,9 @@ class LayerLoop:
                 s.record_verify(step.draft_tokens, parts > 1, step.varying_drafts)
             if timer is not None:
                 s.add_op_times(timer.seconds, timer.calls, layers_s)
+            if recorder is not None:
+                tokens = [step.num_tokens] if plan is None else [m.tokens_unpadded_len for m in plan.microbatches]
+                live.record(recorder, f"{step.mode} step, {'split' if plan else 'unsplit'}", tokens)
             self.write_stats()
         return hidden
 
