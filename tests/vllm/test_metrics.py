@@ -300,3 +300,26 @@ def test_the_trace_route_is_loaded_only_where_vllm_plugins_names_it(tmp_path, mo
         attach_endpoint_plugins(app, ("generate",))
         routes[allow] = {(r.path, tuple(sorted(r.methods))) for r in app.routes if r.path.startswith("/tbo")}
     assert routes == {None: set(), "tbo": set(), "tbo,tbo_trace": {("/tbo/trace", ("GET",))}}
+    _refusals(app)
+
+
+def _refusals(app) -> None:
+    """The attached route, its state built by the plugin's ``init_state`` from a real VllmConfig (the engine client
+    carries only its config here): each refusal names its cause."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+    from vllm.config import VllmConfig
+
+    (plugin,) = app.state.endpoint_plugins
+    client = TestClient(app)
+    for additional, status, says in (({}, 404, "tbo is not on for this engine"),
+                                     ({"tbo": {"metrics": False}}, 409, "'metrics': false"),
+                                     ({"tbo": {}}, 503, "no tbo worker publishes to")):
+        engine = SimpleNamespace(vllm_config=VllmConfig(additional_config=additional))
+        asyncio.run(plugin.init_state(engine, app.state, None))
+        got = client.get("/tbo/trace?steps=2&timeout_s=1")
+        assert got.status_code == status and says in got.json()["error"], (additional, got.json())
+        got = client.get("/tbo/trace?steps=100")  # parameters are checked first, whatever the engine
+        assert got.status_code == 400 and "steps='100': an integer from 1 to 64" in got.json()["error"]

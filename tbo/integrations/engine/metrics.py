@@ -186,9 +186,12 @@ class MetricsPublisher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                if self.tick is not None:
+            if self.tick is not None:
+                try:
                     self.tick()
+                except Exception:  # noqa: BLE001 - a diagnostic never stops the engine, nor the publishes
+                    logger.exception("tbo: the metrics thread's tick (the live trace's poll) failed")
+            try:
                 self.publish()
             except Exception:  # noqa: BLE001 - a diagnostic never stops the engine; logged, tried again next tick
                 logger.exception("tbo: publishing metrics to %s failed", self.slot.path)
