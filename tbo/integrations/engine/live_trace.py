@@ -51,6 +51,7 @@ REQUEST_BYTES = 4096  #: a request file larger than this is not read
 REQUEST_NAME = "trace.request"
 _ID = re.compile(r"^[0-9a-f]{8,32}$")
 _SPAN_BYTES = 120  #: about what one span costs in a worker's file (its JSON object): the recorder's estimate
+_SPANS_PER_OP = 1.3  #: spans per op, about: every op, and a transfer and a wait for some
 
 
 @dataclass(frozen=True)
@@ -156,26 +157,31 @@ class StepRecorder(Observer):
 
     def spans(self, offset: float = 0.0) -> list[dict[str, Any]]:
         """The spans, their times plus ``offset`` (seconds)."""
-        out: list[dict[str, Any]] = []
-        pending: dict[tuple[int, str], list[dict[str, Any]]] = {}
-        for mb, stage, name, start, end in self.ops:
-            start, end = start + offset, end + offset
-            out.append(_span("compute", mb, stage, name, start, end))
-            role = comm_role(name)
-            if role is None:
-                continue
-            if role[0] == "launch":
-                comm = _span("comm", mb, stage, role[1], end, end)
-                pending.setdefault((mb, role[1]), []).append(comm)
-                out.append(comm)
-            else:
-                queue = pending.get((mb, role[1]))
-                if queue:
-                    comm = queue.pop(0)
-                    comm["end"] = max(comm["start"], end)
-                if end > start:
-                    out.append(_span("wait", mb, stage, f"{role[1]}_wait", start, end))
-        return out
+        return _spans(self.ops, offset)
+
+
+def _spans(ops: list[tuple[int, int, str, float, float]], offset: float) -> list[dict[str, Any]]:
+    """`StepRecorder.spans` of recorded ``ops`` (built on the publisher thread, not in the step)."""
+    out: list[dict[str, Any]] = []
+    pending: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for mb, stage, name, start, end in ops:
+        start, end = start + offset, end + offset
+        out.append(_span("compute", mb, stage, name, start, end))
+        role = comm_role(name)
+        if role is None:
+            continue
+        if role[0] == "launch":
+            comm = _span("comm", mb, stage, role[1], end, end)
+            pending.setdefault((mb, role[1]), []).append(comm)
+            out.append(comm)
+        else:
+            queue = pending.get((mb, role[1]))
+            if queue:
+                comm = queue.pop(0)
+                comm["end"] = max(comm["start"], end)
+            if end > start:
+                out.append(_span("wait", mb, stage, f"{role[1]}_wait", start, end))
+    return out
 
 
 def _span(lane: str, mb: int, stage: int, name: str, start: float, end: float) -> dict[str, Any]:
@@ -208,13 +214,13 @@ class LiveTrace:
 
     def record(self, recorder: StepRecorder, label: str, tokens: list[int]) -> None:
         """Hand a recorded step over; the request is complete at its N-th step, or where its byte cap is reached."""
-        spans = recorder.spans(self._offset)
+        ops = recorder.ops  # the step hands its raw ops over; the publisher thread makes them spans
         with self._lock:
             request = self._request
             if not self.armed or request is None:
                 return
-            self._steps.append({"label": label, "tokens": tokens, "spans": spans})
-            self._estimate += _SPAN_BYTES * len(spans) + 100
+            self._steps.append({"label": label, "tokens": tokens, "ops": ops})
+            self._estimate += _SPAN_BYTES * _SPANS_PER_OP * len(ops) + 100
             if len(self._steps) >= request.steps:
                 self.armed, self._reason = False, "steps"
             elif self._estimate >= request.max_bytes:
@@ -236,8 +242,9 @@ class LiveTrace:
             if not self._reason:
                 self._reason = (f"deadline: {len(self._steps)} of {request.steps} steps ran before it "
                                 "(an engine without requests runs none)")
-            steps, reason = self._steps, self._reason
+            steps, reason, offset = self._steps, self._reason, self._offset
             self._request, self._steps, self._estimate, self._reason = None, [], 0, ""
+        steps = [{"label": x["label"], "tokens": x["tokens"], "spans": _spans(x["ops"], offset)} for x in steps]
         self._write(request, steps, reason)
 
     def _check_request(self) -> None:
