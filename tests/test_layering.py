@@ -211,14 +211,13 @@ def test_the_vllm_room_imports_point_down(path: Path):
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
-#: The SGLang integration is a room too, ordered the same way. It shares the engine-neutral pieces
-#: (`tbo.integrations.engine`) and, from the vLLM room, only what imports no vLLM and serves both engines: the config
-#: schema (one schema for both: `TBO_SGLANG_CONFIG` holds vLLM's additional_config["tbo"]) and the adaptive split's
-#: per-engine steps.
+#: The SGLang integration is a room too, ordered the same way. What it shares with vLLM (the config schema, the
+#: adaptive driver, the step rules, the counters) it takes from the kit, `tbo.integrations.engine`: nothing from the
+#: vLLM room.
 SGLANG_ROOM = "tbo.integrations.sglang"
 SGLANG_ORDER = [
     (("errors",), "TboSglangError and refuse(): the one message shape"),
-    (("config",), "TBO_SGLANG_CONFIG: the shared schema, read at engine start (no SGLang)"),
+    (("config",), "TBO_SGLANG_CONFIG: the kit's schema, read at engine start (no SGLang)"),
     (("stats",), "the process registry of the engines' stats"),
     (("model",), "admission by structure, the layer as ops over SGLang's modules"),
     (("step",), "the split decision, the microbatches' ForwardBatches from SGLang's filter_batch"),
@@ -227,7 +226,6 @@ SGLANG_ORDER = [
     (("__init__",), "the package's front door"),
 ]
 _SGLANG_ROW = {unit: row for row, (units, _) in enumerate(SGLANG_ORDER) for unit in units}
-SGLANG_SHARED_FROM_VLLM = ("tbo.integrations.vllm.config", "tbo.integrations.vllm.step.adaptive")
 SGLANG_MODULES = [p for p in INTEGRATION_MODULES if _module_name(p).startswith(SGLANG_ROOM)]
 
 
@@ -246,15 +244,14 @@ def test_the_sglang_room_order_names_every_unit():
 
 
 @pytest.mark.parametrize("path", SGLANG_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_the_sglang_room_imports_point_down_and_take_from_vllm_only_what_is_shared(path: Path):
+def test_the_sglang_room_imports_point_down_and_nothing_of_vllm(path: Path):
     here = _sglang_unit(_module_name(path))
     broken = [f"line {line}: {here} imports {target} ({_sglang_unit(target)}), not below it in SGLANG_ORDER"
               for line, target in _imports(path)
               if _sglang_unit(target) not in (None, here) and _SGLANG_ROW[_sglang_unit(target)] >= _SGLANG_ROW[here]]
-    broken += [f"line {line}: imports {target} from the vLLM room (shared: {', '.join(SGLANG_SHARED_FROM_VLLM)})"
+    broken += [f"line {line}: imports {target}: what SGLang shares with vLLM comes from {ENGINE_COMMON}"
                for line, target in _imports(path)
-               if (target.startswith(VLLM_ROOM + ".") or target == VLLM_ROOM or target.split(".")[0] == "vllm")
-               and target not in SGLANG_SHARED_FROM_VLLM]
+               if target.startswith(VLLM_ROOM + ".") or target == VLLM_ROOM or target.split(".")[0] == "vllm"]
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
@@ -367,6 +364,16 @@ def test_the_checker_sees_violations(tmp_path, monkeypatch):
         test_imports_point_down(fake / "comm" / "bad.py")
     with pytest.raises(AssertionError, match=r"tbo.comm imports tbo.strategies.deepseek, but tbo.strategies is not below"):
         test_imports_point_down(fake / "comm" / "up.py")
+
+
+def test_the_checker_sees_sglang_take_from_vllm(tmp_path, monkeypatch):
+    """The SGLang room's check can fail: a module of it importing the vLLM room's config is named."""
+    room = tmp_path / "tbo" / "integrations" / "sglang"
+    room.mkdir(parents=True)
+    (room / "config.py").write_text("from tbo.integrations.vllm.config import TboVllmConfig\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match=r"imports tbo.integrations.vllm.config: what SGLang shares with vLLM"):
+        test_the_sglang_room_imports_point_down_and_nothing_of_vllm(room / "config.py")
 
 
 _BLOCK_TORCH = """

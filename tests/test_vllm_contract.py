@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tbo.integrations.vllm import plugin
-from tbo.integrations.vllm.contract import ALL, CONTRACT, V1, Entry, entries_for, release_of
+from tbo.integrations.vllm.contract import ALL, CONTRACT, V1, V2_ENTRIES, Entry, entries_for, release_of
 from tbo.tools.vllm_contract import check, main, version_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,10 +204,15 @@ def test_every_vllm_import_of_tbo_has_an_entry():
 
 
 def test_the_plugins_wrapped_classes_have_entries():
+    """Every runner class the plugin wraps has its ``load_model`` entry: its own (the plugin wraps the class's
+    ``__dict__``), or, for V2's subclasses, inherited from a class the plugin wraps (the class is named in the
+    entry's ``where``; tests/vllm/test_contract.py asks the imported vLLM which class defines it)."""
     labels = {e.label: e for e in CONTRACT}
+    own = {f"{m}:{c}" for m, c in plugin.RUNNER_CLASSES if labels[f"{m}:{c}.load_model"].own}
     for module, cls in plugin.RUNNER_CLASSES:
         entry = labels[f"{module}:{cls}.load_model"]
-        assert entry.kind == "wrap" and entry.own
+        assert entry.kind == "wrap" and (entry.own or "inherited from V2's GPUModelRunner" in entry.where), entry
+    assert "vllm.v1.worker.gpu.model_runner:GPUModelRunner" in own
     module, cls, method = plugin.DP_ENGINE_SYNC
     assert labels[f"{module}:{cls}.{method}"].own
 
@@ -216,7 +221,9 @@ def test_the_table_is_well_formed():
     labels = [(e.label, e.kind, e.releases) for e in CONTRACT]  # one symbol may have an entry per release set
     assert len(labels) == len(set(labels))
     assert set(V1) < set(ALL) and all(e.where for e in CONTRACT)
-    assert len(entries_for("0.34")) < len(entries_for("0.33")) == len(CONTRACT)
+    assert len(entries_for("0.34")) < len(entries_for("0.33")) < len(CONTRACT)  # 0.34's standalone CPU runner
+    assert set(V2_ENTRIES) <= set(CONTRACT) and all("runner.v2" in e.where or "RUNNER_CLASSES" in e.where
+                                                    for e in V2_ENTRIES)
     with pytest.raises(ValueError, match="kind 'poke'"):
         Entry("vllm.x", "y", "poke")
     with pytest.raises(ValueError, match="0.31"):

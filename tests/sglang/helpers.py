@@ -102,10 +102,34 @@ def engine(model: Path, tbo: dict[str, Any] | None = None) -> Iterator[Any]:
         e.shutdown()
 
 
-def greedy(e: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy tokens for token-id prompts."""
-    out = e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
+def greedy(e: Any, prompts: list[list[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
+    """Greedy tokens for token-id prompts (``sampling``: more of SGLang's sampling params, ``ignore_eos``, ...)."""
+    out = e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens,
+                                                         **sampling})
     return [o["output_ids"] for o in out]
+
+
+@contextlib.contextmanager
+def logged(name: str) -> Iterator[list[str]]:
+    """The messages logger ``name`` of this process emits at INFO and above while the block runs (SGLang's engine
+    sets the root logger to its ``log_level``, ERROR here: the logger's own level is lowered for the block)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger(name), Collect(logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def read_stats(path: Path) -> dict[str, Any]:

@@ -5,17 +5,23 @@ split would give the same tokens. The tbo engines run over the emulated ``link``
 microbatch's dispatch and combine booked on it.
 
 Engines are started one at a time and shared by the module's tests: per model, plain SGLang's reference tokens
-first (its engine shut down before the next starts), then one tbo engine per microbatch count.
+first (its engine shut down before the next starts), then one tbo engine per microbatch count, and for Qwen3-MoE one
+with ``split: "adaptive"`` over microbatches [2, 3]. Each tbo engine's shutdown is checked too: SGLang kills its
+scheduler processes, so tbo closes there first (the plugin's shutdown hook) and leaves its summary in
+``stats_file``.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import BATCH, LONG, engine, greedy, read_stats, save_mixtral, save_qwen3_moe
+from tbo.integrations.engine.stats import StepStats, summary_line
+
+from .helpers import BATCH, LONG, engine, greedy, logged, read_stats, save_mixtral, save_qwen3_moe
 
 MODELS = {"qwen3_moe": save_qwen3_moe, "mixtral": save_mixtral}
 MICROBATCHES = (2, 3)
@@ -25,9 +31,19 @@ DECODE_TOKENS = 6
 LINK = "5,50"
 
 
-def _runs(e: Any) -> dict[str, Any]:
-    """What each test compares: the batch prefilled alone (1 token), the batch decoded, the long prompt alone."""
-    return {"prefill": greedy(e, BATCH, 1), "decode": greedy(e, BATCH, DECODE_TOKENS), "cut": greedy(e, LONG, 3)}
+#: the adaptive engine's run: the batch decoded this long (EOS ignored), so that its decode bucket (4 tokens a step)
+#: has the steps to warm up and to explore a choice that waits the longest interval (8 x 4 challengers / 0.5)
+ADAPTIVE_TOKENS = 80
+ADAPTIVE = {"split": "adaptive", "adaptive": {"microbatches": [2, 3], "warmup_samples": 1, "explore_share": 0.5}}
+
+
+def _runs(e: Any, name: str) -> dict[str, Any]:
+    """What each test compares: the batch prefilled alone (1 token), the batch decoded, the long prompt alone; for
+    Qwen3-MoE the adaptive engine's long decode too."""
+    runs = {"prefill": greedy(e, BATCH, 1), "decode": greedy(e, BATCH, DECODE_TOKENS), "cut": greedy(e, LONG, 3)}
+    if name == "qwen3_moe":
+        runs["adaptive"] = greedy(e, BATCH, ADAPTIVE_TOKENS, ignore_eos=True)
+    return runs
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -36,7 +52,7 @@ def model(request, tmp_path_factory) -> tuple[str, Path, dict[str, Any]]:
     name = request.param
     path = MODELS[name](tmp_path_factory.mktemp(name) / name)
     with engine(path) as e:
-        reference = _runs(e)
+        reference = _runs(e, name)
     return name, path, reference
 
 
@@ -55,7 +71,9 @@ def tbo_run(request, model, tmp_path_factory) -> dict[str, Any]:
             before = read_stats(stats_file)
             tokens = greedy(e, prompts, new)
             runs[kind] = (tokens, before, read_stats(stats_file))
-    return {"name": name, "n": n, "reference": reference, "runs": runs}
+        last = read_stats(stats_file)
+    return {"name": name, "n": n, "reference": reference, "runs": runs, "last": last,
+            "closed": read_stats(stats_file)}
 
 
 def _split(before: dict[str, Any], after: dict[str, Any], mode: str) -> int:
@@ -92,3 +110,63 @@ def test_a_prompt_cut_across_microbatches_gives_plain_sglangs_tokens(tbo_run):
     assert tokens == tbo_run["reference"]["cut"]
     assert after["cut_requests"] - before["cut_requests"] >= 1, (before, after)  # one prompt: cut inside it
     assert _split(before, after, "prefill") >= 1
+
+
+def test_shutdown_closes_tbo_and_leaves_its_summary(tbo_run):
+    """SGLang's shutdown kills the scheduler; tbo closed there first: its last ``stats_file`` write carries the
+    summary line, whose counts are the engine's."""
+    last, closed = tbo_run["last"], tbo_run["closed"]
+    assert "summary" not in last, last  # not before the shutdown
+    counted = StepStats(**{f.name: last[f.name] for f in fields(StepStats)})
+    assert closed["summary"] == [summary_line(counted)], (closed.get("summary"), last)
+    assert closed["summary"][0].startswith(f"tbo: {last['split_steps']} of {last['steps']} forward steps overlapped")
+    assert last["split_steps"] >= DECODE_TOKENS  # the counts it summed are a run that split
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(model, tmp_path_factory) -> dict[str, Any]:
+    """Qwen3-MoE under ``split: "adaptive"`` with microbatches [2, 3]: the tokens, tbo's counters before the
+    shutdown and after it, and what the engine's own process logged at shutdown."""
+    name, path, reference = model
+    if name != "qwen3_moe":
+        pytest.skip("one adaptive engine, on Qwen3-MoE: its reference is the one model's")
+    stats_file = tmp_path_factory.mktemp("stats") / "adaptive.json"
+    with logged("sglang.tbo") as lines:
+        with engine(path, {**ADAPTIVE, "stats_file": str(stats_file), "link": LINK}) as e:
+            tokens = greedy(e, BATCH, ADAPTIVE_TOKENS, ignore_eos=True)
+            last = read_stats(stats_file)
+            logged_before = list(lines)
+    return {"tokens": tokens, "reference": reference["adaptive"], "last": last, "closed": read_stats(stats_file),
+            "logged_before": logged_before, "logged": lines}
+
+
+def _count(choice: str) -> int:
+    """A choice's microbatch count from its name (``unsplit``, ``split, NAME``, ``split, NAME x3``)."""
+    if choice == "unsplit":
+        return 1
+    return int(choice.rsplit(" x", 1)[1]) if " x" in choice else 2
+
+
+def test_adaptive_with_two_counts_gives_plain_sglangs_tokens_and_runs_both(adaptive_run):
+    """Each step runs the count the adaptive split chose, planned again with that count's policy: over the run both
+    counts ran, and tbo's counters are exactly what the adaptive samples say ran (every split step's microbatches)."""
+    assert adaptive_run["tokens"] == adaptive_run["reference"]
+    last = adaptive_run["last"]
+    (report,) = last["adaptive"]
+    samples: dict[int, int] = {}
+    for bucket in report["buckets"]:
+        for choice, n in bucket["samples"].items():
+            samples[_count(choice)] = samples.get(_count(choice), 0) + n
+    assert samples.get(2, 0) >= 1 and samples.get(3, 0) >= 1, report["summary"]
+    assert last["steps"] == sum(samples.values()), (last, samples)
+    assert last["split_steps"] == samples[2] + samples[3], (last, samples)
+    assert last["microbatches"] == 2 * samples[2] + 3 * samples[3], (last, samples)
+
+
+def test_adaptive_engine_shutdown_logs_its_summary_in_the_engines_process(adaptive_run):
+    """The schedulers' summary (the counts, then each adaptive bucket's line) comes back to the process that made
+    the engine and is logged there at shutdown, and written to ``stats_file``."""
+    last, closed, lines = adaptive_run["last"], adaptive_run["closed"], adaptive_run["logged"]
+    assert adaptive_run["logged_before"] == [] and lines == closed["summary"], (lines, closed.get("summary"))
+    assert lines[0].startswith(f"tbo: {last['split_steps']} of {last['steps']} forward steps overlapped")
+    assert [line.removeprefix("tbo adaptive: ") for line in lines[1:]] == last["adaptive"][0]["summary"]

@@ -1,5 +1,9 @@
-"""What every engine integration of tbo shares, importing no engine: the rules that decide a step's split
-(`step`: a step's kind, its plan, speculative verify and draft steps) and the counters of what tbo did (`stats`).
+"""The kit: what every engine integration of tbo shares, importing no engine. The one config schema (`config`:
+`TboConfig`), the one error type and message shape (`errors`: `TboEngineError`, each room's error a subclass), the
+rules that decide a step's split (`step`: a step's kind, its plan, speculative verify and draft steps), the adaptive
+driver (`adaptive`: `AdaptiveSteps`, which requires its caller to plan a step again), the counters of what tbo did
+(`stats`) and the undo stack an engine is built on (`undo`).
 
-vLLM's integration (`tbo.integrations.vllm`) uses them; another engine's (SGLang's) imports them without vLLM.
+vLLM's integration (`tbo.integrations.vllm`) and SGLang's (`tbo.integrations.sglang`) take them from here; neither
+imports the other (tests/test_layering.py), and a third engine writes only its glue (docs/integrating.md).
 """

@@ -30,7 +30,7 @@ from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 from tbo.split.index import Cut
 from tbo.split.plan import plan_from_cuts
 
-__all__ = ["Step", "decide", "decide_draft", "microbatch_rows"]
+__all__ = ["Step", "StepFacts", "decide", "decide_draft", "decide_facts", "microbatch_rows", "readers_last"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,36 @@ def microbatch_rows(plan: SplitPlan | None, num_tokens: int, num_microbatches: i
     return tuple(mb.tokens_end - mb.tokens_start for mb in plan.microbatches)
 
 
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What a runner knows of one step before deciding it, in one frozen value: each runner adapts its own facts to it
+    (vLLM's V1 batch, Model Runner V2's ``BatchReqState`` and descriptor: `tbo.integrations.vllm.runner.v2.v2_facts`)
+    and `decide_facts` decides it, a pure function of it."""
+
+    scheduled: tuple[int, ...]  #: each request's scheduled tokens, in the runner's batch order
+    past_prompt: tuple[bool, ...]  #: each request is decoding (past its prompt)
+    padded_tokens: int  #: the tokens the runner will run (a padded step is not split)
+    #: each request's tokens already in the KV cache (None: unknown, and the prefix-cache rule is the runner's own,
+    #: given as ``allowed``)
+    computed: tuple[int, ...] | None = None
+    drafts: tuple[int, ...] | None = None  #: speculative decoding: each request's draft tokens to verify
+    allowed: bool = True  #: the runner's own veto (False: no split)
+
+
+def readers_last(scheduled: Sequence[int], computed: Sequence[int]) -> bool:
+    """The prefix-cache rule where the runner has none of its own (Model Runner V2): a request that reads KV cache
+    blocks (``computed`` > 0) while it prefills (more than one token) may have been admitted on a cache hit against
+    blocks another request of the same step is writing now. Unsplit, every write precedes every read; split,
+    microbatch 0 runs each layer's attention first, so a reader is safe only where no request follows it. True (a
+    split is allowed) when every such reader is the batch's last request."""
+    last = len(scheduled) - 1
+    return all(i == last for i, (n, c) in enumerate(zip(scheduled, computed)) if int(n) > 1 and int(c) > 0)
+
+
+def decide_facts(policy: SplitPolicy, facts: StepFacts) -> Step:
+    """The `Step` for ``facts`` (`decide`), the prefix-cache rule `readers_last` applied where ``computed`` is known."""
+    allowed = facts.allowed and (facts.computed is None or readers_last(facts.scheduled, facts.computed))
+    return decide(policy, facts.scheduled, facts.past_prompt, allowed=allowed, padded_tokens=facts.padded_tokens,
+                  drafts=facts.drafts)

@@ -1,9 +1,10 @@
-"""The SGLang plugin's config: the JSON in ``TBO_SGLANG_CONFIG``, one schema with vLLM's ``additional_config["tbo"]``.
+"""The SGLang plugin's config: the JSON in ``TBO_SGLANG_CONFIG``, every engine's schema (vLLM's
+``additional_config["tbo"]``).
 
-One schema for both engines, so a deployment moves between them with the same keys: `TboVllmConfig` (it imports no
-vLLM) parses and checks it, every key by name, a typo refused with the accepted keys. What the SGLang integration
-cannot run yet (DeepEP, AFD, FP8 dispatch) is refused here by name, never ignored. The variable is read when a
-process that runs the model starts its engine (`read`), never at import.
+One schema for every engine, so a deployment moves between them with the same keys: the kit's
+`tbo.integrations.engine.config.TboConfig` checks it, every key by name, a typo refused with the accepted keys.
+What the SGLang integration cannot run yet (DeepEP, AFD, FP8 dispatch) is refused here by name, never ignored. The
+variable is read when a process that runs the model starts its engine (`read`), never at import.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from tbo.integrations.sglang.errors import ENV, TboSglangError, refuse
-from tbo.integrations.vllm.config import TboVllmConfig, describe_error
+from tbo.integrations.engine.config import TboConfig, describe_error
 
 __all__ = ["TboSglangConfig", "parse_config", "read"]
 
-#: the schema, shared with vLLM (the keys and their checks are the same)
-TboSglangConfig = TboVllmConfig
+#: the schema, every engine's (the keys and their checks are the same as vLLM's)
+TboSglangConfig = TboConfig
 
 
 def read(environ: Mapping[str, str] | None = None) -> TboSglangConfig | None:

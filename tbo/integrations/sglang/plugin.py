@@ -1,32 +1,55 @@
 """The SGLang plugin's entry point (group ``sglang.srt.plugins``): idle unless ``TBO_SGLANG_CONFIG`` is set.
 
 SGLang calls `register` in every process it starts (the engine's, the scheduler's, the detokenizer's) and swallows
-what a plugin raises there, so `register` does nothing that can fail and reads no config: it only hooks
-``ModelRunner.initialize`` (SGLang's own `HookRegistry`, AFTER). When a runner has loaded its model, in the process
+what a plugin raises there, so `register` does nothing that can fail and reads no config: it only hooks methods with
+SGLang's own `HookRegistry`. When a runner has loaded its model (``ModelRunner.initialize``, AFTER), in the process
 that runs it, the hook reads ``TBO_SGLANG_CONFIG``: unset or empty, it returns at once and SGLang runs as without
 tbo; set, tbo is built on that runner (`SglangEngine`), and a bad key, a refused deployment or a model tbo cannot
 serve fails the runner's start, naming the culprit: never a silent run without TBO.
+
+Shutdown: ``Engine.shutdown`` SIGKILLs the scheduler processes, so nothing in them runs at exit. The engine's own
+process therefore asks them first: where the engine started with ``TBO_SGLANG_CONFIG`` set (recorded when its
+``TokenizerManager`` is made, in that process), ``Engine.shutdown`` (BEFORE) sends the schedulers SGLang's own RPC
+request (`CLOSE_RPC`), answered by ``Scheduler.handle_rpc_request`` (AROUND: that method name only, every other RPC
+is SGLang's): each closes its `SglangEngine` (tbo comes off the runner, the summary is logged and written to
+``stats_file``) and replies with the summary lines, which the engine's process logs too. The wait is bounded
+(`CLOSE_TIMEOUT_S`) and nothing there raises: a dead scheduler costs the summary, never the shutdown.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
-__all__ = ["TARGET", "engine_of", "register"]
+__all__ = ["CLOSE_RPC", "CLOSE_TIMEOUT_S", "TARGET", "engine_of", "register"]
 
 logger = logging.getLogger("sglang.tbo")
 
 #: the method whose end builds tbo on a runner
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
+#: where the engine's process records that tbo was asked for (the variable is set while the engine starts)
+STARTED = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
+#: before the schedulers are killed, each is asked to close tbo
+SHUTDOWN = "sglang.srt.entrypoints.engine.Engine.shutdown"
+#: the scheduler's RPC handler, which answers `CLOSE_RPC`
+RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+#: the RPC's method name (no method of SGLang's Scheduler has it)
+CLOSE_RPC = "tbo_close"
+#: how long the engine's process waits for the schedulers' reply at shutdown
+CLOSE_TIMEOUT_S = 30.0
 _ATTR = "_tbo_engine"
+_ON = "_tbo_on"
 
 
 def register() -> None:
-    """Hook ``ModelRunner.initialize``; called by SGLang's plugin loader in every process."""
+    """Hook ``ModelRunner.initialize`` and the shutdown path; called by SGLang's plugin loader in every process."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _after_initialize, HookType.AFTER)
+    HookRegistry.register(STARTED, _after_tokenizer_manager, HookType.AFTER)
+    HookRegistry.register(SHUTDOWN, _before_shutdown, HookType.BEFORE)
+    HookRegistry.register(RPC, _around_rpc, HookType.AROUND)
 
 
 def _after_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -44,3 +67,62 @@ def _after_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> An
 def engine_of(runner: Any) -> Any:
     """The `SglangEngine` on ``runner`` (None: tbo is off there)."""
     return getattr(runner, _ATTR, None)
+
+
+def _after_tokenizer_manager(result: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """The engine's process: remember whether this engine started with tbo asked for (its schedulers read the same
+    variable as they load the model), so that only such an engine's shutdown asks them to close tbo."""
+    from tbo.integrations.sglang.errors import ENV
+
+    setattr(manager, _ON, bool(os.environ.get(ENV, "").strip()))
+    return result
+
+
+def _before_shutdown(engine: Any, *args: Any, **kwargs: Any) -> None:
+    """The engine's process, before SGLang kills its schedulers: each closes tbo and replies with its summary."""
+    if getattr(engine, "_attached", False) or not getattr(getattr(engine, "tokenizer_manager", None), _ON, False):
+        return None
+    try:
+        lines = close_schedulers(engine, CLOSE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a diagnostic: SGLang's shutdown goes on
+        logger.exception("tbo: asking the schedulers to close tbo failed; no summary")
+        return None
+    for line in lines:
+        logger.info(line)
+    return None
+
+
+def close_schedulers(engine: Any, timeout_s: float) -> list[str]:
+    """Send `CLOSE_RPC` over the engine's RPC socket and wait up to ``timeout_s`` for the reply: the schedulers'
+    summary lines (none: no reply in time, logged)."""
+    from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
+
+    socket = getattr(engine, "send_to_rpc", None)
+    if socket is None:
+        logger.warning("tbo: this SGLang engine has no RPC socket to its schedulers; tbo's summary is not shown")
+        return []
+    sock_send(socket, RpcReqInput(method=CLOSE_RPC))
+    if not socket.poll(int(timeout_s * 1000)):
+        logger.warning("tbo: the schedulers did not close tbo within %.0f s; tbo's summary is not shown", timeout_s)
+        return []
+    reply = sock_recv(socket)
+    if not reply.success:
+        logger.warning("tbo: closing tbo in a scheduler failed: %s", reply.message)
+        return []
+    return reply.message.splitlines()
+
+
+def _around_rpc(original: Any, scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """The scheduler's process: `CLOSE_RPC` closes the `SglangEngine` on its runner (if any) and replies with the
+    summary lines; every other RPC is SGLang's."""
+    if getattr(request, "method", None) != CLOSE_RPC:
+        return original(scheduler, request, *args, **kwargs)
+    from sglang.srt.managers.io_struct import RpcReqOutput
+
+    try:
+        engine = engine_of(scheduler.tp_worker.model_runner)
+        lines = [] if engine is None else engine.close()
+        return RpcReqOutput(success=True, message="\n".join(lines))
+    except Exception as e:  # noqa: BLE001 - replied, so the engine's process does not wait out its timeout
+        logger.exception("tbo: closing tbo at shutdown failed")
+        return RpcReqOutput(success=False, message=f"{type(e).__name__}: {e}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ALL", "CONTRACT", "KINDS", "RUNNERS", "V1", "Entry", "entries_for", "release_of"]
+__all__ = ["ALL", "CONTRACT", "KINDS", "RUNNERS", "V1", "V2_ENTRIES", "Entry", "entries_for", "release_of"]
 
 #: the vLLM releases (major.minor) tbo admits, each with the model runners it has: ``"v1"`` (``vllm/v1/worker/
 #: gpu_model_runner.py`` and the CPU runner deriving from it) and ``"v2"`` (Model Runner V2, ``vllm/v1/worker/gpu/``
@@ -90,6 +90,74 @@ _GPU = "vllm.v1.worker.gpu_model_runner"
 _CPU = "vllm.v1.worker.cpu_model_runner"
 _MOE = "vllm.model_executor.layers.fused_moe"
 _FWD = "vllm.forward_context"
+_V2 = "vllm.v1.worker.gpu.model_runner"
+_V2U = "vllm.v1.worker.gpu.ubatch_utils"
+
+#: Model Runner V2's symbols (`tbo.integrations.vllm.runner.v2`, the V2 runner classes of the plugin and of
+#: `tbo.integrations.vllm.admit.runners`), part of `CONTRACT`; ``tests/vllm/test_v2.py`` also asks the installed vLLM
+#: for each (Python's view of what the checker reads). tbo's V2 port was written against 0.32; an entry that holds
+#: on fewer releases says where and why in a comment (docs/versions.md, "Model Runner V2 across releases").
+V2_ENTRIES: tuple[Entry, ...] = (
+    # ---- the runner classes whose load_model the plugin wraps (never silent: tbo's checks before the weights) -----
+    Entry(_V2, "GPUModelRunner.load_model", "wrap", params=("load_dummy_weights",), own=True,
+          where="plugin (RUNNER_CLASSES), admit.runners (V2_RUNNER_CLASSES)"),
+    Entry("vllm.v1.worker.cpu.model_runner", "CPUModelRunner.load_model", "wrap", params=("load_dummy_weights",),
+          where="plugin (RUNNER_CLASSES; inherited from V2's GPUModelRunner, wrapped there), admit.runners"),
+    Entry("vllm.v1.worker.mm_encoder_model_runner", "MMEncoderModelRunner.load_model", "wrap",
+          params=("load_dummy_weights",),
+          where="plugin (RUNNER_CLASSES; inherited from V2's GPUModelRunner, wrapped there), admit.runners"),
+    # 0.34 only: the non-x86 CPU worker's V2 runner without Triton (``CpuPlatform.uses_standalone_cpu_model_runner``),
+    # not a GPUModelRunner subclass, its own load_model. The plugin must wrap it for tbo's config to be refused there
+    # (never silent); RUNNER_CLASSES does not list it yet (issue 57 item 1).
+    Entry("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner.load_model", "wrap",
+          params=("load_dummy_weights",), own=True, releases=("0.34",),
+          where="plugin (RUNNER_CLASSES must list it to refuse it by name; not yet)"),
+    # ---- the V2 runner's methods wrapped on the instance, attributes read -------------------------------------------
+    Entry(_V2, "GPUModelRunner.execute_model", "wrap", params=("scheduler_output",), where="runner.v2"),
+    Entry(_V2, "GPUModelRunner.initialize_kv_cache", "wrap", params=("kv_cache_config",), where="runner.v2"),
+    Entry(_V2, "GPUModelRunner.gather_batch_req_state", "wrap", params=("scheduler_output", "dummy_run"),
+          leading=True, where="runner.v2 (V2Patches.scope: its result[0], the step's BatchReqState)"),
+    Entry(_V2, "GPUModelRunner.shutdown", "wrap", where="runner.v2"),
+    Entry(_V2, "GPUModelRunner", "read",
+          attrs=("vllm_config", "model", "model_state", "attn_groups", "kv_cache_config", "device", "max_num_reqs",
+                 "ubatch_runner"), where="runner.v2, runner.engine (ubatch_runner also set: tbo's TboUBatchRunner)"),
+    # the split decision: the module global as gpu/model_runner.py imported it (from gpu/dp_utils.py)
+    Entry(_V2, "dispatch_cg_and_sync_dp", "patch", params=("cudagraph_manager", "num_reqs", "num_tokens"),
+          leading=True, where="runner.v2 (_DISPATCH: vLLM's own, then tbo's descriptor)"),
+    Entry(_V2, "BatchReqState", "read",
+          attrs=("num_scheduled_tokens", "is_prefilling_np", "num_computed_prefill_tokens_np", "num_draft_tokens_np"),
+          where="runner.v2 (v2_facts)"),
+    Entry("vllm.v1.worker.gpu.cudagraph_utils", "BatchExecutionDescriptor", "read",
+          attrs=("cg_mode", "num_tokens", "num_ubatches"), where="runner.v2 (dataclasses.replace(num_ubatches=))"),
+    # ---- the microbatch setup: metadata builders per microbatch, the step's sub-batches -----------------------------
+    Entry("vllm.v1.worker.gpu", "attn_utils", "import", where="runner.v2"),
+    Entry("vllm.v1.worker.gpu.attn_utils", "get_num_ubatches", "patch", params=("parallel_config",), leading=True,
+          where="runner.v2 (V2Patches.microbatching, during initialize_kv_cache)"),
+    Entry("vllm.v1.worker.gpu.attn_utils", "build_slot_mappings_by_layer", "call",
+          params=("slot_mappings", "kv_cache_config"), leading=True, where="runner.v2 (TboUBatchRunner.prepare)"),
+    Entry(_V2U, "_slice_input_batch", "call",
+          params=("input_batch", "ubatch_slice", "query_start_loc_buf", "seq_lens_buf"), leading=True,
+          where="runner.v2 (TboUBatchRunner.prepare)"),
+    Entry(_V2U, "UBatchState", "call", params=("slices", "forward_contexts"), where="runner.v2"),
+    # what V2's execute_model asks of its ubatch_runner, which tbo's TboUBatchRunner answers in its place. 0.34 changed
+    # prepare's signature: (input_batch, block_tables, slot_mappings, batch_desc, dp_sync_state=None, for_capture=),
+    # called with batch_desc and dp_sync_state positionally, where 0.32 and 0.33 have cg_mode=. TboUBatchRunner.prepare
+    # takes 0.32's (cg_mode as the fourth parameter), so this entry holds on 0.32 and 0.33 only, and tbo's split step
+    # on 0.34's V2 would fail in prepare until TboUBatchRunner takes 0.34's parameters.
+    Entry(_V2U, "UBatchRunner.prepare", "patch",
+          params=("input_batch", "block_tables", "slot_mappings", "cg_mode", "for_capture"), leading=True,
+          releases=("0.32", "0.33"), where="runner.v2 (TboUBatchRunner.prepare, in the runner's ubatch_runner)"),
+    Entry(_V2U, "UBatchRunner.run", "patch", params=("model", "model_inputs", "ubatch_state"), leading=True,
+          where="runner.v2 (TboUBatchRunner.run)"),
+    Entry(_V2U, "UBatchRunner.abort_pending_run", "patch", where="runner.v2 (TboUBatchRunner.abort_pending_run)"),
+    # six parameters passed positionally, then for_capture= and ubatch_idx= by keyword (their order is checked too)
+    Entry("vllm.v1.worker.gpu.model_states.interface", "ModelState.prepare_attn", "call",
+          params=("input_batch", "cudagraph_mode", "block_tables", "slot_mappings", "attn_groups", "kv_cache_config",
+                  "for_capture", "ubatch_idx"), leading=True, where="runner.v2 (TboUBatchRunner.prepare)"),
+    Entry("vllm.v1.worker.gpu.input_batch", "InputBatch", "read",
+          attrs=("num_tokens", "num_scheduled_tokens", "is_padding", "max_query_len"),
+          where="runner.v2 (TboUBatchRunner.prepare; dataclasses.replace(max_query_len=))"),
+)
 
 #: every vLLM symbol tbo's vLLM integration depends on, and how (the module docstring)
 CONTRACT: tuple[Entry, ...] = (
@@ -133,7 +201,7 @@ CONTRACT: tuple[Entry, ...] = (
     Entry("vllm.v1.worker.ubatch_utils", "maybe_create_ubatch_slices", "call", params=("should_ubatch",),
           leading=True, where="runner.patches (vLLM's function, called through)"),
     Entry("vllm.v1.worker.ubatch_utils", "UBatchSlice", "call", params=("request_slice", "token_slice"),
-          leading=True, where="step.batch"),
+          leading=True, where="step.batch, runner.v2"),
     Entry("vllm.v1.worker.ubatch_utils", "split_attn_metadata", "call", releases=V1, where="runner.draft"),
     Entry("vllm.v1.worker.gpu_input_batch", "InputBatch", "read",
           attrs=("num_computed_tokens_cpu", "num_prompt_tokens", "spec_token_ids"), releases=V1,
@@ -154,14 +222,15 @@ CONTRACT: tuple[Entry, ...] = (
     Entry(_FWD, "override_forward_context", "call", params=("forward_context",), where="runner.contexts"),
     Entry(_FWD, "create_forward_context", "call",
           params=("attn_metadata", "vllm_config", "dp_metadata", "cudagraph_runtime_mode", "batch_descriptor",
-                  "slot_mapping", "additional_kwargs", "skip_compiled", "is_padding"), where="runner.contexts"),
+                  "slot_mapping", "additional_kwargs", "skip_compiled", "is_padding"),
+          where="runner.contexts, runner.v2"),
     Entry(_FWD, "set_forward_context", "call", params=("attn_metadata", "vllm_config", "num_tokens"),
           where="afd.ffn"),
     Entry(_FWD, "ForwardContext", "read",
           attrs=("attn_metadata", "slot_mapping", "cudagraph_runtime_mode", "batch_descriptor", "additional_kwargs",
                  "skip_compiled", "is_padding"), where="runner.contexts, runner.draft"),
     # ---- configs ----------------------------------------------------------------------------------------------------
-    Entry("vllm.config", "CUDAGraphMode", "import", where="runner.dp"),
+    Entry("vllm.config", "CUDAGraphMode", "import", where="runner.dp, runner.v2"),
     Entry("vllm.config", "set_current_vllm_config", "call", where="afd.ffn"),
     Entry("vllm.config.vllm", "VllmConfig", "read",
           attrs=("additional_config", "model_config", "parallel_config", "scheduler_config", "compilation_config",
@@ -258,7 +327,7 @@ CONTRACT: tuple[Entry, ...] = (
     Entry("vllm.model_executor.models.deepseek_v2", "_get_llama_4_scaling", "call",
           params=("original_max_position_embeddings", "scaling_beta", "positions"), where="model.layers"),
     Entry("vllm.model_executor.models.registry", "_TEXT_GENERATION_MODELS", "import", where="admit.catalog"),
-)
+) + V2_ENTRIES
 
 
 def entries_for(release: str) -> list[Entry]:

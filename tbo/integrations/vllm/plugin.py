@@ -3,9 +3,13 @@
 vLLM calls `register` in every process it starts. It makes two changes, and only those, each doing nothing for an
 engine whose ``additional_config`` has no ``"tbo"`` key:
 
-* the model runners' ``load_model`` is wrapped so that the config and the engine are checked before the weights
-  load (`check_engine`: a bad key, strategy, architecture, parallel setting or vLLM version fails the engine's start,
-  naming it) and tbo is installed on that runner after (`TboEngine`);
+* the model runners' ``load_model`` is wrapped, on every runner class vLLM builds (V1's and Model Runner V2's, GPU
+  and CPU: `RUNNER_CLASSES`), so that the config and the engine are checked before the weights load (`check_engine`:
+  a bad key, strategy, architecture, parallel setting or vLLM version fails the engine's start, naming it; on V2
+  also what tbo does not run there yet, `tbo.integrations.vllm.admit.runners.check_v2`; a runner of neither kind is
+  refused by name) and tbo is installed on that runner after (`TboEngine`, or `V2Engine` on Model Runner V2). A
+  runner class that cannot be wrapped is logged; an engine it builds with tbo's config then fails at start, naming
+  it (`tbo.integrations.vllm.admit.runners`), as no runner may serve tbo's config silently unsplit;
 * with data parallelism, the engine core's ``_has_global_unfinished_reqs`` (vLLM's engine-loop all-reduce over the
   DP ranks, every ``dp_sync_interval`` steps, that ends a wave of steps) waits at most ``comm_timeout_s`` and names a
   stalled or lost peer, as every other wait on a peer does, and counts the requests still in the engine core's
@@ -18,15 +22,16 @@ import functools
 import logging
 from typing import Any, Callable
 
+from tbo.integrations.vllm.admit.runners import V1_RUNNER_CLASSES, V2_RUNNER_CLASSES
 from tbo.integrations.vllm.config import parse_config
 
 __all__ = ["register", "RUNNER_CLASSES"]
 
 logger = logging.getLogger("vllm.tbo")
 
-#: (module, class) of the model runners whose ``load_model`` the plugin wraps (the CPU runner overrides it)
-RUNNER_CLASSES = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-                  ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"))
+#: (module, class) of the model runners whose ``load_model`` the plugin wraps where the class defines it: V1's (the
+#: CPU runner overrides it) and Model Runner V2's (its subclasses inherit the GPU runner's, wrapped)
+RUNNER_CLASSES = V1_RUNNER_CLASSES + V2_RUNNER_CLASSES
 #: (module, class, method) of vLLM's data-parallel engine-loop all-reduce, which the plugin bounds
 DP_ENGINE_SYNC = ("vllm.v1.engine.core", "DPEngineCoreProc", "_has_global_unfinished_reqs")
 _MARK = "__tbo_wrapped__"
@@ -67,12 +72,23 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
         import vllm
         from vllm.platforms import current_platform
 
-        from tbo.integrations.vllm.admit.checks import check_engine
-        from tbo.integrations.vllm.runner.engine import TboEngine
+        from tbo.integrations.vllm.admit.checks import check_engine, check_vllm_version
+        from tbo.integrations.vllm.admit.runners import check_v2, runner_kind
 
+        kind = runner_kind(self, vllm.__version__)
+        if kind == "v2":
+            check_vllm_version(vllm.__version__)
+            check_v2(type(self), self.vllm_config, config, vllm.__version__)
         architecture = check_engine(self.vllm_config, config, vllm.__version__, current_platform.device_type)
         result = original(self, *args, **kwargs)
-        TboEngine(self, config, architecture)
+        if kind == "v2":
+            from tbo.integrations.vllm.runner.v2 import V2Engine
+
+            V2Engine(self, config, architecture)
+        else:
+            from tbo.integrations.vllm.runner.engine import TboEngine
+
+            TboEngine(self, config, architecture)
         return result
 
     setattr(load_model, _MARK, True)

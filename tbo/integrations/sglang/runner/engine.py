@@ -18,6 +18,7 @@ from tbo.comm.alltoall import LocalBackend
 from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
 from tbo.core.errors import StrategyError
+from tbo.integrations.engine.adaptive import AdaptiveSteps
 from tbo.integrations.engine.stats import StatsFile, StepStats, summary_line
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.sglang.config import TboSglangConfig
@@ -63,7 +64,9 @@ class SglangEngine:
         from sglang.srt.runtime_context import get_parallel
 
         self.config, self.undo = config, UndoStack()
-        self.stats, self.loop = StepStats(), None
+        self.stats, self.loop, self.adaptive = StepStats(), None, None
+        #: the lines `close` logged (None: still open); ``stats_file`` carries them from then on
+        self.summary: list[str] | None = None
         try:
             parallel = get_parallel()
             check_deployment(runner.server_args, parallel)
@@ -87,13 +90,13 @@ class SglangEngine:
         names = config.strategy_names(shared_experts=False)
         bound = {"decode": self._bind(names.decode), "prefill": self._bind(names.prefill)}
         adaptive = None
-        if config.split == "adaptive":
-            from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
-
-            adaptive = AdaptiveSteps(config, names)
+        if config.split == "adaptive":  # one rank: only a link has transfers to hide, and its wire time to observe
+            adaptive = self.adaptive = AdaptiveSteps(config, names, transfers=isinstance(backend, EmulatedLink))
+            if isinstance(backend, EmulatedLink):
+                adaptive.wire = lambda: backend.booked_s
         path = None if config.stats_file is None else config.stats_file.replace("{rank}", str(rank))
         self.loop = LayerLoop(structure.inner, self.layers, bound, backend, config.split_policy(), adaptive=adaptive,
-                              stats=self.stats, stats_file=None if path is None else StatsFile(path, self._link),
+                              stats=self.stats, stats_file=None if path is None else StatsFile(path, self._extra),
                               op_times=config.op_times)
         self.undo.push("the engine's stats in the process registry",
                        ENGINES.register(self.stats, None if adaptive is None else adaptive.report))
@@ -101,13 +104,20 @@ class SglangEngine:
         logger.info("tbo: %s runs its %d layers through tbo (strategies %s / %s, %d microbatches)",
                     self.architecture, len(self.layers), names.decode, names.prefill, config.num_microbatches)
 
-    def _link(self) -> dict[str, Any]:
-        """``stats_file``'s ``link`` (with ``link`` set): transfers booked on the emulated link, its busy seconds, and
-        the seconds of them the overlap left exposed (waited for in a ``*_b`` op); proof that the link ran."""
-        if not isinstance(self.backend, EmulatedLink):
-            return {}
-        s = self.backend.stats
-        return {"link": {"transfers": s.count, "busy_s": s.comm_s, "exposed_s": s.exposed_s}}
+    def _extra(self) -> dict[str, Any]:
+        """What ``stats_file`` holds beside the counters: ``link`` (with ``link`` set: transfers booked on the emulated
+        link, its busy seconds, and the seconds of them the overlap left exposed, waited for in a ``*_b`` op; proof
+        that the link ran), ``adaptive`` (``split: "adaptive"``: the buckets, as `stats()` reports them) and, once the
+        engine closed, ``summary`` (the lines it logged)."""
+        out: dict[str, Any] = {}
+        if isinstance(self.backend, EmulatedLink):
+            s = self.backend.stats
+            out["link"] = {"transfers": s.count, "busy_s": s.comm_s, "exposed_s": s.exposed_s}
+        if self.adaptive is not None:
+            out["adaptive"] = [self.adaptive.report()]
+        if self.summary is not None:
+            out["summary"] = self.summary
+        return out
 
     def _bind(self, name: str) -> Any:
         try:
@@ -117,11 +127,21 @@ class SglangEngine:
             raise TboSglangError(f"TBO_SGLANG_CONFIG strategy {name!r} cannot run SGLang's {self.architecture} "
                                  f"layers: {e}") from None
 
-    def close(self) -> None:
-        """Take tbo off the runner (every undo, last first), log the summary line, write ``stats_file``."""
+    def close(self) -> list[str]:
+        """Take tbo off the runner (every undo, last first), log the summary lines, write ``stats_file`` (with them).
+        Returns the lines. Called at SGLang's shutdown (`tbo.integrations.sglang.plugin`); a second call only
+        returns them. The diagnostics never raise: a shutdown is no place to lose SGLang's own teardown."""
+        if self.summary is not None:
+            return self.summary
         try:
             self.undo.close()
         finally:
-            logger.info(summary_line(self.stats))
+            lines = [summary_line(self.stats)]
+            if self.adaptive is not None:
+                lines += [f"tbo adaptive: {line}" for line in self.adaptive.split.summary()]
+            self.summary = lines
+            for line in lines:
+                logger.info(line)
             if self.loop is not None:
                 self.loop.write_stats()
+        return lines

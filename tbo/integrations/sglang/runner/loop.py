@@ -51,8 +51,8 @@ class LayerLoop:
                  input_embeds: torch.Tensor | None = None, pp_proxy_tensors: Any = None, **kwargs: Any) -> Any:
         hidden = self.inner.embed_tokens(input_ids) if input_embeds is None else input_embeds
         step = decide_batch(self.policy if self.adaptive is None else self.adaptive.policy, forward_batch)
-        if step is not None and self.adaptive is not None:
-            step = self.adaptive.decide(step)
+        if step is not None and self.adaptive is not None:  # the measured choice's, planned again for its count
+            step = self.adaptive.decide(step, lambda policy: decide_batch(policy, forward_batch))
         plan = step.plan if step is not None else None
         if plan is None:
             batches, observer = [forward_batch], None

@@ -1,15 +1,14 @@
 """`AFDVllmConfig`: ``additional_config["tbo"]["afd"]``, and what an AFD engine refuses.
 
-Imports no vLLM, so that the schema is checked (and tested) without it, like `TboVllmConfig` around it.
+The key's schema is every engine's (`tbo.integrations.engine.config.AFDSettings`); what vLLM refuses of it is here.
+Imports no vLLM, so that it is checked (and tested) without it, like `TboVllmConfig` around it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from tbo.afd.group import parse_address
+from tbo.integrations.engine.config import AFDSettings
 
 __all__ = ["AFDVllmConfig", "AFD_STRATEGY", "check_afd_engine"]
 
@@ -17,31 +16,8 @@ __all__ = ["AFDVllmConfig", "AFD_STRATEGY", "check_afd_engine"]
 AFD_STRATEGY = "afd_attention_dbo"
 
 
-class AFDVllmConfig(BaseModel):
-    """Where the FFN server is, and how long the attention side waits for it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    ffn: str = Field(description="the FFN server's HOST:PORT (`tbo afd-ffn --listen HOST:PORT`)")
-    timeout_s: float = Field(default=30.0, gt=0, description="deadline of every wait for an FFN result")
-    connect_timeout_s: float = Field(default=10.0, gt=0, description="deadline to reach the FFN server at start")
-    transport: Literal["auto", "tcp", "gloo", "nccl"] = Field(
-        default="auto", description="'auto': on CPU the authenticated connection itself ('tcp'; 'gloo' is read as "
-                                    "it), NCCL on CUDA")
-    token: str | None = Field(default=None, repr=False, min_length=1,
-                              description="the shared secret the FFN server requires (its --token); default: the "
-                                          "TBO_AFD_TOKEN environment variable at engine start")
-
-    @field_validator("ffn")
-    @classmethod
-    def _address(cls, value: str) -> str:
-        parse_address(value, "the FFN server address")
-        return value
-
-    def backend_for(self, platform: str) -> str:
-        if self.transport != "auto":
-            return self.transport
-        return "nccl" if platform == "cuda" else "tcp"
+#: ``additional_config["tbo"]["afd"]``: the schema's `AFDSettings`, under its vLLM name
+AFDVllmConfig = AFDSettings
 
 
 def check_afd_engine(vllm_config: Any, config: Any) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -70,6 +70,10 @@ class LayerLoop:
         #: the live trace a request arms (`tbo.integrations.engine.live_trace`; set with the metrics publisher): a
         #: step reads its ``armed`` flag and nothing else while nobody traces
         self.live_trace: Any = None
+        #: a split step's microbatch forward contexts, given its plan: None reads them from the step's own context,
+        #: as V1's runner builds it (`microbatch_contexts`); Model Runner V2's are the ones tbo's microbatch runner
+        #: prepared (`tbo.integrations.vllm.runner.v2.TboUBatchRunner.microbatch_contexts`)
+        self.contexts_for: Callable[[Any], list[Any]] | None = None
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -87,7 +91,9 @@ class LayerLoop:
             if hidden.shape[0] != plan.num_tokens:
                 raise RuntimeError(f"tbo planned {plan.num_tokens} tokens but the model got {hidden.shape[0]}")
             if dp is None or not dp.empty_tail:  # empty tail: microbatch 0 is the whole step, in the step's own context
-                observer = ContextSwitcher(microbatch_contexts(get_forward_context(), plan, self.vllm_config))
+                contexts = (microbatch_contexts(get_forward_context(), plan, self.vllm_config)
+                            if self.contexts_for is None else self.contexts_for(plan))
+                observer = ContextSwitcher(contexts)
         counted = step is not None and step.mode != "warmup"
         timer = OpTimes() if self.op_times and counted else None
         live = self.live_trace

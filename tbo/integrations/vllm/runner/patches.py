@@ -37,7 +37,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from tbo.integrations.engine.step import Step, decide
+from tbo.integrations.engine.step import Step, StepFacts, decide_facts
 from tbo.integrations.vllm.step.batch import VllmDecision, ubatch_slices
 from tbo.integrations.vllm.step.decider import StepDecider
 from tbo.split import SplitPolicy
@@ -227,17 +227,18 @@ class RunnerPatches:
 
     def _decide(self, arguments: dict[str, Any], allowed: bool, padded_tokens: int,
                 policy: SplitPolicy | None = None) -> Step:
-        """tbo's own decision (`tbo.integrations.engine.step.decide`) on the runner's batch, with ``policy`` (the
-        adaptive split's for a microbatch count it chose) or the decider's."""
+        """tbo's own decision (`tbo.integrations.engine.step.decide_facts`) on the runner's batch, adapted to its
+        `StepFacts`, with ``policy`` (the adaptive split's for a microbatch count it chose) or the decider's."""
         num_reqs = int(arguments["num_reqs"])
         batch = self.runner.input_batch
         past_prompt = batch.num_computed_tokens_cpu[:num_reqs] >= batch.num_prompt_tokens[:num_reqs]
         # speculative decoding: this step's draft tokens per request, as the runner's batch holds them (set from
         # the scheduler's scheduled_spec_decode_tokens before the step is decided)
-        drafts = [len(t) for t in batch.spec_token_ids[:num_reqs]] if self.runner.speculative_config else None
-        return decide(policy or self.policy, arguments["num_scheduled_tokens_np"][:num_reqs], past_prompt,
-                      allowed=allowed,
-                      padded_tokens=padded_tokens, drafts=drafts)
+        drafts = tuple(len(t) for t in batch.spec_token_ids[:num_reqs]) if self.runner.speculative_config else None
+        facts = StepFacts(scheduled=tuple(int(n) for n in arguments["num_scheduled_tokens_np"][:num_reqs]),
+                          past_prompt=tuple(bool(p) for p in past_prompt), padded_tokens=padded_tokens,
+                          drafts=drafts, allowed=allowed)  # V1 has its own prefix-cache veto: ``allowed``
+        return decide_facts(policy or self.policy, facts)
 
     def slices(self, original: Callable[..., Any], should_ubatch: bool, *args: Any, **kwargs: Any) -> Any:
         """``maybe_create_ubatch_slices`` for this runner's step: the plan's slices on a split step, vLLM's

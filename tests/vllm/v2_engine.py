@@ -1,0 +1,79 @@
+"""One process running vLLM engines on Model Runner V2 for tests/vllm/test_v2.py: ``python v2_engine.py SPEC OUT``.
+
+Model Runner V2 runs on a CPU only with the Triton shims of tests/vllm/v2_site (its ``sitecustomize``), which must
+never reach a V1 engine: so the V2 engines run here, in a process of their own with that folder on its path
+(`run_v2`), never in the pytest process. SPEC (JSON) lists engines, each ``{"engine": {...LLM kwargs}, "tbo": {...} or
+null, "runs": [{"prompts": [[ids]], "max_tokens": n}]}``; they run one after the other, in-process (no engine
+subprocess, so that tbo's ``stats()`` sees them). OUT gets, per engine, ``{"error": "<Type>: <message>"}`` if it did
+not start, else its ``runner`` class and, per run, its greedy ``tokens`` and what tbo's counters did meanwhile
+(``stats``), and the steps tbo's prefix-cache rule kept whole (``vetoes``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SITE = Path(__file__).resolve().parent / "v2_site"
+
+
+def run_v2(tmp_path: Path, engines: list[dict[str, Any]], timeout_s: float = 900) -> list[dict[str, Any]]:
+    """Run ``engines`` (module docstring) in one V2 process; returns each engine's result."""
+    spec, out = tmp_path / "v2-spec.json", tmp_path / "v2-out.json"
+    spec.write_text(json.dumps(engines))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(root), os.environ.get("PYTHONPATH", "")]),
+           "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, __file__, str(spec), str(out)], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0 and out.exists(), f"V2 engine process rc={proc.returncode}\n{proc.stdout[-3000:]}\n" \
+                                                  f"{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def _delta(after: Any, before: Any) -> Any:
+    return {k: _delta(v, before.get(k, 0)) for k, v in after.items()} if isinstance(after, dict) else after - before
+
+
+def _engine(item: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tbo.integrations.vllm import stats
+
+    extra = {} if item.get("tbo") is None else {"additional_config": {"tbo": item["tbo"]}}
+    try:
+        llm = LLM(**item["engine"], **extra)
+    except Exception as e:  # noqa: BLE001 - a refusal is the result
+        return {"error": f"{type(e).__name__}: {e}"}
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        result: dict[str, Any] = {"runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
+                                  "tbo": "tbo" in vars(runner), "runs": []}
+        for run in item["runs"]:
+            params = SamplingParams(temperature=0, max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True)
+            engine = vars(runner).get("tbo")
+            before, vetoes = stats(), 0 if engine is None else engine.patches.vetoes
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params, use_tqdm=False)
+            result["runs"].append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                   "stats": _delta(stats(), before),
+                                   "vetoes": None if engine is None else engine.patches.vetoes - vetoes})
+        return result
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def main(spec: str, out: str) -> None:
+    engines = json.loads(Path(spec).read_text())
+    Path(out).write_text(json.dumps([_engine(item) for item in engines]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
