@@ -173,7 +173,8 @@ VLLM_ORDER = [
     (("afd",), "attention-FFN disaggregation inside vLLM (reuses tbo.afd)"),
     (("runner",), "the engine built on a runner in undoable steps, patches, layer loop, forwards, DP, MTP draft"),
     (("plugin",), "the entry point"),
-    (("metrics",), "the stat-logger entry point: tbo's figures in vLLM's /metrics"),
+    (("metrics", "trace_route"), "the stat-logger and endpoint entry points: tbo's figures in vLLM's /metrics, "
+                                 "a live trace at /tbo/trace"),
     (("__init__",), "the package's front door"),
 ]
 _VLLM_ROW = {unit: row for row, (units, _) in enumerate(VLLM_ORDER) for unit in units}

@@ -146,11 +146,15 @@ class MetricsPublisher:
     a daemon thread, and once more at `close`. ``labels`` (``engine``, ``rank``) and ``info`` travel with it."""
 
     def __init__(self, directory: str | os.PathLike[str], labels: dict[str, Any], info: dict[str, Any],
-                 snapshot: Callable[[], dict[str, Any]], interval_s: float = 1.0, size: int = SLOT_BYTES) -> None:
+                 snapshot: Callable[[], dict[str, Any]], interval_s: float = 1.0, size: int = SLOT_BYTES,
+                 tick: Callable[[], None] | None = None) -> None:
         if not interval_s > 0:
             raise ValueError(f"metrics interval_s={interval_s!r}: a positive number of seconds")
         self.labels = {k: str(v) for k, v in labels.items()}
         self.info, self.snapshot, self.interval_s = info, snapshot, interval_s
+        #: called on the thread at each tick, before the publish (the live trace's poll: `tbo.integrations.engine.
+        #: live_trace.LiveTrace.poll`)
+        self.tick = tick
         name = "-".join(f"{k}-{v}" for k, v in sorted(self.labels.items())) or "worker"
         self.slot = MetricsSlot(Path(directory) / f"{name}{_SUFFIX}", size)
         self.publishes, self.skipped = 0, 0  #: publishes done; ticks whose snapshot raced a step and was retried
@@ -182,6 +186,11 @@ class MetricsPublisher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self.tick is not None:
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - a diagnostic never stops the engine, nor the publishes
+                    logger.exception("tbo: the metrics thread's tick (the live trace's poll) failed")
             try:
                 self.publish()
             except Exception:  # noqa: BLE001 - a diagnostic never stops the engine; logged, tried again next tick

@@ -67,6 +67,9 @@ class LayerLoop:
         self.op_times = op_times  #: ``op_times``: time every op of the counted steps
         #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows
         self.agreed_rows = agreed_rows
+        #: the live trace a request arms (`tbo.integrations.engine.live_trace`; set with the metrics publisher): a
+        #: step reads its ``armed`` flag and nothing else while nobody traces
+        self.live_trace: Any = None
         #: a split step's microbatch forward contexts, given its plan: None reads them from the step's own context,
         #: as V1's runner builds it (`microbatch_contexts`); Model Runner V2's are the ones tbo's microbatch runner
         #: prepared (`tbo.integrations.vllm.runner.v2.TboUBatchRunner.microbatch_contexts`)
@@ -93,6 +96,8 @@ class LayerLoop:
                 observer = ContextSwitcher(contexts)
         counted = step is not None and step.mode != "warmup"
         timer = OpTimes() if self.op_times and counted else None
+        live = self.live_trace
+        recorder = live.recorder() if live is not None and live.armed and counted else None
         traffic_before = self._traffic()
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
@@ -107,7 +112,7 @@ class LayerLoop:
         with no_host_reads(_split_decode(step)):  # tbo's part of a split decode step reads nothing on the host
             out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
                                           output_key=self.ends.outputs, backend=backend,
-                                          observer=as_observer([observer, timer]))
+                                          observer=as_observer([observer, timer, recorder]))
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
         hidden = self.ends.end(out, self.compute)
         if counted:
@@ -123,6 +128,9 @@ class LayerLoop:
                 s.record_verify(step.draft_tokens, parts > 1, step.varying_drafts)
             if timer is not None:
                 s.add_op_times(timer.seconds, timer.calls, layers_s)
+            if recorder is not None:
+                tokens = [step.num_tokens] if plan is None else [m.tokens_unpadded_len for m in plan.microbatches]
+                live.record(recorder, f"{step.mode} step, {'split' if plan else 'unsplit'}", tokens)
             self.write_stats()
         return hidden
 

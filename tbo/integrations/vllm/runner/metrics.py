@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tbo.integrations.engine.live_trace import LiveTrace
 from tbo.integrations.engine.metrics import MetricsPublisher, metrics_dir, tbo_version
 
 __all__ = ["engine_info", "publish_metrics", "stats_document"]
@@ -34,10 +35,15 @@ def engine_info(engine: Any) -> dict[str, str]:
 
 
 def publish_metrics(engine: Any, rank: int) -> MetricsPublisher | None:
-    """Start ``engine``'s publisher (None where the config's ``metrics`` is off); its `close` is the undo."""
+    """Start ``engine``'s publisher (None where the config's ``metrics`` is off); its `close` is the undo. Its
+    thread also polls for a live trace request (docs/metrics.md, "A live trace"): the engine's layer loop gets the
+    `LiveTrace` it arms (``loop.live_trace``)."""
     config, vllm_config = engine.config, engine.runner.vllm_config
     if not config.metrics:
         return None
     labels = {"engine": vllm_config.parallel_config.data_parallel_rank, "rank": rank}
-    return MetricsPublisher(metrics_dir(str(vllm_config.instance_id)), labels, engine_info(engine),
-                            lambda: stats_document(engine), interval_s=config.metrics_interval_s).start()
+    directory = metrics_dir(str(vllm_config.instance_id))
+    live = LiveTrace(directory, labels)
+    engine.loop.live_trace = live
+    return MetricsPublisher(directory, labels, engine_info(engine), lambda: stats_document(engine),
+                            interval_s=config.metrics_interval_s, tick=live.poll).start()
