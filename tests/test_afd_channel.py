@@ -67,3 +67,25 @@ def test_an_ended_connection_fails_the_queued_sends_by_name(ended_by):
     finally:
         channel.close()
         far.close()
+
+
+@pytest.mark.parametrize("cut", ["inside the payload", "after the frame header"])
+def test_a_receive_whose_message_the_peer_cut_off_fails_by_name_not_at_its_deadline(cut):
+    """Issue 63: a peer process that exits while its writer thread is inside a frame (the frame header written, the
+    payload not, or not all of it) leaves the receive the reader had already taken for that frame. It fails with
+    the peer's end, named, as the receives still posted do: a wait that returns False at its deadline instead is a
+    server that outlives its engine by that deadline."""
+    mine, far = socket.socketpair()
+    channel = SocketChannel(mine, 1, "the engine at 127.0.0.1:1")
+    try:
+        taken = channel.recv(torch.empty(64, dtype=torch.uint8), 0)
+        posted = channel.recv(torch.empty(64, dtype=torch.uint8), 0)
+        far.sendall(_HEADER.pack(1, 0, 64) + (b"x" * 10 if cut == "inside the payload" else b""))
+        assert not taken.wait(datetime.timedelta(seconds=0.2))  # the reader took it and waits for the rest
+        far.close()
+        for work in (taken, posted):
+            with pytest.raises(AFDPeerError, match=r"the engine at 127.0.0.1:1 closed the connection"):
+                work.wait(datetime.timedelta(seconds=30))
+    finally:
+        channel.close()
+        far.close()

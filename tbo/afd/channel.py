@@ -182,6 +182,7 @@ class SocketChannel:
 
     def _read_loop(self) -> None:
         header = bytearray(_HEADER.size)
+        filling: _Work | None = None  # the receive this thread took off the posted ones and is reading into
         try:
             while True:
                 self._recv_exact(memoryview(header))
@@ -233,25 +234,32 @@ class SocketChannel:
                     error = self._too_long(length, len(room), tag)
                     work.finish(error)
                     raise error
+                filling = work
                 self._recv_exact(room[:length])
+                filling = None
                 work.nbytes = length
                 work.finish()
         except EOFError:
             self._fail(self._peer_error(f"the AFD peer at {self.peer} closed the connection (connection closed: "
-                                        "the peer is gone)"))
+                                        "the peer is gone)"), filling)
         except OSError as e:
             self._fail(self._peer_error(f"the AFD connection to {self.peer} failed: {e.strerror or e} "
-                                        "(connection reset: the peer is gone)"))
+                                        "(connection reset: the peer is gone)"), filling)
         except BaseException as e:  # noqa: BLE001 - a protocol error: poisons the channel, named
-            self._fail(e)
+            self._fail(e, filling)
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, filling: _Work | None = None) -> None:
+        """Poison the channel; every receive waiting fails with it: those posted, and ``filling``, the one the
+        reader took off them and was reading into when its message was cut (a peer gone mid-frame: a process that
+        exited while its writer thread was inside a frame), which would otherwise wait out its whole deadline."""
         with self._lock:
             if self._poison is None:
                 self._poison = error
             waiting = [w for q in self._posted.values() for w in q]
             self._posted.clear()
             self.kv_changed.notify_all()
+        if filling is not None and not filling.is_completed():
+            waiting.append(filling)
         for work in waiting:
             work.finish(self._poison)
 
