@@ -1,0 +1,114 @@
+"""Issue 63: ``tbo afd-ffn`` leaves when its engine does, every time, within 5 s of the engine's process exit.
+
+What kept a server alive: an engine process that ended while its writer thread was inside a message (the channel's
+frame header written, its payload not, or not all of it) left the server's reader holding the receive it had taken
+for that message; the channel's end failed only the receives still posted, so the server waited out that receive's
+whole deadline (``--timeout-s``, 60 s, for a request's payload; ``--idle-timeout-s``, 600 s, for a header, the
+shutdown message's included). The channel now fails that receive too (tests/test_afd_channel.py has the channel-level
+check); here it is the server's.
+
+`test_the_ffn_server_leaves_within_5s_of_its_engine_every_time`: 20 engine-then-exit sessions per model (both tiny
+models: Qwen3-MoE, DeepSeek-V3), each a whole step of real traffic through `AFDGroup` and the connector, answered by
+vLLM's FFN modules, then the attention process ending in each of the ways it can (its close, or gone between two
+messages, inside the shutdown message, inside a request); the server's session must end within 5 s of that process's
+exit, by name (exit 3) unless it was told (exit 0). The server is the code ``tbo afd-ffn`` runs after its model is
+built (`serve_engine`), and the attention side a fork, so that 20 sessions cost one model build
+(afd_sessions.py). The 5 s is the issue's bound and a deadline only: a hang is 60 s or more. A first session with
+``--idle-timeout-s 1`` that nobody joins ends by name. The whole ``tbo afd-ffn`` process with a real vLLM engine in
+its own process, both exiting, is test_afd.py's and test_afd_auth.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from .helpers import needs_vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).with_name("afd_sessions.py")
+#: every way the attention side's process can end, taken in turn
+ENDINGS = ("shutdown", "vanish", "cut_shutdown", "cut_request")
+RUNS = 20
+BOUND_S = 5.0  #: the issue's: the server gone within 5 s of its engine
+READ_S = 90.0  #: a line that does not come within this is a hang (the old server waited 60 s or 600 s)
+
+
+class _Lines:
+    """A subprocess's stdout, line by line, each read with a deadline."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.lines = proc, queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in proc.stdout] and None,
+                         daemon=True).start()
+
+    def until(self, prefix: str) -> tuple[str, list[str]]:
+        """The next line starting with ``prefix``, and the lines before it."""
+        before = []
+        while True:
+            try:
+                line = self.lines.get(timeout=READ_S)
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line within {READ_S:g} s (a hang); before it: {before[-5:]}"
+                                     ) from None
+            if line.startswith(prefix):
+                return line[len(prefix):].strip(), before
+            before.append(line)
+
+
+def _start(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, str(HARNESS), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_the_ffn_server_leaves_within_5s_of_its_engine_every_time(models, name):
+    config = json.loads((models[name] / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    server, attention = _start("server", str(models[name])), _start("attention")
+    try:
+        out, engine = _Lines(server), _Lines(attention)
+        out.until("BUILT")
+        server.stdin.write("1\n")  # nobody joins within --idle-timeout-s 1
+        out.until("tbo afd-ffn: serving")
+        session = json.loads(out.until("SESSION")[0])
+        assert session["rc"] == 3 and "no attention side joined the FFN server at 127.0.0.1:" in session["err"] and \
+            "within 1s (--idle-timeout-s): exiting" in session["err"], session
+        ended = {how: 0 for how in ENDINGS}
+        for run in range(RUNS):
+            how = ENDINGS[run % len(ENDINGS)]
+            server.stdin.write("600\n")  # the default: a hang would be waited out for minutes
+            address = out.until("tbo afd-ffn: serving")[0].split(" on ", 1)[1].split(",", 1)[0]
+            attention.stdin.write(f"{address} {hidden} float32 {layers} {how}\n")
+            exited_line, said = engine.until("EXITED")
+            exited = json.loads(exited_line)
+            assert exited["status"] == 0 and f"ENDING {how}\n" in said, (run, how, exited, said)
+            session_line, printed = out.until("SESSION")
+            session = json.loads(session_line)
+            lag = session["ended"] - exited["ended"]
+            assert lag < BOUND_S, f"run {run} ({how}): the server outlived its attention side by {lag:.1f} s"
+            if how == "shutdown":
+                assert session["rc"] == 0, (run, session)
+                assert any(f"the attention side shut down; served {2 * layers} requests" in p for p in printed), printed
+            else:  # ended by name, naming the engine
+                assert session["rc"] == 3 and "stopped serving the attention side (rank 0, the vLLM engine" in \
+                    session["err"] and "the peer is gone" in session["err"], (run, how, session)
+            ended[how] += 1
+        assert ended == {how: RUNS // len(ENDINGS) for how in ENDINGS}, ended
+    finally:
+        for proc in (server, attention):
+            proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
