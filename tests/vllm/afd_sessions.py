@@ -73,6 +73,7 @@ def _attention_session(address: str, hidden: int, dtype_name: str, layers: int, 
     elif how == "cut_request":  # a whole request header, then its payload's frame cut after 64 of its bytes
         meta = AFDMeta(0, 0, 1, 4, hidden, dtype, step=1, seq=connector._send_seq[1])
         connector._isend(meta.encode(), 1).wait()
+        time.sleep(0.5)  # the server has checked the header and posted the payload's receive: the reader takes it
         sock.sendall(frame.pack(1, 0, meta.nbytes + 8) + bytes(64))
     elif how != "vanish":
         raise ValueError(how)
