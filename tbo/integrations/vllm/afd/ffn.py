@@ -240,7 +240,9 @@ def add_parser(sub: Any) -> None:
                    help="the microbatch counts of a split step served (default 2,3,4); an engine whose "
                         "num_microbatches is not among them is refused at the join")
     p.add_argument("--idle-timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=600.0,
-                   help="exit 3 if the attention side sends nothing for this long (engine start included)")
+                   help="exit 3, by name, if no engine joins, or the engine sends nothing, for this long (engine "
+                        "start included): the most a server outlives an engine whose connection nobody closes (one "
+                        "whose process ended is noticed at once)")
     p.add_argument("--timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=60.0,
                    help="deadline of each wait inside a request")
     p.add_argument("--threads", type=_bounded(int, 1, 4096), default=None,
