@@ -82,7 +82,10 @@ def _attention_session(address: str, hidden: int, dtype_name: str, layers: int, 
 
 
 def _attention() -> None:
-    import torch  # noqa: F401 - imported once, before the forks
+    import torch  # noqa: F401 - imported once, before the forks: a child imports nothing
+
+    import tbo.afd.connector  # noqa: F401
+    import tbo.afd.group  # noqa: F401
 
     for line in sys.stdin:
         address, hidden, dtype_name, layers, how = line.split()
