@@ -14,8 +14,9 @@ messages, inside the shutdown message, inside a request); the server's session m
 exit, by name (exit 3) unless it was told (exit 0). The server is the code ``tbo afd-ffn`` runs after its model is
 built (`serve_engine`), and the attention side a fork, so that 20 sessions cost one model build
 (afd_sessions.py). The 5 s is the issue's bound and a deadline only: a hang is 60 s or more. A first session with
-``--idle-timeout-s 1`` that nobody joins ends by name. The whole ``tbo afd-ffn`` process with a real vLLM engine in
-its own process, both exiting, is test_afd.py's and test_afd_auth.py's.
+``--idle-timeout-s 1`` that nobody joins ends by name. The whole ``tbo afd-ffn`` process against a real vLLM engine
+(which shuts down, and the server exits 0) is test_afd.py's; an engine process per session would cost a minute or
+more each here, so the 20-fold engine-level repetition is a script's (the issue 63 report).
 """
 
 from __future__ import annotations
