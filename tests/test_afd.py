@@ -757,7 +757,7 @@ def test_an_engine_that_vanishes_mid_request_is_a_named_error():
     subprocess.run([sys.executable, "-c", code, server.address], timeout=60, check=False)
     server.join()
     assert server.failure and isinstance(server.failure[0], CommTimeoutError), server.failure
-    assert "the peer is gone" in str(server.failure[0]) or "timed out" in str(server.failure[0])
+    assert "the peer is gone" in str(server.failure[0]), server.failure  # never its deadline (issue 63)
 
 
 def test_the_request_log_and_the_link_stats_are_bounded():

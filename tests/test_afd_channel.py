@@ -8,14 +8,20 @@ arrive whole and in order, and a peer that goes away fails the queued sends by n
 from __future__ import annotations
 
 import datetime
+import os
+import re
 import socket
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tbo.afd.channel import SocketChannel
-from tbo.afd.group import AFDPeerError
+from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
+from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.core.errors import CommTimeoutError
 
 _HEADER = struct.Struct("!IIQ")
@@ -71,14 +77,6 @@ def test_an_ended_connection_fails_the_queued_sends_by_name(ended_by):
 
 
 # ---- budgets after the join (issue 61) -----------------------------------------------------------------------------
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
-from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
-from tbo.afd.group import AFDGroup
 
 _ROOT = str(Path(__file__).resolve().parents[1])
 #: the peer of a flood test, in a process of its own (so that its memory is not the measured side's): "kv" /
@@ -239,3 +237,24 @@ def test_nothing_of_a_channel_runs_when_the_interpreter_exits():
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
     assert "refused: rank 0: FFN rank 1 answered layer 0" in done.stdout, done.stdout
     assert "alive at exit: []" in done.stdout, done.stdout
+@pytest.mark.parametrize("cut", ["inside the payload", "after the frame header"])
+def test_a_receive_whose_message_the_peer_cut_off_fails_by_name_not_at_its_deadline(cut):
+    """Issue 63: a peer process that exits while its writer thread is inside a frame (the frame header written, the
+    payload not, or not all of it) leaves the receive the reader had already taken for that frame. It fails with
+    the peer's end, named, as the receives still posted do: a wait that returns False at its deadline instead is a
+    server that outlives its engine by that deadline."""
+    mine, far = socket.socketpair()
+    channel = SocketChannel(mine, 1, "the engine at 127.0.0.1:1")
+    try:
+        taken = channel.recv(torch.empty(64, dtype=torch.uint8), 0)
+        posted = channel.recv(torch.empty(64, dtype=torch.uint8), 0)
+        far.sendall(_HEADER.pack(1, 0, 64) + (b"x" * 10 if cut == "inside the payload" else b""))
+        assert not taken.wait(datetime.timedelta(seconds=0.2))  # the reader took it and waits for the rest
+        far.close()
+        for work in (taken, posted):
+            with pytest.raises(AFDPeerError, match=r"the engine at 127\.0\.0\.1:1 (closed the connection|ended in the "
+                                                   r"middle of a message).*the peer is gone"):
+                work.wait(datetime.timedelta(seconds=30))
+    finally:
+        channel.close()
+        far.close()

@@ -30,7 +30,7 @@ from tbo.afd.group import TOKEN_ENV, AFDGroup, AFDPeerError, is_loopback, parse_
 from tbo.afd.server import AFDFFNServer
 from tbo.core.errors import CommTimeoutError
 
-__all__ = ["VllmFFNModel", "add_parser", "main", "ffn_info"]
+__all__ = ["VllmFFNModel", "add_parser", "main", "serve_engine", "ffn_info"]
 
 #: exit status when the attention side vanished or sent garbage
 EXIT_PEER = 3
@@ -240,7 +240,9 @@ def add_parser(sub: Any) -> None:
                    help="the microbatch counts of a split step served (default 2,3,4); an engine whose "
                         "num_microbatches is not among them is refused at the join")
     p.add_argument("--idle-timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=600.0,
-                   help="exit 3 if the attention side sends nothing for this long (engine start included)")
+                   help="exit 3, by name, if no engine joins, or the engine sends nothing, for this long (engine "
+                        "start included): the most a server outlives an engine whose connection nobody closes (one "
+                        "whose process ended is noticed at once)")
     p.add_argument("--timeout-s", type=_bounded(float, 1e-3, MAX_TIMEOUT_S), default=60.0,
                    help="deadline of each wait inside a request")
     p.add_argument("--threads", type=_bounded(int, 1, 4096), default=None,
@@ -323,6 +325,14 @@ def main(args: argparse.Namespace) -> int:
               "same as the engine's", file=sys.stderr)
         return 2
     model = VllmFFNModel(args.model, args.dtype, args.max_tokens, args.microbatches)
+    return serve_engine(model, args, token, built_s=time.perf_counter() - t0)
+
+
+def serve_engine(model: VllmFFNModel, args: argparse.Namespace, token: str | None, built_s: float = 0.0) -> int:
+    """Serve one engine on ``args.listen`` with ``model`` (built once: `main` builds it, a test serves many
+    engines in turn on one): 0 once the engine said it shuts down; 3, naming it, when no engine joined within
+    ``--idle-timeout-s``, when the engine's connection ended without that (its process gone: noticed at once,
+    a message it was cut off inside included), or when it sent nothing for ``--idle-timeout-s``."""
     backend = "gloo" if model.platform == "cpu" else "nccl"
 
     bound = [args.listen]
@@ -330,8 +340,7 @@ def main(args: argparse.Namespace) -> int:
     def listening(host: str, port: int) -> None:
         bound[0] = f"{host}:{port}"
         print(f"tbo afd-ffn: serving {model.family} FFNs of {args.model} ({len(model.layers)} layers: "
-              f"{', '.join(model.kinds)}; {model.dtype}) on {host}:{port}, built in {time.perf_counter() - t0:.1f}s",
-              flush=True)
+              f"{', '.join(model.kinds)}; {model.dtype}) on {host}:{port}, built in {built_s:.1f}s", flush=True)
 
     def refused(message: str) -> None:
         print(f"tbo afd-ffn: {message}", file=sys.stderr, flush=True)
@@ -348,7 +357,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"tbo afd-ffn: the engine joined over an emulated link of {group.peer_link} (LATENCY_US,GBPS)",
                   flush=True)
     except (AFDPeerError, ValueError) as e:
-        print(f"tbo afd-ffn: error: {e}", file=sys.stderr, flush=True)
+        idle = " (--idle-timeout-s): exiting" if "no attention side joined" in str(e) else ""
+        print(f"tbo afd-ffn: error: {e}{idle}", file=sys.stderr, flush=True)
         return EXIT_PEER
     connector = TorchDistributedAFDConnector(AFDTopology(1, 1), args.timeout_s, group=group,
                                              idle_timeout_s=args.idle_timeout_s, device=model.device,
