@@ -17,7 +17,7 @@ from typing import Any
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.vllm.runner.patches import check_metadata_builders
 
-__all__ = ["install_on_runner"]
+__all__ = ["install_on_runner", "install_step_and_shutdown"]
 
 logger = logging.getLogger("vllm.tbo")
 
@@ -26,7 +26,7 @@ def install_on_runner(engine: Any, undo: UndoStack) -> None:
     """Wrap ``engine.runner``'s methods for ``engine`` (a `TboEngine`, built up to its layer loop, forwards and
     draft pass), registering each wrapper's undo on ``undo``."""
     runner, patches = engine.runner, engine.patches
-    execute, shutdown, sample = runner.execute_model, runner.shutdown, runner.sample_tokens
+    sample = runner.sample_tokens
     init_builders = runner.initialize_metadata_builders
 
     @functools.wraps(init_builders)
@@ -38,17 +38,33 @@ def install_on_runner(engine: Any, undo: UndoStack) -> None:
             engine.draft.make_builders(patches.policy.num_microbatches)
         return result
 
-    @functools.wraps(execute)
-    def execute_model(*args: Any, **kwargs: Any) -> Any:
-        with patches.scope():
-            return execute(*args, **kwargs)
-
     @functools.wraps(sample)
     def sample_tokens(*args: Any, **kwargs: Any) -> Any:
         out = sample(*args, **kwargs)
         if engine.adaptive is not None:  # the step's tokens are on the host: its wall time is measured
             engine.adaptive.step_done()
         return out
+
+    _install_forward(engine, undo)
+    install_step_and_shutdown(engine, undo)
+    if engine.adaptive is not None:
+        undo.set_attr(runner, "sample_tokens", sample_tokens)
+    undo.set_attr(runner, "initialize_metadata_builders", initialize_metadata_builders)
+    if engine.graphs is not None:  # vLLM's capture of a size tbo splits runs with the size's plan
+        undo.set_attr(runner, "_warmup_and_capture", engine.graphs.wrap(runner._warmup_and_capture, patches))
+    undo.set_attr(runner, "tbo", engine)
+
+
+def install_step_and_shutdown(engine: Any, undo: UndoStack) -> None:
+    """What every runner kind wraps alike: ``execute_model`` inside the engine's scoped patches, and ``shutdown``
+    taking tbo off first and then always running vLLM's own."""
+    runner, patches = engine.runner, engine.patches
+    execute, shutdown = runner.execute_model, runner.shutdown
+
+    @functools.wraps(execute)
+    def execute_model(*args: Any, **kwargs: Any) -> Any:
+        with patches.scope():
+            return execute(*args, **kwargs)
 
     @functools.wraps(shutdown)
     def shutdown_(*args: Any, **kwargs: Any) -> Any:
@@ -58,15 +74,8 @@ def install_on_runner(engine: Any, undo: UndoStack) -> None:
             logger.exception("tbo: taking tbo off the runner failed; vLLM's own shutdown goes on")
         return shutdown(*args, **kwargs)
 
-    _install_forward(engine, undo)
     undo.set_attr(runner, "execute_model", execute_model)
     undo.set_attr(runner, "shutdown", shutdown_)
-    if engine.adaptive is not None:
-        undo.set_attr(runner, "sample_tokens", sample_tokens)
-    undo.set_attr(runner, "initialize_metadata_builders", initialize_metadata_builders)
-    if engine.graphs is not None:  # vLLM's capture of a size tbo splits runs with the size's plan
-        undo.set_attr(runner, "_warmup_and_capture", engine.graphs.wrap(runner._warmup_and_capture, patches))
-    undo.set_attr(runner, "tbo", engine)
 
 
 def _install_forward(engine: Any, undo: UndoStack) -> None:

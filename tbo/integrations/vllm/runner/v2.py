@@ -294,7 +294,7 @@ class V2Engine(TboEngine):
 def install_on_v2_runner(engine: V2Engine, undo: UndoStack) -> None:
     """Wrap ``engine.runner``'s methods for ``engine``, each with its undo on ``undo``."""
     runner, patches = engine.runner, engine.patches
-    execute, shutdown, init_kv = runner.execute_model, runner.shutdown, runner.initialize_kv_cache
+    init_kv = runner.initialize_kv_cache
 
     @functools.wraps(init_kv)
     def initialize_kv_cache(*args: Any, **kwargs: Any) -> Any:
@@ -306,27 +306,10 @@ def install_on_v2_runner(engine: V2Engine, undo: UndoStack) -> None:
         runner.ubatch_runner = engine.ubatches
         return result
 
-    @functools.wraps(execute)
-    def execute_model(*args: Any, **kwargs: Any) -> Any:
-        with patches.scope():
-            return execute(*args, **kwargs)
-
-    @functools.wraps(shutdown)
-    def shutdown_(*args: Any, **kwargs: Any) -> Any:
-        try:
-            engine.close()
-        except Exception:  # noqa: BLE001 - taking tbo off must not keep vLLM from releasing the engine
-            import logging
-
-            logging.getLogger("vllm.tbo").exception("tbo: taking tbo off the runner failed; vLLM's own shutdown "
-                                                    "goes on")
-        return shutdown(*args, **kwargs)
-
-    from tbo.integrations.vllm.runner.install import _install_forward
+    from tbo.integrations.vllm.runner.install import _install_forward, install_step_and_shutdown
 
     _install_forward(engine, undo)
-    undo.set_attr(runner, "execute_model", execute_model)
-    undo.set_attr(runner, "shutdown", shutdown_)
+    install_step_and_shutdown(engine, undo)
     undo.set_attr(runner, "initialize_kv_cache", initialize_kv_cache)
     undo.set_attr(runner, "ubatch_runner", engine.ubatches)
     undo.set_attr(runner, "tbo", engine)
