@@ -46,7 +46,11 @@ def register() -> None:
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except ModuleNotFoundError as e:  # a release without that runner's module (V1 on 0.34): it cannot build it
-            logger.debug("tbo plugin: vLLM has no %s.%s (%s)", module_name, class_name, e)
+            if e.name is not None and (module_name + ".").startswith(e.name + "."):
+                logger.debug("tbo plugin: vLLM has no %s.%s (%s)", module_name, class_name, e)
+                continue
+            logger.warning("tbo plugin: cannot wrap %s.%s (%s); an engine it serves with additional_config['tbo'] "
+                           "is refused by name", module_name, class_name, e)
             continue
         except (ImportError, AttributeError) as e:  # the module is there but the runner is not: an engine asking
             logger.warning("tbo plugin: cannot wrap %s.%s (%s); an engine it serves with additional_config['tbo'] "
