@@ -51,7 +51,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 $(FLOOR_PY):
 	$(PYTHON) -m venv $(FLOOR_VENV)
@@ -79,7 +79,7 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
-	$(VLLM_PY) -m pytest -q tests/vllm/
+	$(VLLM_PY) -m pytest -q --durations=25 tests/vllm/
 
 $(SGLANG_PY):
 	$(PYTHON) -m venv $(SGLANG_VENV)
@@ -97,7 +97,7 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS) | $(SGLANG_PY)
 
 test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_PY) -c "import sglang; print('sglang', sglang.__version__)"
-	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m pytest -q tests/sglang/
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_PY) -m pytest -q --durations=10 tests/sglang/
 
 # tbo's vLLM contract (tbo/integrations/vllm/contract.py) on every admitted release's source, read by AST: each
 # release's sdist is downloaded from PyPI's simple index (sha256 checked; nothing built or installed, about 50 MB each)

@@ -29,8 +29,19 @@ transfer to hide, and its prior says so (`tbo.split.adaptive.nothing_to_hide`): 
    (the adaptive one learns there; its later exploration stays in the timed wave). ``--dp-warmup-rounds 0`` times
    the first wave, exploration from an empty table included.
 
+4. ``--issue62``: instead, issue 62's short run, the adaptive split against the best static choice among the
+   strategies it chooses from: ``--i62-batch`` requests (64) decoding ``--i62-decode-tokens`` (32) tokens, every
+   engine step timed (34 with the prefill), a Qwen3-MoE of hidden 512, 4 MoE layers, 8 experts top-2, fp32, over a
+   bandwidth-bound link sized so that an unsplit decode step's communication equals its compute (measured on a
+   never-splitting engine first). Over the link: never split, always split with each of the adaptive split's decode
+   candidates (``auto``, the decode strategy; ``qwen3_moe_prefill``, lead 0), and adaptive from an empty table;
+   without one: never split and adaptive. ``--i62-repeats`` runs (3), fresh adaptive engines each, the static
+   engines reused (they keep no state); medians. Targets: adaptive within 5% of the best static over the link,
+   within 5% of never splitting without one.
+
     .venv-vllm/bin/python benchmarks/vllm_adaptive.py            # after make test-vllm
     .venv-vllm/bin/python benchmarks/vllm_adaptive.py --dp
+    .venv-vllm/bin/python benchmarks/vllm_adaptive.py --issue62
 """
 
 from __future__ import annotations
@@ -109,6 +120,74 @@ def dp_regime(args) -> None:
         print("adaptive (rank 0):", json.dumps(summary)[:2000])
 
 
+def _all_steps(llm, work) -> tuple[float, int]:
+    """``work``'s decode batch run to its end, every engine step timed (its prefill included): (seconds, steps)."""
+    work._add(llm, 4, work.decode_tokens)
+    times = work._steps(llm)
+    return sum(times), len(times)
+
+
+def issue62_regime(args) -> None:
+    """Regime 4: issue 62's short run (module docstring)."""
+    import tbo.integrations.vllm as tbo_vllm
+
+    bench = _bench_vllm()
+    work = bench.Workload(args.i62_batch, 4, args.i62_decode_tokens)
+    never = {"decode_token_threshold": NEVER, "prefill_token_threshold": NEVER}
+    always = {"decode_token_threshold": 2, "prefill_token_threshold": 2}
+    runs: list[dict[str, float]] = []
+    summaries: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = bench.save_model(Path(tmp) / "qwen3_moe", args.i62_hidden, args.i62_layers, args.i62_experts)
+        first = bench.start_engine(model, None, work, "float32")  # the first engine runs slower; not measured
+        probe = bench.start_engine(model, never, work, "float32")
+        sized = bench.Workload(args.i62_batch, 4, max(args.i62_decode_tokens, 4))
+        sized.decode_steps(probe)
+        compute = statistics.median(sized.decode_steps(probe))
+        link = bench.link_for(compute, bench.moe_bytes_per_step(args.i62_batch, args.i62_hidden, 2,
+                                                                 args.i62_layers))
+        bench.close({"probe": probe, "first": first})
+        static = {"no link: never split": never, "link: never split": {**never, "link": link},
+                  "link: always split, auto (decode strategy)": {**always, "link": link},
+                  "link: always split, qwen3_moe_prefill (lead 0)": {**always, "strategy": "qwen3_moe_prefill",
+                                                                      "link": link}}
+        fresh = {"no link: adaptive": {"split": "adaptive"}, "link: adaptive": {"split": "adaptive", "link": link}}
+        engines = {name: bench.start_engine(model, tbo, work, "float32") for name, tbo in static.items()}
+        try:
+            for llm in engines.values():
+                bench.Workload(1, 4, 2).decode_steps(llm)
+            for _ in range(args.i62_repeats):
+                started = {name: bench.start_engine(model, tbo, work, "float32") for name, tbo in fresh.items()}
+                try:
+                    for llm in started.values():  # the engine's own warm-up, in a bucket the run does not use
+                        bench.Workload(1, 4, 2).decode_steps(llm)
+                    times, steps = {}, {}
+                    for name, llm in {**engines, **started}.items():
+                        times[name], steps[name] = _all_steps(llm, work)
+                    reports = tbo_vllm.stats().get("adaptive", [])[-len(started):]
+                    summaries = {name: report["summary"] for name, report in zip(started, reports)}
+                finally:
+                    bench.close(started)
+                runs.append(times)
+        finally:
+            bench.close(engines)
+    median = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+    print(f"issue 62's short run: Qwen3-MoE hidden {args.i62_hidden}, {args.i62_layers} MoE layers, "
+          f"{args.i62_experts} experts top-2, float32; {args.i62_batch} requests x {args.i62_decode_tokens} decode "
+          f"tokens ({steps[next(iter(steps))]} engine steps); link {link} (an unsplit decode step's communication = "
+          f"its compute, {compute * 1e3:.1f} ms); median of {len(runs)} run(s)")
+    print("| configuration | seconds (median) | every run |\n|---|---|---|")
+    for name, sec in median.items():
+        print(f"| {name} | {sec:.3f} | {', '.join(f'{run[name]:.3f}' for run in runs)} |")
+    best = min((n for n in median if n.startswith("link:") and "adaptive" not in n), key=median.get)
+    print(f"issue 62, link: adaptive {median['link: adaptive'] / median[best]:.2f}x the time of the best static "
+          f"({best}; target <= 1.05x)")
+    print(f"issue 62, no link: adaptive {median['no link: adaptive'] / median['no link: never split']:.2f}x the "
+          "time of never splitting (target <= 1.05x)")
+    for name, lines in summaries.items():
+        print(f"issue 62 {name} (the last run):", "; ".join(lines))
+
+
 def short_run(bench, model, engines: dict, sizing, sizes: list[int], args,
               link: str) -> tuple[dict[str, float], dict[str, list[str]]]:
     """The short run: fresh adaptive engines (empty tables) and the static engines, one pass each of the workload
@@ -174,7 +253,17 @@ def main() -> None:
     p.add_argument("--dp-decode-tokens", type=int, default=48)
     p.add_argument("--dp-warmup-rounds", type=int, default=1,
                    help="waves each DP launch generates before the one it is timed on")
+    p.add_argument("--issue62", action="store_true", help="regime 4 only: issue 62's short run")
+    p.add_argument("--i62-batch", type=int, default=64)
+    p.add_argument("--i62-decode-tokens", type=int, default=32)
+    p.add_argument("--i62-hidden", type=int, default=512)
+    p.add_argument("--i62-layers", type=int, default=4)
+    p.add_argument("--i62-experts", type=int, default=8)
+    p.add_argument("--i62-repeats", type=int, default=3)
     args = p.parse_args()
+    if args.issue62:
+        issue62_regime(args)
+        return
     if args.dp:
         dp_regime(args)
         return

@@ -16,7 +16,8 @@ from pathlib import Path
 
 #: The modules the API reference documents (the issue's public packages, and the submodules that hold their names).
 MODULES = [
-    "tbo", "tbo.split", "tbo.split.tensors", "tbo.split.agree", "tbo.comm", "tbo.comm.emulated", "tbo.comm.sm_budget",
+    "tbo", "tbo.split", "tbo.split.kinds", "tbo.split.tensors", "tbo.split.agree", "tbo.comm", "tbo.comm.emulated",
+    "tbo.comm.sm_budget",
     "tbo.strategies", "tbo.runtime.forward", "tbo.runtime.cuda_graph", "tbo.runtime.profile", "tbo.runtime.op_times",
     "tbo.tools.lint", "tbo.tools.trace", "tbo.tools.simulate", "tbo.tools.predict", "tbo.integrations.transformers",
     "tbo.integrations.vllm",

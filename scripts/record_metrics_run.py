@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from tests.vllm.helpers import (MAX_TOKENS, SCENARIOS, TBO, _openai_server, _post,  # noqa: E402
                                 _save_qwen3_moe)
-from tests.vllm.test_metrics import _entry_point_dist, _scrape  # noqa: E402
+from tests.served import scrape  # noqa: E402
+from tests.vllm.test_metrics import _entry_point_dist  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
 
             def watch() -> None:
                 while not stop.is_set():
-                    frames.append((time.time(), {k: v for k, v in _scrape(base).items() if k.startswith("tbo:")}))
+                    frames.append((time.time(), {k: v for k, v in scrape(base).items() if k.startswith("tbo:")}))
                     time.sleep(0.25)
 
             def complete(p: list[int]) -> None:

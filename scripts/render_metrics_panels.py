@@ -19,6 +19,11 @@ def _total(frame: dict, family: str, **labels: str) -> float:
     return sum(v for _, got, v in frame.get(family, []) if labels.items() <= got.items())
 
 
+def _sample(frame: dict, family: str, sample: str, **labels: str) -> float:
+    """A histogram's ``sample`` (``..._sum``, ``..._count``) of ``family``, over the samples whose labels match."""
+    return sum(v for name, got, v in frame.get(family, []) if name == sample and labels.items() <= got.items())
+
+
 def _keys(frames: list, family: str, label: str) -> list[str]:
     return sorted({got[label] for _, f in frames for _, got, _ in f.get(family, []) if label in got})
 
@@ -45,7 +50,9 @@ def render(frames: list, out: str, window_s: float = 1.0) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 7.5))
+    kinds = sorted({(got["mode"], got["split"]) for _, f in frames for name, got, _ in f.get("tbo:step_seconds", [])
+                    if name == "tbo:step_seconds_count"})
     panels = [
         ("Split ratio (split steps / steps)", [("split ratio", lambda f: _total(f, "tbo:split_steps"),
                                                 lambda f: _total(f, "tbo:steps"))]),
@@ -64,6 +71,11 @@ def render(frames: list, out: str, window_s: float = 1.0) -> None:
                                           lambda f: _total(f, "tbo:split_steps"))]),
         ("Tokens per s", [("all", lambda f: _total(f, "tbo:tokens"), None),
                           ("split", lambda f: _total(f, "tbo:split_tokens"), None)]),
+        ("Step time by kind, split vs unsplit (mean s)",
+         [(f"{m} {sp}", (lambda m, sp: lambda f: _sample(f, "tbo:step_seconds", "tbo:step_seconds_sum", mode=m,
+                                                          split=sp))(m, sp),
+           (lambda m, sp: lambda f: _sample(f, "tbo:step_seconds", "tbo:step_seconds_count", mode=m,
+                                            split=sp))(m, sp)) for m, sp in kinds]),
     ]
     for ax, (title, series) in zip(axes.flat, panels):
         for label, num, den in series:
@@ -72,7 +84,12 @@ def render(frames: list, out: str, window_s: float = 1.0) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("s into the run")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if series:
+            ax.legend(fontsize=7)
+        else:  # a recording without the family (taken before it existed): say so rather than draw an empty legend
+            ax.text(0.5, 0.5, "not in this recording", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     info = frames[-1][1].get("tbo:info", [[None, {}, 1]])[0][1]
     fig.suptitle(f"tbo's panels over a served vLLM run ({len(frames)} scrapes of /metrics, {window_s:g} s windows); "
                  f"{info.get('decode_strategy', '?')} / {info.get('prefill_strategy', '?')}, split "

@@ -4,7 +4,7 @@ A layer is a list of ops with `Yield` between stages; `execute_overlapped_operat
 through it so that one microbatch's communication overlaps another's compute.
 
 The package is layered (see the README's "Architecture"): `tbo.core` (no torch), the library (`comm`; `split`, `experts`;
-`strategies`; `runtime`; `models`; `afd`, `integrations`, each importing only those before it), `tbo.tools` and
+`ops`; `strategies`; `runtime`; `models`; `afd`, `integrations`, each importing only those before it), `tbo.tools` and
 `tbo.harness`. `import tbo` needs no
 torch; the names below that do are imported on first use.
 """
@@ -22,7 +22,7 @@ __getattr__ = lazy_attributes(__name__, {
     "merge_outputs": "tbo.split.tensors",
     "split_inputs": "tbo.split.tensors",
     "model_forward_maybe_tbo": "tbo.runtime.forward",
-}, submodules=["afd", "comm", "core", "experts", "harness", "integrations", "models", "runtime", "split",
+}, submodules=["afd", "comm", "core", "experts", "harness", "integrations", "models", "ops", "runtime", "split",
                "strategies", "testing", "tools", "util"])
 
 __version__ = "0.1.0"

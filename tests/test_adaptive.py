@@ -538,3 +538,146 @@ def test_the_host_cost_benchmark_runs():
     out = subprocess.run([sys.executable, str(script), "--repeat", "20"], capture_output=True, text=True, timeout=300,
                          check=True).stdout
     assert "| 10000 |" in out and "target: a 1,000-request decode decision <= 50 us" in out
+
+
+# ---- the strategy as a choice (issue 62) --------------------------------------------------------------------------
+
+def _candidate_cost(ratios: dict[Choice, float], wire_share: float = 0.5):
+    """A step of 1 ms per token, ``wire_share`` of it on the link unsplit; each split choice at its ratio of
+    unsplit's time (what its strategy's schedule hides, as measured)."""
+
+    def cost(choice: Choice, tokens: int) -> tuple[float, float]:
+        step = 1e-3 * tokens
+        return step * ratios.get(choice, 1.0), wire_share * step
+
+    return cost
+
+
+def _first_bucket(policy: AdaptiveSplit, cost, steps: int = 6) -> None:
+    """A small decode bucket, run first: nothing predicts it; its unsplit steps measure compute and wire."""
+    for _ in range(steps):
+        choice = policy.choose("decode", 8)
+        policy.observe("decode", 8, choice, *cost(choice, 8))
+
+
+def test_a_bucket_moves_to_the_cheaper_candidate_strategy_from_its_measurements():
+    """The price (the candidates' schedules) puts the decode strategy ahead (0.60 against 0.70 of unsplit), the
+    measurements put the prefill-shaped one ahead (0.65 against 0.95, as issue 62's run over a link): a new bucket
+    starts on the decode strategy, measures the other candidate, and moves to it for good."""
+    priced = {DECODE: 0.6, PREFILL: 0.7}
+    asked = []
+
+    def price(choice: Choice, compute: float, wire: float) -> float:
+        asked.append((choice, compute, wire))
+        return priced[choice]
+
+    cost = _candidate_cost({DECODE: 0.95, PREFILL: 0.65})
+    policy = AdaptiveSplit(CHOICES, price=price)
+    _first_bucket(policy, cost)
+    ran = run(policy, 200, lambda s: 64, lambda c, t: cost(c, t)[0])
+    row = {(r["kind"], r["tokens"]): r for r in policy.stats()}[("decode", "64-127 tokens")]
+    assert row["predicted"] == {"unsplit": 1.0, str(DECODE): 0.6, str(PREFILL): 0.7}
+    assert {c for c, _, _ in asked} == {DECODE, PREFILL}
+    # the price saw the first bucket's compute and wire per token (0.5 ms each), whatever the unit
+    assert all(math.isclose(c, w) and math.isclose(c, 0.5e-3) for _, c, w in asked), asked
+    assert ran[0] == DECODE and PREFILL in ran[:4] and row["choice"] == str(PREFILL)
+    assert ran[4:].count(PREFILL) >= 0.9 * len(ran[4:]), ran
+    assert any(line.startswith("decode 64-127 tokens: split, qwen3_moe_prefill, 1.54x") for line in
+               policy.summary()), policy.summary()
+
+
+@pytest.mark.parametrize("steps", [34, 2000])
+def test_a_candidate_the_prior_prices_far_slower_is_explored_only_within_the_rationed_share(steps):
+    """The price puts the decode strategy at 0.95 of unsplit against the prefill one's 0.60 (over prior_slack 25%
+    slower): the bucket starts on the prefill strategy and never warms the decode one up; it is explored only at the
+    longest interval (8 x its even share, 8 x 2 / 0.05 = 320 steps), so a 34-step run never runs it, and any run
+    within explore_share. Without the price (the generic prediction: both 0.75) it is warmed up in the short run."""
+    cfg = AdaptiveConfig()
+    cost = _candidate_cost({DECODE: 0.95, PREFILL: 0.6})
+    priced = AdaptiveSplit(CHOICES, cfg, price=lambda choice, c, w: {DECODE: 0.95, PREFILL: 0.6}[choice])
+    _first_bucket(priced, cost)
+    ran = run(priced, steps, lambda s: 64, lambda c, t: cost(c, t)[0])
+    slow = ran.count(DECODE)
+    assert ran[0] == PREFILL and slow <= cfg.explore_share * steps and slow <= steps // 320 + 1, slow
+    assert (slow == 0) == (steps < 320)
+    row = {(r["kind"], r["tokens"]): r for r in priced.stats()}[("decode", "64-127 tokens")]
+    assert row["choice"] == str(PREFILL) and row["predicted"][str(DECODE)] == 0.95
+
+    generic = AdaptiveSplit(CHOICES, cfg)
+    _first_bucket(generic, cost)
+    assert DECODE in run(generic, 34, lambda s: 64, lambda c, t: cost(c, t)[0])[:34]
+
+
+def test_a_price_that_is_not_a_time_is_named():
+    cost = _candidate_cost({DECODE: 0.9, PREFILL: 0.6})
+    policy = AdaptiveSplit(CHOICES, price=lambda choice, c, w: float("inf"))
+    _first_bucket(policy, cost)
+    with pytest.raises(ValueError, match=r"the price of split, qwen3_moe_decode is inf: expected a finite time"):
+        policy.choose("decode", 64)
+
+
+def test_split_price_replays_the_simulators_rules():
+    """`split_price` (the engine's prior, below the tools) prices a strategy as `tbo simulate` does on the same
+    costs: each compute op an equal share of the layer's compute, each transfer its share of the wire, one FIFO link;
+    for both families' strategies, two and three microbatches, compute-bound, even and wire-bound steps."""
+    from tbo import strategies
+    from tbo.core.strategy import OperationsStrategy
+    from tbo.integrations.engine.price import split_price
+    from tbo.tools.simulate import Cost, CostModel, TransferCost, simulate
+
+    for name in ("qwen3_moe_decode", "qwen3_moe_prefill", "deepseek_decode", "deepseek_prefill"):
+        strategy = strategies.get(name)
+        stack = OperationsStrategy.concat([strategy] * 4)
+        names = [op for stage in strategy.stage_names for op in stage]
+        computing = [op for op in names if op.split("_")[-1] not in ("a", "b") and not op.startswith("comm_")]
+        kinds = sorted({op[:-2] for op in names if op.endswith("_a")})
+        for compute, wire in ((3.0, 1.0), (1.0, 1.0), (1.0, 3.0)):
+            costs = CostModel(ops={op: Cost(per_token=compute / len(computing)) for op in computing},
+                              transfers={k: TransferCost(bytes_per_token=wire / len(kinds)) for k in kinds},
+                              bandwidth=1.0)
+            # relative to compute plus wire: what the engine measured unsplit (an unsplit step waits for each
+            # transfer in turn, as the simulator's does where nothing of the step runs between a launch and its wait)
+            unsplit = 4 * 12 * (compute + wire)
+            if name.startswith("qwen3"):
+                assert math.isclose(simulate(stack, costs, [12], 0).step_s, unsplit), name
+            for n in (2, 3):
+                expected = simulate(stack, costs, [12 // n] * n).step_s / unsplit
+                got = split_price(strategy, n, compute, wire)
+                assert got is not None and math.isclose(got, expected, rel_tol=1e-9), (name, compute, wire, n)
+    assert split_price(strategies.get("qwen3_moe_prefill"), 2, 0.0, 0.0) is None
+
+
+@pytest.mark.parametrize("adaptive, match", [
+    ({"strategies": {"decod": ["qwen3_moe_prefill"]}}, r"strategies: unknown step kind 'decod'; accepted: decode"),
+    ({"strategies": {"decode": []}}, r"strategies\['decode'\] is empty"),
+    ({"strategies": ["qwen3_moe_prefill", "qwen3_moe_prefill"]}, r"strategies must list distinct strategy names"),
+])
+def test_bad_candidate_strategies_are_named(adaptive, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveConfig(**adaptive)
+
+
+def test_the_engine_kit_binds_the_candidates_and_refuses_an_unknown_one_by_name():
+    """`adaptive.strategies` in the engines' schema: an unregistered name is refused naming it (with the closest
+    registered ones); the driver's choices per kind are the candidates at each count, and what an engine binds
+    beside its own two strategies is the candidates that are neither (the decode one on a prefill step included:
+    it runs there in the prefill mode)."""
+    from tbo.integrations.engine.adaptive import AdaptiveSteps
+    from tbo.integrations.engine.config import TboConfig
+
+    with pytest.raises(ValueError, match=r"adaptive.strategies: strategy 'qwen3_moe_prefil' is not registered; "
+                                         r"accepted: one of .*did you mean 'qwen3_moe_prefill'"):
+        TboConfig(split="adaptive", adaptive={"strategies": ["qwen3_moe_prefil"]})
+    config = TboConfig(split="adaptive", adaptive={"microbatches": [2, 3], "strategies": {
+        "decode": ["qwen3_moe_prefill"], "prefill": ["qwen3_moe_prefill", "qwen3_moe_decode", "deepseek_prefill"]}})
+    names = config.strategy_names(shared_experts=False)
+    steps = AdaptiveSteps(config, names)
+    assert steps.split.choices["decode"][1:] == (PREFILL, Choice(PREFILL.strategy, 3))
+    assert steps.split.choices["mixed"][1:] == (PREFILL, Choice(PREFILL.strategy, 3))  # the default there
+    assert steps.extra_strategies() == ["qwen3_moe_decode", "deepseek_prefill"]
+    assert steps.slot_of("decode", "qwen3_moe_decode") == "decode" and steps.slot_of("prefill", "qwen3_moe_decode") \
+        == "prefill" and steps.slot_of("decode", "qwen3_moe_prefill") == "prefill"
+    assert steps.bound_name("prefill", PREFILL) is None and steps.bound_name("prefill", DECODE) == "qwen3_moe_decode"
+    assert steps.split.price is not None  # each candidate priced by its own schedule over a link
+    default = AdaptiveSteps(TboConfig(split="adaptive"), names)
+    assert default.extra_strategies() == [] and default.split.choices["decode"][1:] == (DECODE, PREFILL)

@@ -199,9 +199,13 @@ def test_an_engine_flooding_its_ffn_server_after_the_join_is_refused_by_name_and
 
 _EXIT = r"""
 import atexit, sys, threading
-# registered before tbo is imported, so it runs after tbo's own exit handler (atexit runs them last-in first-out)
+serving = []  # this process's own FFN side (in a deployment another process): a daemon thread of the script's
+# registered before tbo is imported, so they run after tbo's own exit handler (atexit runs them last-in first-out):
+# the check last; before it, the script's FFN thread is joined once tbo closed its channel (a daemon thread still
+# running when Python finalizes may abort the process: the script's own, which is not what this test is about)
 atexit.register(lambda: print("alive at exit:", sorted(t.name for t in threading.enumerate()
                                                       if t.name.startswith("tbo-afd-") and t.is_alive()), flush=True))
+atexit.register(lambda: [t.join(30) for t in serving])
 import torch
 from tbo.afd.connector import AFDMeta, AFDTopology, TorchDistributedAFDConnector
 from tbo.afd.group import AFDGroup, AFDPeerError
@@ -213,8 +217,12 @@ def serve():
     ffn = TorchDistributedAFDConnector(AFDTopology(1, 1), 20, group=group, idle_timeout_s=20)
     x, meta = ffn.recv_attn_output()
     ffn.send_ffn_output(x.half(), meta)  # an answer of another dtype: refused by the engine
-    ffn.recv_attn_output()  # and waits on, its reader blocked in the socket, until the process exits
-threading.Thread(target=serve, daemon=True).start()
+    try:
+        ffn.recv_attn_output()  # and waits on, its reader blocked in the socket, until the process exits
+    except AFDPeerError:
+        pass  # tbo's exit handler closed the engine's channel, or this one
+serving.append(threading.Thread(target=serve, daemon=True))
+serving[0].start()
 while not ports:
     threading.Event().wait(0.01)
 group = AFDGroup.connect(f"127.0.0.1:{ports[0]}", timeout_s=20)

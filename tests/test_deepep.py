@@ -19,7 +19,7 @@ from tbo.core.state import State
 from tbo.core.strategy import OperationsStrategy
 from tbo.experts import run_experts
 from tbo.harness.launch import launch
-from tbo.models.layer_ops import ExpertParallelOps
+from tbo.ops import ExpertParallelOps
 from tbo.strategies import bind_layers
 from tbo.testing.deepep_standin import Buffer, contract_probe
 from tbo.testing.moe import SwiGLUExperts, make_routing

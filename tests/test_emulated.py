@@ -117,3 +117,44 @@ def test_wall_clock_spins_only_the_tail():
     assert time.sleeps == [pytest.approx(0.04, abs=2e-3)]  # the wait less its spun tail
     assert time.t >= deadline and time.t - deadline < 2e-3  # spun to the deadline, no further
     assert 15 <= time.polls <= 25  # about 0.02 s of 1 ms polls
+
+
+def test_a_metrics_thread_reads_the_link_s_totals_while_the_engine_books_transfers():
+    """The engine's thread books and waits on the link while a metrics thread (the /metrics publisher) reads its
+    totals: a transfer whose ``_b`` is still waiting counts no exposed time yet, and the readers never see the deque
+    of transfers change under them (which raises). The reader's sums are of a consistent copy: never above the final
+    totals, and equal to them once the writer is done."""
+    import threading
+
+    from tbo.comm.emulated import LinkTimeline, Transfer
+
+    waiting = Transfer("dispatch", 8, 0.0, 1.0, wait_start=0.5)  # mid-wait: wait_end not yet set
+    assert waiting.exposed == 0.0
+    clock = SimulatedClock()
+    link = LinkTimeline(1.0, 1e12, clock)  # latency-bound: each transfer completes 1 s after its launch
+    done, errors, reads = threading.Event(), [], [0]
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                stats = link.stats
+                exposed = stats.exposed_s  # read before the count, which only grows
+                assert exposed <= stats.count * 0.5 + 1e-6 and stats.comm_s >= 0
+                reads[0] += 1
+        except Exception as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(20_000):  # 5x the transfers kept one by one: folding runs too
+            transfer = link.book("dispatch", 1)
+            clock.advance(0.5)  # half of it hidden
+            link.wait(transfer)
+            clock.advance(0.5 * (i % 3))  # apart, or overlapping the next one's interval
+    finally:
+        done.set()
+        reader.join(30)
+    assert not errors, errors[0]
+    assert reads[0] > 0 and link.stats.count == 20_000
+    assert link.stats.exposed_s == pytest.approx(20_000 * 0.5)

@@ -63,3 +63,41 @@ def test_the_adaptive_driver_requires_a_replan_and_runs_the_chosen_count():
     assert asked == [2] * ran.count(2), (asked, ran)  # planned again exactly where the count differed
     (row,) = steps.report()["buckets"]
     assert sum(n for c, n in row["samples"].items() if c.endswith(" x3")) == ran.count(3), (row, ran)
+
+
+def test_the_step_histogram_counts_each_step_once_under_its_kind_and_split_cumulatively():
+    """`StepStats.observe_step` keeps Prometheus's cumulative ``le`` buckets per "kind|split"; a `StepClock` observes
+    a started step once, and a start with no stop (a dummy step samples nothing) is dropped by the next start."""
+    from tbo.integrations.engine.stats import STEP_SECONDS_BUCKETS, StepClock, StepStats
+
+    s = StepStats()
+    for seconds in (0.0625, 0.25, 0.25):
+        s.observe_step("decode", True, seconds)
+    s.observe_step("prefill", False, 100.0)  # beyond every bucket: only in the count (+Inf) and the sum
+    assert s.step_seconds_count == {"decode|split": 3, "prefill|unsplit": 1}
+    assert s.step_seconds_sum == {"decode|split": 0.5625, "prefill|unsplit": 100.0}
+    assert s.step_seconds_bucket["decode|split|0.075"] == 1 and s.step_seconds_bucket["decode|split|0.3"] == 3
+    assert "decode|split|0.05" not in s.step_seconds_bucket and not any(k.startswith("prefill") for k in
+                                                                        s.step_seconds_bucket)
+    assert sum(k.startswith("decode|split|") for k in s.step_seconds_bucket) == \
+        sum(le >= 0.0625 for le in STEP_SECONDS_BUCKETS)
+    clock = StepClock(s)
+    assert not clock.stop()  # nothing running
+    clock.start("idle", False)
+    clock.start("mixed", True)  # the idle step never stopped: dropped
+    assert clock.stop() and not clock.stop()
+    assert s.step_seconds_count["mixed|split"] == 1 and "idle|unsplit" not in s.step_seconds_count
+    total = s.copy()
+    total.add(s)
+    assert total.step_seconds_count["decode|split"] == 6 and total.step_seconds_bucket["decode|split|0.3"] == 6
+
+
+def test_a_step_the_adaptive_choice_runs_whole_says_so():
+    """With nothing to hide (no transfers) the driver runs a plannable step whole, and `Step.unsplit_reason` names
+    the adaptive choice, not the thresholds (which would have split it)."""
+    config = TboConfig(split="adaptive")
+    steps = AdaptiveSteps(config, config.strategy_names(shared_experts=False), transfers=False)
+    planned = _decode(steps.policy, 64)
+    assert planned.plan is not None
+    step = steps.decide(planned, lambda policy: _decode(policy, 64))
+    assert step.plan is None and step.unsplit_reason == "adaptive"

@@ -141,3 +141,42 @@ def test_integrating_guide_names_exist():
             break
         else:
             raise AssertionError(f"{dotted} does not import")
+
+
+def test_tiny_engine_on_the_engine_kit():
+    """docs/integrating.md's third engine: tbo in a small continuous-batching engine through the engine kit alone.
+    Its tokens equal the engine's own, and steps of every kind were split (else the equality proves nothing); closing
+    restores the engine's seam and leaves the kit's registry empty."""
+    out = run("tiny_engine.py")
+    assert "tokens: equal" in out, out
+    split = re.search(r"^steps: (\d+), split: (\d+), microbatches: (\d+), cut requests: (\d+)", out, re.M)
+    assert split and int(split[2]) > 0 and int(split[4]) > 0, out
+    for mode in ("decode", "prefill", "mixed"):
+        assert re.search(rf"{mode} [1-9]\d*/\d+", out), f"no split {mode} step:\n{out}"
+    assert re.search(r"^tbo: \d+ of \d+ forward steps overlapped", out, re.M), out
+    assert "run_layers restored: True, registry: 0" in out, out
+    unsplit = int(split[1]) - int(split[2])  # each says why: here, under the thresholds the example sets
+    assert f"unsplit by reason: below_threshold {unsplit}" in out, out
+
+
+def test_tiny_engine_adaptive_over_a_link_replans_through_the_kit():
+    """split 'adaptive' with microbatches [2, 3] over an emulated link: the kit's driver chooses, the glue re-plans
+    (decide_facts with the chosen count's policy), the tokens stay the engine's own. The warm-up explores splits in
+    the buckets it meets (a link gives the steps transfers to hide), so some steps split: else nothing ran."""
+    out = run("tiny_engine.py", "--config",
+              '{"split": "adaptive", "adaptive": {"microbatches": [2, 3]}, "link": "2000,0.05"}')
+    assert "tokens: equal" in out, out
+    split = re.search(r"^steps: (\d+), split: (\d+), microbatches: (\d+)", out, re.M)
+    assert split and int(split[2]) > 0, out
+    assert re.search(r"^adaptive: .*tokens: ", out, re.M), out
+
+
+@pytest.mark.parametrize("config, named", [
+    ('{"afd": {"ffn": "127.0.0.1:9"}}', "afd="),
+    ('{"num_microbatch": 3}', "unknown key 'num_microbatch'"),
+    ('{"strategy": "qwen3_moe_decode"}', "cannot bind strategy qwen3_moe_decode to MyMoELayer"),
+])
+def test_tiny_engine_refuses_what_it_cannot_run_by_name(config, named):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_engine.py"), "--config", config],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "refused: " in proc.stderr and named in proc.stderr, proc.stderr[-2000:]

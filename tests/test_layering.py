@@ -20,7 +20,8 @@ PACKAGE = ROOT / "tbo"
 LAYER_OF = {
     "core": "core",
     "util": "util",
-    "split": "library", "comm": "library", "experts": "library", "strategies": "library", "models": "library",
+    "split": "library", "comm": "library", "experts": "library", "ops": "library", "strategies": "library",
+    "models": "library",
     "integrations": "library", "afd": "library", "runtime": "library",
     "tools": "tools",
     "testing": "testing",
@@ -56,6 +57,7 @@ LAYER_ROWS = [("harness",), ("tools", "testing"), ("library",), ("util", "core")
 LIBRARY_ORDER = [
     (("comm",), "transports, EP backends, the FP8 wire format, SM budgets"),
     (("split", "experts"), "cutting a step into microbatches; running experts on dispatched tokens"),
+    (("ops",), "the _a/_b transfer ops layers inherit"),
     (("strategies",), "op lists with Yield, and their binding to layers"),
     (("runtime",), "the forward seam, CUDA graphs, profiling"),
     (("models",), "the reference model"),
@@ -221,7 +223,9 @@ SGLANG_ORDER = [
     (("stats",), "the process registry of the engines' stats"),
     (("model",), "admission by structure, the layer as ops over SGLang's modules"),
     (("step",), "the split decision, the microbatches' ForwardBatches from SGLang's filter_batch"),
-    (("runner",), "the engine built in undoable steps, the layer loop, the microbatch contexts"),
+    (("runner",), "the engine built in undoable steps, the layer loop, the microbatch contexts, the metrics slot"),
+    (("trace_route",), "GET /tbo/trace on SGLang's app (the engine-neutral live trace)"),
+    (("metrics",), "tbo's figures in SGLang's /metrics: the collector in the registry SGLang's route builds"),
     (("plugin",), "the entry point (sglang.srt.plugins)"),
     (("__init__",), "the package's front door"),
 ]
@@ -276,9 +280,10 @@ def test_what_every_engine_shares_imports_no_engine(path: Path):
     assert not engines, f"{path.relative_to(ROOT)} imports an engine: {engines}"
 
 
-def test_no_import_circle_in_the_integrations():
-    """No module of tbo.integrations reaches itself through imports (function-level ones included)."""
-    graph = {_module_name(p): {t for _, t in _imports(p) if t.startswith("tbo.integrations")} for p in INTEGRATION_MODULES}
+def _import_circles(modules: list[Path]) -> list[list[str]]:
+    """The import circles among ``modules`` (function-level and TYPE_CHECKING imports included): each a sorted list
+    of the modules that reach one another."""
+    graph = {_module_name(p): {t for _, t in _imports(p) if t.split(".")[0] == "tbo"} for p in modules}
     for module, targets in graph.items():  # `from tbo.integrations.vllm import x` names the package: its module
         graph[module] = {t for t in targets if t in graph and t != module}
     index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
@@ -308,7 +313,26 @@ def test_no_import_circle_in_the_integrations():
     for v in graph:
         if v not in index:
             visit(v)
-    assert not circles, f"import circles: {circles}"
+    return circles
+
+
+def test_no_import_circle_in_tbo():
+    """No module of tbo reaches itself through imports (function-level ones included): a shared piece moves down to
+    a module both sides import, rather than an import hiding inside a function."""
+    circles = _import_circles(MODULES)
+    assert not circles, "import circles (move what both sides need into a module below them): " + "; ".join(
+        " <-> ".join(c) for c in circles)
+
+
+def test_the_circle_check_sees_a_function_level_circle(tmp_path, monkeypatch):
+    """The circle check can fail: two modules of a package importing each other, one of them inside a function."""
+    pkg = tmp_path / "tbo" / "afd"
+    pkg.mkdir(parents=True)
+    (pkg / "channel.py").write_text("def f():\n    from tbo.afd.group import AFDPeerError\n")
+    (pkg / "group.py").write_text("from tbo.afd.channel import f\n")
+    (pkg / "peer.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _import_circles(sorted(pkg.glob("*.py"))) == [["tbo.afd.channel", "tbo.afd.group"]]
 
 
 @pytest.mark.parametrize("path", ROOM_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -432,3 +456,37 @@ if __name__ == "__main__":   # redraw the README's diagram from the tables
     head, rest = README.read_text().split(_BEGIN, 1)
     README.write_text(head + _BEGIN + render_layers() + _END + rest.split(_END, 1)[1])
     print(render_layers(), end="")
+
+
+#: the words `tbo.split.kinds` holds as `StepKind` and `Slot` members ("idle" is also an unsplit reason's name)
+STEP_WORDS = {"decode", "prefill", "mixed", "warmup", "draft"}
+#: where a step's kind or slot is read or written: the engine integrations and the splitting package
+VOCABULARY_MODULES = sorted(p for p in [*(PACKAGE / "integrations").rglob("*.py"), *(PACKAGE / "split").rglob("*.py")]
+                            if p.name != "kinds.py")
+
+
+def _step_words(text: str) -> list[str]:
+    """The string constants of ``text`` that spell a step kind or slot, docstrings left out: ``line: 'word'``."""
+    tree = ast.parse(text)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return [f"{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in STEP_WORDS
+            and id(n) not in docstrings]
+
+
+@pytest.mark.parametrize("path", VOCABULARY_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_step_kinds_and_slots_are_enum_members_not_strings(path: Path):
+    """One vocabulary (issue 58): code that names a step's kind or strategy slot uses `tbo.split.kinds`' members
+    (``StepKind.DECODE``, ``Slot.PREFILL``), never the bare string (``ForwardMode``'s own values aside)."""
+    found = [w for w in _step_words(path.read_text())
+             if not (path.name == "index.py" and w.endswith("'decode'"))]  # ForwardMode.DECODE's value
+    assert not found, f"{path.relative_to(ROOT)}: {found}"
+
+
+def test_the_vocabulary_check_sees_a_bare_word():
+    """The check can fail: a comparison with a bare "prefill" is found, its docstring is not."""
+    assert _step_words('def f(step):\n    """A "decode" step."""\n    return step.kind == "prefill"\n') == \
+        ["3: 'prefill'"]

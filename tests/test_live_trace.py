@@ -161,3 +161,18 @@ def test_a_worker_ignores_a_request_file_too_large_or_not_a_request(tmp_path):
         live = LiveTrace(tmp_path, {"engine": 0, "rank": 0})
         live.poll()
         assert not live.armed, text
+
+
+def test_workers_are_named_and_ordered_by_each_engine_s_labels():
+    """vLLM's ``engine``/``rank`` and SGLang's ``dp_rank``/``tp_rank``/...: numbers ordered as numbers (rank 10 after
+    rank 9), a worker named on a trace by its engine's labels."""
+    from tbo.integrations.engine.live_trace import worker_name
+    from tbo.integrations.engine.metrics import label_order
+
+    vllm = [{"engine": "0", "rank": r} for r in ("10", "9", "2")]
+    assert [w["rank"] for w in sorted(vllm, key=label_order)] == ["2", "9", "10"]
+    assert worker_name({"engine": "1", "rank": "3"}) == "engine 1 rank 3"
+    sglang = {"engine_type": "unified", "tp_rank": "1", "pp_rank": "0", "moe_ep_rank": "0", "dp_rank": "2"}
+    assert worker_name(sglang) == "dp_rank 2 tp_rank 1 pp_rank 0 moe_ep_rank 0 engine_type unified"
+    ordered = sorted([{**sglang, "tp_rank": "11"}, sglang, {**sglang, "dp_rank": "0"}], key=label_order)
+    assert [(w["dp_rank"], w["tp_rank"]) for w in ordered] == [("0", "1"), ("2", "1"), ("2", "11")]

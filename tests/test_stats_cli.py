@@ -19,7 +19,9 @@ def _stats(decode: int, split: int) -> StepStats:
     s = StepStats()
     for i in range(decode):
         s.record("decode", 8, 2 if i < split else 1, False)
+        s.observe_step("decode", i < split, 0.03125 * (i + 1))  # binary fractions: sums exact in any order
     s.record("prefill", 40, 3, True)
+    s.observe_step("prefill", True, 0.5)
     s.add_op_times({"attn": 0.25, "combine_b": 0.125}, {"attn": 4, "combine_b": 4}, 0.5)
     return s
 
@@ -162,6 +164,40 @@ def test_the_metrics_families_read_back_as_the_stats_file(tmp_path):
     assert render(back).splitlines()[1].split()[:4] == ["0", "2", "6", "3"]
 
 
+def test_sglang_s_labels_and_the_link_s_families_read_back(tmp_path):
+    """An SGLang scheduler's slot (SGLang's scheduler labels, the emulated link's report): every sample labelled
+    ``model_name`` and SGLang's labels, the link's busy, exposed and hidden seconds, and
+    ``tbo stats`` reads the worker back by ``dp_rank``/``tp_rank``."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tbo.integrations.engine.metrics import SlotCollector, MetricsPublisher
+
+    stats = _stats(7, 3)
+    labels = {"engine_type": "unified", "tp_rank": "1", "pp_rank": "0", "moe_ep_rank": "0", "dp_rank": "2"}
+    link = {"transfers": 12, "busy_s": 0.75, "exposed_s": 0.25}
+    publisher = MetricsPublisher(tmp_path, labels, {"version": "v"}, lambda: {**stats.as_dict(), "link": link})
+    publisher.publish()
+    registry = CollectorRegistry()
+    registry.register(SlotCollector(tmp_path, "org/model"))
+    text = generate_latest(registry).decode()
+    publisher.close()
+    parsed = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    (steps,) = [s for s in parsed["tbo:steps"] if s.name == "tbo:steps_total"]
+    assert steps.labels == {"model_name": "org/model", **labels} and steps.value == stats.steps == 8
+    link_values = {name: [s.value for s in parsed[name] if s.name.endswith("_total")][0]
+                   for name in ("tbo:link_transfers", "tbo:link_busy_seconds", "tbo:link_exposed_seconds",
+                                "tbo:link_hidden_seconds")}
+    assert link_values == {"tbo:link_transfers": 12, "tbo:link_busy_seconds": 0.75,
+                           "tbo:link_exposed_seconds": 0.25, "tbo:link_hidden_seconds": 0.5}
+    (back,) = docs_from_metrics(parse_exposition(text))
+    assert back["labels"] == {"engine": "2", "rank": "1"} and back["info"] == {"version": "v"}
+    assert {k: v for k, v in back["stats"].items() if not k.startswith("link_")} == stats.as_dict()
+    with pytest.raises(ValueError, match="label"):
+        MetricsPublisher(tmp_path, {"model_name": "org/model"}, {}, dict)
+
+
 def test_the_adaptive_families_carry_each_bucket_s_choice_and_gain():
     """``split: "adaptive"``: a real `AdaptiveSplit` that learned split pays for decode (half unsplit's time) and not
     for prefill; its report, as the worker publishes it, becomes one choice per bucket with its estimated gain."""
@@ -196,3 +232,38 @@ def test_the_adaptive_families_carry_each_bucket_s_choice_and_gain():
     back = docs_from_metrics(samples)[0]["stats"]["adaptive"][0]["buckets"]
     table = render([{"labels": {"engine": "0", "rank": "0"}, "info": {}, "stats": {"adaptive": [{"buckets": back}]}}])
     assert "decode 32-63 tokens: split, qwen3_moe_decode (2.00x est.;" in table, table
+
+
+def test_the_step_histogram_is_a_prometheus_histogram_with_cumulative_buckets():
+    """``tbo:step_seconds``: one histogram per kind and split, its ``le`` buckets cumulative up to ``+Inf`` (the
+    count), as prometheus_client's own parser reads a histogram."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tbo.integrations.engine.metrics import families
+
+    stats = StepStats()
+    for seconds in (0.0625, 0.25, 0.25):
+        stats.observe_step("decode", True, seconds)
+    doc = {"labels": {"engine": "0", "rank": "0"}, "info": {}, "stats": stats.as_dict()}
+
+    class Collector:
+        def collect(self):
+            return families([doc], "m")
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    (hist,) = [f for f in text_string_to_metric_families(generate_latest(registry).decode())
+               if f.name == "tbo:step_seconds"]
+    assert hist.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in hist.samples if s.name.endswith("_bucket")}
+    assert buckets["0.05"] == 0 and buckets["0.075"] == 1 and buckets["0.3"] == 3 and buckets["+Inf"] == 3
+    assert list(buckets.values()) == sorted(buckets.values())  # cumulative
+    assert {s.name: s.value for s in hist.samples if not s.name.endswith("_bucket")} == {
+        "tbo:step_seconds_count": 3, "tbo:step_seconds_sum": 0.5625}
+    assert {s.labels["mode"] for s in hist.samples} == {"decode"} and {s.labels["split"] for s in hist.samples} == {
+        "split"}
+    # `tbo stats` reads it back and says it per kind: 3 split decode steps, 0.5625 s together
+    back = docs_from_metrics(parse_exposition(generate_latest(registry).decode()))
+    assert "  decode   split 187.50 ms (3 steps)" in render(back).splitlines()

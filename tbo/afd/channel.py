@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from tbo.afd.peer import AFDPeerError
+
 __all__ = ["SocketChannel", "ChannelStore", "MAX_UNCLAIMED"]
 
 #: messages that may arrive before their receive is posted (the connector posts ahead: a few per step)
@@ -137,8 +139,6 @@ class SocketChannel:
         ``kv_budget``: (keys, bytes) of the key-value table, or None: no key-value frame is taken (a tcp pair);
         ``integrity``: (this side's sending key, its receiving key, "full" or "headers"): every frame carries a MAC
         (see the module docstring); None: no MAC (a pair without a secret)."""
-        from tbo.afd.group import AFDPeerError
-
         self.sock, self.rank, self.peer, self.max_message_bytes = sock, rank, peer, max_message_bytes
         self.max_unclaimed_bytes = 2 * max_message_bytes if max_unclaimed_bytes is None else max_unclaimed_bytes
         self.kv_budget = kv_budget

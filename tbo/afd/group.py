@@ -27,20 +27,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from tbo.afd.peer import TOKEN_ENV, AFDPeerError, parse_json  # re-exported: their documented home
+
 __all__ = ["AFDGroup", "AFDPeerError", "check_counts", "parse_address", "parse_json", "resolve_token", "TOKEN_ENV", "BACKENDS",
            "is_loopback"]
 
-#: the environment variable both sides read the shared secret from when it is not given explicitly
-TOKEN_ENV = "TBO_AFD_TOKEN"
 #: the transports an `AFDGroup` runs: "tcp" (CPU tensors on the authenticated connection; "gloo" is an alias kept
 #: for configurations written before) and "nccl" (CUDA)
 BACKENDS = ("tcp", "gloo", "nccl")
-_MAX_JSON_BYTES = 1 << 16
-_MAX_JSON_DEPTH = 32
-
-
-class AFDPeerError(RuntimeError):
-    """The other side of an AFD pair is missing, wrong, or gone; the message names it."""
 
 
 def resolve_token(explicit: str | None, source: str) -> str | None:
@@ -76,47 +70,6 @@ def parse_address(address: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"{what} {address!r} is not HOST:PORT (for example 127.0.0.1:29600)")
     return host.strip("[]"), int(port)
-
-
-def _depth(text: str) -> int:
-    """The deepest nesting of ``[`` / ``{`` outside strings (json.loads recurses once per level)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
-def parse_json(text: str | bytes, what: str, *, max_bytes: int = _MAX_JSON_BYTES,
-               max_depth: int = _MAX_JSON_DEPTH) -> Any:
-    """JSON text -> a Python value, or a ValueError naming ``what``: over ``max_bytes``, nested deeper than
-    ``max_depth`` (checked before parsing: json.loads recurses once per level), not UTF-8 or not JSON."""
-    if len(text) > max_bytes:
-        raise ValueError(f"{what} is {len(text)} bytes, more than the {max_bytes} accepted")
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{what} is not UTF-8 text: {e}") from None
-    if _depth(text) > max_depth:
-        raise ValueError(f"{what} is nested more than {max_depth} levels deep")
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{what} is not valid JSON: {e}") from None
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:

@@ -9,6 +9,7 @@ sleeps until it completes. Compute done between ``_a`` and ``_b`` therefore real
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,7 +17,6 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from tbo.util.intervals import interval_union
 from tbo.comm.types import BackendWrapper, DispatchOutput
 
 __all__ = ["EmulatedLink", "LinkTimeline", "LinkClock", "WallClock", "SimulatedClock", "LinkStats", "Transfer", "parse_link_spec"]
@@ -84,51 +84,62 @@ class Transfer:
 
     @property
     def exposed(self) -> float:
-        """Time the ``_b`` op blocked: the part of this transfer compute did not hide."""
-        return 0.0 if self.wait_start is None else self.wait_end - self.wait_start  # type: ignore[operator]
+        """Time the ``_b`` op blocked: the part of this transfer compute did not hide (0 until its wait has ended: a
+        metrics thread may read a transfer whose ``_b`` is still waiting)."""
+        start, end = self.wait_start, self.wait_end
+        return 0.0 if start is None or end is None else end - start
 
     @property
     def duration(self) -> float:
         return self.complete - self.launched
 
 
-#: transfers a `LinkStats` keeps one by one; older ones are folded into its totals
+#: transfers a `LinkStats` keeps one by one (its totals cover every transfer since the last reset)
 LINK_STATS_KEEP = 4096
 
 
 @dataclass
 class LinkStats:
-    """What the link carried since the last reset: the last `LINK_STATS_KEEP` transfers one by one, and totals over
-    all of them (a link in a long-running server would otherwise grow without bound)."""
+    """What the link carried since the last reset: totals over every transfer, kept as transfers are booked and
+    waited for (so that reading them costs the same after a day of serving as after one step: an engine reads them
+    for every ``stats_file`` write and every metrics publish), and the last `LINK_STATS_KEEP` transfers one by one
+    (a link in a long-running server would otherwise grow without bound).
+
+    The engine's thread books and waits while a metrics thread (`tbo.integrations.engine.metrics`) reads the
+    totals, so both hold a lock; a transfer still in its wait counts no exposed time yet."""
 
     transfers: deque[Transfer] = field(default_factory=lambda: deque(maxlen=LINK_STATS_KEEP))
     count: int = 0  #: transfers booked since the last reset
-    _exposed_folded: float = 0.0
-    _busy_folded: tuple[float, float, float] | None = None  #: (busy time before the open interval, its start, end)
+    _exposed: float = 0.0
+    _busy: tuple[float, float, float] | None = None  #: (busy time before the open interval, its start, end)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, transfer: Transfer) -> None:
-        if self.transfers.maxlen is not None and len(self.transfers) == self.transfers.maxlen:
-            self._fold(self.transfers[0])
-        self.transfers.append(transfer)
-        self.count += 1
+        """A transfer booked (launched no earlier than the one before: the link's clock only moves on); one whose
+        wait already ended counts its exposed time now, else `waited` does."""
+        with self._lock:
+            self.transfers.append(transfer)
+            self.count += 1
+            self._busy = _merge(self._busy, transfer.launched, transfer.complete)
+            self._exposed += transfer.exposed
 
-    def _fold(self, t: Transfer) -> None:
-        self._exposed_folded += t.exposed
-        self._busy_folded = _merge(self._busy_folded, t.launched, t.complete)
+    def waited(self, transfer: Transfer) -> None:
+        """``transfer``'s ``_b`` op has waited for it: the time it blocked joins the exposed total."""
+        with self._lock:
+            self._exposed += transfer.exposed
 
     @property
     def comm_s(self) -> float:
         """Time the link was busy: the union of the transfers' in-flight intervals (overlaps counted once)."""
-        if self._busy_folded is None:
-            return interval_union((t.launched, t.complete) for t in self.transfers)
-        busy = self._busy_folded
-        for t in self.transfers:  # launched in order: each interval starts no earlier than the one before
-            busy = _merge(busy, t.launched, t.complete)
-        return busy[0] + busy[2] - busy[1]
+        with self._lock:
+            busy = self._busy
+        return 0.0 if busy is None else busy[0] + busy[2] - busy[1]
 
     @property
     def exposed_s(self) -> float:
-        return self._exposed_folded + sum(t.exposed for t in self.transfers)
+        """Time ``_b`` ops blocked on the link: the part of its transfers compute did not hide."""
+        with self._lock:
+            return self._exposed
 
 
 def _merge(busy: tuple[float, float, float] | None, start: float, end: float) -> tuple[float, float, float]:
@@ -197,6 +208,7 @@ class LinkTimeline:
         transfer.wait_start = self.clock.now()
         self.clock.sleep_until(transfer.complete)
         transfer.wait_end = max(self.clock.now(), transfer.wait_start)
+        self.stats.waited(transfer)
 
     def describe(self) -> str:
         return f"latency={self.latency_s * 1e6:g}us, bandwidth={self.bandwidth / 1e9:g}GB/s"

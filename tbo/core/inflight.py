@@ -15,12 +15,27 @@ backend as its ``in_flight_limit`` attribute and read here with `limit_of`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
-if TYPE_CHECKING:  # the strategy module imports this one
-    from tbo.core.strategy import OperationsStrategy, OpVisit
+from tbo.core.ordering import TransferOrder
+from tbo.core.schedule import OpVisit
 
 __all__ = ["InFlightLimit", "InFlightViolation", "in_flight_violations", "limit_of"]
+
+
+class WalkedStrategy(Protocol):
+    """What `in_flight_violations` reads of a strategy: its transfer order, its ops' names per stage and its
+    schedule's walk. An `OperationsStrategy` is one; it is named by what it offers, not imported, because the
+    strategy module checks its own schedule with this one (no import circle in `tbo.core`)."""
+
+    @property
+    def transfer_order(self) -> TransferOrder: ...
+
+    @property
+    def stage_names(self) -> Sequence[Sequence[str]]: ...
+
+    def walk(self, num_microbatches: int = 2, delta_stages: int | Sequence[int] | None = None) -> Iterable[OpVisit]:
+        ...
 
 
 @dataclass(frozen=True)
@@ -48,8 +63,8 @@ class InFlightViolation:
     """``launch`` was made while ``blocking`` (the oldest transfer still in flight) had not been received, with
     ``limit.max_unreceived`` transfers already in flight."""
 
-    launch: "OpVisit"
-    blocking: "OpVisit"
+    launch: OpVisit
+    blocking: OpVisit
     waited_by: str  # the op that would receive ``blocking``
     in_flight: int
     limit: InFlightLimit
@@ -57,11 +72,11 @@ class InFlightViolation:
     def __str__(self) -> str:
         return self.describe()
 
-    def describe(self, where: Callable[["OpVisit"], str] | None = None) -> str:
+    def describe(self, where: Callable[[OpVisit], str] | None = None) -> str:
         """The message; ``where(visit)`` says where an op is (default: its stage and index in the list checked;
         `tbo.lint` passes one that names the user's layer, stage and index in a joined run)."""
         if where is None:
-            def where(v: "OpVisit") -> str:
+            def where(v: OpVisit) -> str:
                 return f"stage {v.stage}, operations[{v.index}]"
         a, b, lim = self.launch, self.blocking, self.limit
         text = (f"microbatch {a.mb}'s {a.op!r} ({where(a)}) launches while microbatch {b.mb}'s {b.op!r} ({where(b)}) "
@@ -79,7 +94,7 @@ def limit_of(backend: Any) -> InFlightLimit | None:
     return limit
 
 
-def in_flight_violations(strategy: "OperationsStrategy", limit: InFlightLimit, num_microbatches: int = 2,
+def in_flight_violations(strategy: WalkedStrategy, limit: InFlightLimit, num_microbatches: int = 2,
                          delta_stages: int | Sequence[int] | None = None) -> tuple[InFlightViolation, ...]:
     """Every launch of ``strategy``'s compiled schedule (``num_microbatches`` copies, in the executor's order) made
     while ``limit`` was already reached. A strategy for a whole stack (`bind_layers`, `concat`) is checked across
@@ -89,7 +104,7 @@ def in_flight_violations(strategy: "OperationsStrategy", limit: InFlightLimit, n
     names = [name for stage in strategy.stage_names for name in (*stage, None)]
     for wait, launch in pairs.items():
         waiter[launch] = names[wait] or "?"
-    alive: dict[tuple[int, int], "OpVisit"] = {}  # (microbatch, launch index) -> the launch, oldest first
+    alive: dict[tuple[int, int], OpVisit] = {}  # (microbatch, launch index) -> the launch, oldest first
     found: list[InFlightViolation] = []
     for visit in strategy.walk(num_microbatches, delta_stages):
         if visit.role is None or not limit.covers(visit.role[1]):

@@ -14,10 +14,23 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator, Sequence
 
-__all__ = ["Schedule", "Step", "interleave", "offsets_for"]
+__all__ = ["OpVisit", "Schedule", "Step", "interleave", "offsets_for"]
 
 #: One step of a schedule: (microbatch, stage).
 Step = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class OpVisit:
+    """One op as the schedule runs it: its microbatch, its stage, its name, its communication role
+    (``("launch" | "wait", kind)``, or None for compute) and its ``index`` in ``strategy.operations``. What the
+    linter, the simulator and the renderers read."""
+
+    mb: int
+    stage: int
+    op: str
+    role: tuple[str, str] | None
+    index: int
 
 
 @dataclass(frozen=True)

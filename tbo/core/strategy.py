@@ -11,7 +11,6 @@ object; the executor never re-splits per call. String-only strategies round-trip
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
@@ -22,22 +21,9 @@ from tbo.core.errors import StrategyError
 from tbo.core.inflight import InFlightLimit, in_flight_violations
 from tbo.core.operations import YIELD_NAME, Operation, Yield, comm_role, op_name
 from tbo.core.ordering import TransferOrder, transfer_order
-from tbo.core.schedule import Schedule, interleave
+from tbo.core.schedule import OpVisit, Schedule, interleave
 
-__all__ = ["OperationsStrategy", "OpVisit"]
-
-
-@dataclass(frozen=True)
-class OpVisit:
-    """One op as the schedule runs it: its microbatch, its stage, its name, its communication role
-    (``("launch" | "wait", kind)``, or None for compute) and its ``index`` in ``strategy.operations``. What the
-    linter, the simulator and the renderers read."""
-
-    mb: int
-    stage: int
-    op: str
-    role: tuple[str, str] | None
-    index: int
+__all__ = ["OperationsStrategy", "OpVisit"]  # OpVisit: `tbo.core.schedule`'s, re-exported where it was
 
 
 def _as_strategy_error(exc: ValidationError) -> StrategyError:

@@ -31,7 +31,7 @@ from tbo import strategies
 from tbo.util.optional import extra_hint, require
 from tbo.comm.alltoall import LocalBackend
 from tbo.models.layer_ops import DecoderLayerOps
-from tbo.split import ForwardMode, SplitPolicy, agree_to_split
+from tbo.split import ForwardMode, Slot, SplitPolicy, agree_to_split
 from tbo.core.dataflow import declares
 from tbo.core.state import State
 from tbo.runtime.forward import model_forward_maybe_tbo
@@ -181,9 +181,9 @@ class _Wrapped:
         top_k = model.config.num_experts_per_tok  # a backend whose kernels hold SMs (DeepEP V2) sizes DeepGEMM's
         # bound for every mode up front, the schedule checked against the backend's in-flight limit only for
         # the plans that split (model_forward_maybe_tbo): an unsplit prefill over DeepEP low-latency is fine
-        self.strategies = {mode: strategies.bind_layers(self.layers, strategies.sized_for(
-                               strategies.get(f"{family}_{mode}"), backend, top_k), num_microbatches=None)
-                           for mode in ("decode", "prefill")}
+        self.strategies = {slot: strategies.bind_layers(self.layers, strategies.sized_for(
+                               strategies.get(f"{family}_{slot}"), backend, top_k), num_microbatches=None)
+                           for slot in Slot}
 
 
 def _wrapped(model: Any, backend: Any) -> _Wrapped:
@@ -263,7 +263,7 @@ def forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         mask = make_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
                          position_ids=position_ids, **{cache_kwarg(make_mask): cache})
         cos, sin = inner.rotary_emb(embeds, position_ids=position_ids)
-        strategy = wrapped.strategies["decode" if seq == 1 and past > 0 else "prefill"]
+        strategy = wrapped.strategies[Slot.DECODE if seq == 1 and past > 0 else Slot.PREFILL]
         plan = _rows_plan(policy, batch, seq, past) if policy is not None else None
         parts: list[Any] = []
 

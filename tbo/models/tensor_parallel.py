@@ -6,7 +6,7 @@ The split is Megatron's: attention heads are divided among the ranks (``wq``/``w
 gate and up column-parallel, down row-parallel). The router, the norms, the embedding and the head are replicated.
 Each rank's attention output, MLP output, routed output and shared output is then a partial sum; the layer's
 ``forward`` sums each over the group at once (blocking), its ops through ``attn_reduce_a``/``_b``, ... as
-transfers (`tbo.models.layer_ops.TensorParallelOps`), so one microbatch's reduction overlaps the other's compute.
+transfers (`tbo.ops.TensorParallelOps`), so one microbatch's reduction overlaps the other's compute.
 
 Weights are generated whole from the seeded generators and then sliced, so the ranks' slices are exactly the
 one-rank model's weights. Forward and ops sum the same partial sums in the same groups, and an element-wise sum

@@ -13,6 +13,7 @@ from tbo.core.executors import execute_operations, execute_overlapped_operations
 from tbo.core.executors.guard import Drainable
 from tbo.core.inflight import limit_of
 from tbo.core.observer import Observer
+from tbo.core.stage_hooks import StageHooks
 from tbo.runtime.profile import RecordFunctionObserver
 from tbo.comm.sm_budget import deep_gemm_num_sms
 from tbo.split.plan import MicrobatchSlice, SplitPlan
@@ -38,6 +39,7 @@ def model_forward_maybe_tbo(
     output_key: str | Sequence[str] = "hidden_states",
     backend: Drainable | None = None,
     observer: Observer | None = None,
+    stage_hooks: StageHooks | None = None,
     profile: bool = False,
     **guard: Any,
 ) -> dict[str, Any]:
@@ -53,6 +55,8 @@ def model_forward_maybe_tbo(
     ``drain`` itself, a step that fails drains it before raising, so no transfer still writes into buffers the
     caller is about to free or reuse. A backend with an ``in_flight_limit`` (DeepEP low-latency) has the plan's
     schedule checked against it first (`OperationsStrategy.check_in_flight`, once per microbatch count).
+    ``stage_hooks``: the engine's `StageHooks` around each microbatch's stages (its forward context: correctness, not
+    diagnostics), kept apart from ``observer`` so that a split step without one runs the executor's fast path.
     ``profile`` adds torch.profiler ranges per stage and op.
     ``guard`` passes ``drain``, ``watchdog_s``, ``watchdog_label`` and ``dump_stacks`` to the executor.
     Returns ``{output_key: tensor}``, merged back to the whole batch; ``output_key`` may name several outputs
@@ -71,14 +75,15 @@ def model_forward_maybe_tbo(
             state = State()
             if pinned is not None:
                 state.pin(**pinned(None))
-            out = execute_operations(inputs, bound, state=state, observer=observers, **guard)
+            out = execute_operations(inputs, bound, state=state, observer=observers, stage_hooks=stage_hooks, **guard)
             return {key: _result(out, key, bound, 0) for key in keys}
         parts = split_inputs(inputs, plan, request_keys=request_keys, shared_keys=shared_keys)
         states = plan.make_states()
         if pinned is not None:
             for state, mb in zip(states, plan.microbatches):
                 state.pin(**pinned(mb))
-        outs = execute_overlapped_operations(parts, bound, states=states, observer=observers, **guard)
+        outs = execute_overlapped_operations(parts, bound, states=states, observer=observers, stage_hooks=stage_hooks,
+                                             **guard)
         return {key: merge_outputs([_result(o, key, bound, k) for k, o in enumerate(outs)], plan) for key in keys}
 
 

@@ -6,6 +6,7 @@ process groups, and are imported on first use.
 
 from tbo.split.index import (DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD, ForwardMode, boundary_cuts,
                              compute_split_seq_index, compute_split_token_index)
+from tbo.split.kinds import Slot, StepKind
 from tbo.split.plan import MicrobatchSlice, SplitPlan, SplitPolicy
 from tbo.util.lazy import lazy_attributes
 
@@ -23,8 +24,10 @@ __all__ = [
     "MicrobatchSlice",
     "REQUEST_KINDS",
     "RequestRule",
+    "Slot",
     "SplitPlan",
     "SplitPolicy",
+    "StepKind",
     "agree_to_split",
     "boundary_cuts",
     "compute_split_seq_index",

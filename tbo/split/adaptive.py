@@ -46,6 +46,17 @@ exploring, at the even share (`_interval`): a trusted split that does not pay gi
 bucket run a few times (a prefill size run once a wave) spent a third of its steps on an unsplit warm-up sample 1.3-1.5
 times slower than its split.
 
+The strategy is a choice too: a split step may run any of its kind's candidate strategies (``strategies``: by
+default the engine's decode and prefill strategies for decode steps, its prefill strategy for the others), at each
+microbatch count. Candidates differ in what their schedule puts between a transfer's launch and its wait: the
+decode strategy's lead of two stages waits for a microbatch's dispatch after one stage of the other microbatch (its
+layer output and next attention projection), the prefill strategy's lead 0 after the other's whole attention.
+Which pays is the deployment's (issue 62's run over a link found the prefill strategy's split far ahead on decode
+steps), so it is measured like the rest. Over a link each candidate is first priced from the measured compute and
+wire by its own schedule (``price``: `tbo.integrations.engine.price.split_price`) in place of the generic
+`WIRE_HIDDEN`, so that one priced far slower than the best is doubtful: not warmed up, explored only at the longest
+interval within the rationed share until measured to pay.
+
 It is deterministic: exploration is scheduled by counters, never drawn at random, and a decision is a function of
 the measurements observed so far. That is how data-parallel ranks make the same choice with no collective of its own:
 each keeps a replica of one table, every rank's measurement of a step travels in the next step's agreement, and every
@@ -61,13 +72,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tbo.split.kinds import StepKind
 from tbo.split.plan import SplitPolicy
 
 __all__ = ["AdaptiveConfig", "AdaptiveSplit", "CANNOT_GAIN", "Choice", "Estimate", "STEP_KINDS", "UNSPLIT",
            "WIRE_HIDDEN", "bucket_of", "bucket_label", "nothing_to_hide", "prior_from_policy"]
 
 #: the step kinds a table is kept for: a decode-only step, a prefill-only step, and chunked prefill beside decodes
-STEP_KINDS = ("decode", "prefill", "mixed")
+STEP_KINDS = (StepKind.DECODE, StepKind.PREFILL, StepKind.MIXED)
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,12 @@ class AdaptiveConfig(BaseModel):
                                                          "far off it was where it was checked, skips unsplit's "
                                                          "warm-up sample (unsplit is measured by rationed exploring "
                                                          "instead); 0: unsplit is always warmed up")
+    strategies: tuple[str, ...] | dict[str, tuple[str, ...]] = Field(
+        default=(), description="the candidate strategies a split step chooses among, by registered name (your own, "
+                                "by value: the engine config's 'strategies' key): one list for every step kind, or "
+                                "{kind: list} for some of 'decode', 'prefill', 'mixed' (empty, or a kind left out: the "
+                                "engine's default, its decode and prefill strategies for decode steps and its prefill "
+                                "strategy for the others); the engine binds and checks each at its start")
 
     @model_validator(mode="after")
     def _check(self) -> "AdaptiveConfig":
@@ -159,6 +177,17 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"window must be >= 1, got {self.window}")
         if any(not 2 <= m <= 16 for m in self.microbatches) or len(set(self.microbatches)) != len(self.microbatches):
             raise ValueError(f"microbatches must be distinct counts in 2..16, got {list(self.microbatches)}")
+        lists = self.strategies.items() if isinstance(self.strategies, dict) else [("", self.strategies)]
+        for kind, names in lists:
+            where = f"strategies[{kind!r}]" if kind else "strategies"
+            if kind and kind not in STEP_KINDS:
+                raise ValueError(f"strategies: unknown step kind {kind!r}; accepted: {', '.join(STEP_KINDS)}")
+            if kind and not names:
+                raise ValueError(f"{where} is empty: name at least one strategy, or leave the kind out for the "
+                                 "engine's default")
+            bad = [n for n in names if not n or not isinstance(n, str)]
+            if bad or len(set(names)) != len(names):
+                raise ValueError(f"{where} must list distinct strategy names, got {list(names)}")
         if not self.prior_slack >= 0:
             raise ValueError(f"prior_slack must be >= 0, got {self.prior_slack}")
         if not self.warmup_slack >= 0:
@@ -167,8 +196,24 @@ class AdaptiveConfig(BaseModel):
             raise ValueError(f"trust_below must be in [0, 1), got {self.trust_below}")
         return self
 
+    def candidates(self, kind: str, default: Sequence[str]) -> tuple[str, ...]:
+        """The strategy names a split ``kind`` step chooses among: ``strategies``' for that kind, else ``default``
+        (the engine's)."""
+        given = self.strategies.get(kind, ()) if isinstance(self.strategies, dict) else self.strategies
+        return tuple(given) if given else tuple(dict.fromkeys(default))
+
+    def strategy_names(self) -> list[str]:
+        """Every strategy name ``strategies`` gives, once each, in order."""
+        lists = self.strategies.values() if isinstance(self.strategies, dict) else [self.strategies]
+        return list(dict.fromkeys(n for names in lists for n in names))
+
 
 Prior = Callable[[str, int], Choice]
+#: ``price(choice, compute, wire)``: a split choice's predicted step time relative to unsplit's, for a step whose
+#: unsplit run computes for ``compute`` and waits ``wire`` (per token); None: no prediction of its own (the generic
+#: `WIRE_HIDDEN` one stands). What tells one candidate strategy from another over a link: its schedule
+#: (`tbo.integrations.engine.price.split_price`). It must be deterministic (data-parallel replicas call it).
+Price = Callable[[Choice, float, float], "float | None"]
 #: ``estimate(kind, num_tokens)``: each choice's predicted step time relative to unsplit's (1.0); a choice left out
 #: has no prediction. It must be deterministic (data-parallel replicas call it on every rank).
 Estimate = Callable[[str, int], Mapping[Choice, float]]
@@ -194,7 +239,7 @@ def prior_from_policy(policy: SplitPolicy, choices: Mapping[str, Sequence[Choice
     whose smallest step reaches the policy's threshold starts on the kind's first split choice, else unsplit."""
 
     def prior(kind: str, num_tokens: int) -> Choice:
-        threshold = policy.decode_token_threshold if kind == "decode" else policy.prefill_token_threshold
+        threshold = policy.decode_token_threshold if kind == StepKind.DECODE else policy.prefill_token_threshold
         split = [c for c in choices[kind] if c.split and c.num_microbatches <= num_tokens]
         return split[0] if split and num_tokens >= threshold else UNSPLIT
 
@@ -219,7 +264,7 @@ class _Table:
     wire: float | None = None
     explored: int = 0  #: steps that ran a choice other than the incumbent
     rationed: int = 0  #: exploring steps after warm-up (those explore_share bounds)
-    key: tuple[str, int] = ("decode", 0)  #: its step kind and bucket
+    key: tuple[str, int] = (StepKind.DECODE, 0)  #: its step kind and bucket
 
     def __post_init__(self) -> None:
         k = len(self.choices)
@@ -239,7 +284,7 @@ class AdaptiveSplit:
     """
 
     def __init__(self, choices: Mapping[str, Iterable[Choice]], config: AdaptiveConfig | None = None,
-                 prior: Prior | None = None, estimate: Estimate | None = None) -> None:
+                 prior: Prior | None = None, estimate: Estimate | None = None, price: Price | None = None) -> None:
         unknown = set(choices) - set(STEP_KINDS)
         if unknown:
             raise ValueError(f"unknown step kind(s) {sorted(unknown)}; accepted: {', '.join(STEP_KINDS)}")
@@ -253,6 +298,7 @@ class AdaptiveSplit:
         self.config = config if config is not None else AdaptiveConfig()
         self.prior = prior
         self.estimate = estimate
+        self.price = price
         self.tables: dict[tuple[str, int], _Table] = {}
 
     def _table(self, kind: str, num_tokens: int) -> _Table:
@@ -275,13 +321,14 @@ class AdaptiveSplit:
 
     def _predicted(self, kind: str, bucket: int, choices: tuple[Choice, ...]) -> list[float | None]:
         """The estimate for a bucket, at its middle size, per choice (unsplit 1.0); a split the estimate leaves out
-        (or every split, without one) predicted from the wire time other buckets measured (`_wire_ratio`); None
+        (or every split, without one) predicted from the wire time other buckets measured (`_wire_costs`, priced
+        per choice by ``price`` where given: `_wire_price`); None
         where neither predicts."""
-        wire = self._wire_ratio(kind, bucket)
+        costs = self._wire_costs(kind, bucket)
+        wire = {} if costs is None else {c: self._wire_price(c, *costs) for c in choices[1:]}
         if self.estimate is None:
-            return [None if wire is None else 1.0] + [wire] * (len(choices) - 1)
-        got = self.estimate(kind, (3 << bucket) >> 1)
-        got = {**{c: wire for c in choices[1:] if wire is not None}, **got}
+            return [None if costs is None else 1.0] + [wire.get(c) for c in choices[1:]]
+        got = {**wire, **self.estimate(kind, (3 << bucket) >> 1)}
         out: list[float | None] = [1.0]
         for c in choices[1:]:
             value = got.get(c)
@@ -291,11 +338,11 @@ class AdaptiveSplit:
             out.append(None if value is None else float(value))
         return out
 
-    def _wire_ratio(self, kind: str, bucket: int) -> float | None:
-        """A split's time relative to unsplit's for a new ``kind`` bucket, from the nearest bucket measured unsplit
-        with its wire time (the same kind first, then the nearer size, then the smaller): compute ``c`` and wire
-        ``w`` per token, the split hiding `WIRE_HIDDEN` of the smaller. None where no bucket measured both, or
-        where the wire is nothing (nothing to hide: no prediction, the warm-up decides)."""
+    def _wire_costs(self, kind: str, bucket: int) -> tuple[float, float] | None:
+        """Compute ``c`` and wire ``w`` per token of an unsplit step, for a new ``kind`` bucket: the nearest bucket's
+        measured unsplit with its wire time (the same kind first, then the nearer size, then the smaller). None
+        where no bucket measured both, or where the wire is nothing (nothing to hide: no prediction, the warm-up
+        decides)."""
         measured = [(k != kind, abs(b - bucket), b, t) for (k, b), t in self.tables.items()
                     if t.cost[0] is not None and t.wire is not None]
         if not measured:
@@ -305,6 +352,16 @@ class AdaptiveSplit:
         c = max(t.cost[0] - w, 0.0)
         if w <= 0 or c + w <= 0:
             return None
+        return c, w
+
+    def _wire_price(self, choice: Choice, c: float, w: float) -> float:
+        """A split ``choice``'s time relative to unsplit's where an unsplit step computes ``c`` and waits ``w``:
+        ``price``'s for it (its strategy's schedule), else the split hiding `WIRE_HIDDEN` of the smaller."""
+        got = self.price(choice, c, w) if self.price is not None else None
+        if got is not None:
+            if not (got >= 0 and math.isfinite(got)):
+                raise ValueError(f"the price of {choice} is {got!r}: expected a finite time relative to unsplit, >= 0")
+            return float(got)
         return (max(c, w) + (1 - WIRE_HIDDEN) * min(c, w)) / (c + w)
 
     def _doubtful(self, table: _Table, i: int, fits: Sequence[int]) -> bool:

@@ -32,14 +32,16 @@ from typing import Any, Mapping
 import torch
 
 from tbo.comm.wait import DEFAULT_TIMEOUT_S, wait_work
+from tbo.split.kinds import Slot, StepKind
 from tbo.split.plan import SplitPlan
 
 __all__ = ["agree_to_split", "agree_step", "poisoned", "decide_step", "describe", "AgreedConfig", "AgreementMismatchError",
            "StepVote", "StepAgreement", "STEP_MODES", "MAX_AGREED_MICROBATCHES"]
 
 
-#: the strategy modes a rank can vote for; "idle": it has no tokens of its own and runs whatever its peers agree
-STEP_MODES = ("decode", "prefill", "idle")
+#: what a rank can vote for: the slot its step needs, or `StepKind.IDLE`: it has no tokens of its own and runs whatever
+#: its peers agree (the wire carries the index into this tuple)
+STEP_MODES = (Slot.DECODE, Slot.PREFILL, StepKind.IDLE)
 
 #: the most microbatches a vote's ``rows`` can describe: the all-reduced table has one fixed width on every rank, so
 #: that ranks configured with different microbatch counts get the named mismatch, not a collective of two sizes
@@ -51,8 +53,8 @@ class StepVote:
     """What one rank brings to a step's agreement.
 
     ``wants_split``: its own policy planned a split. ``can_split``: nothing forbids it to run the agreed
-    microbatches (False vetoes the split for every rank). ``mode``: the strategy its step needs (``"decode"``,
-    ``"prefill"``), or ``"idle"`` for a rank with nothing of its own to run (a dummy step). ``rows``: the token
+    microbatches (False vetoes the split for every rank). ``mode``: the `Slot` its step needs, or
+    `StepKind.IDLE` for a rank with nothing of its own to run (a dummy step). ``rows``: the token
     rows of each of its ``num_microbatches`` microbatches should the step split (its own plan's, or all its tokens
     in the first and none in the others); unsplit, it runs their sum. Empty: not told, and the agreement carries
     no rows (`StepAgreement.rows` is None). ``measured_ns``: this rank's wall time of the previous agreed step, in
@@ -62,13 +64,14 @@ class StepVote:
     num_microbatches: int
     wants_split: bool
     can_split: bool
-    mode: str
+    mode: Slot | StepKind
     rows: tuple[int, ...] = ()
     measured_ns: int = -1
 
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
-            raise ValueError(f"StepVote.mode must be one of {STEP_MODES}, got {self.mode!r}")
+            raise ValueError(f"StepVote.mode must be one of {', '.join(STEP_MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "mode", STEP_MODES[STEP_MODES.index(self.mode)])  # a string given: its member
         if not 1 <= self.num_microbatches <= MAX_AGREED_MICROBATCHES:
             raise ValueError(f"StepVote.num_microbatches must be 1..{MAX_AGREED_MICROBATCHES}, got "
                              f"{self.num_microbatches}")
@@ -83,12 +86,12 @@ class StepAgreement:
 
     split: bool
     num_microbatches: int
-    strategy_mode: str  #: "decode" or "prefill"
+    slot: Slot  #: the strategy slot every rank runs
     votes: tuple[StepVote, ...]
 
     @property
     def idle_ranks(self) -> int:
-        return sum(v.mode == "idle" for v in self.votes)
+        return sum(v.mode == StepKind.IDLE for v in self.votes)
 
     @property
     def all_idle(self) -> bool:
@@ -329,8 +332,8 @@ def decide_step(votes: tuple[StepVote, ...]) -> StepAgreement:
         raise AgreementMismatchError(f"the ranks disagree on num_microbatches ({per_rank}): every rank must run the "
                                      "same tbo configuration")
     split = all(v.can_split for v in votes) and any(v.wants_split for v in votes)
-    mode = "prefill" if any(v.mode == "prefill" for v in votes) or all(v.mode == "idle" for v in votes) else "decode"
-    return StepAgreement(split, counts.pop(), mode, tuple(votes))
+    prefill = any(v.mode == Slot.PREFILL for v in votes) or all(v.mode == StepKind.IDLE for v in votes)
+    return StepAgreement(split, counts.pop(), Slot.PREFILL if prefill else Slot.DECODE, tuple(votes))
 
 
 def agree_step(vote: StepVote, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S,

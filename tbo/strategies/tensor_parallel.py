@@ -2,7 +2,7 @@
 
 Under TP every layer ends attention (``o_proj``) and its FFN (``down_proj``, or the MoE's routed and shared outputs)
 with an all-reduce of partial sums, and without overlap the GPU waits for each. These lists launch each reduction
-(``attn_reduce_a``, ...; `tbo.models.layer_ops.TensorParallelOps`), Yield, and wait for it only after the other
+(``attn_reduce_a``, ...; `tbo.ops.TensorParallelOps`), Yield, and wait for it only after the other
 microbatch has run a stage of compute:
 
 * **Dense** (``dense_tp_decode``, ``dense_tp_prefill``), delta 0: three stages per layer, attention then its

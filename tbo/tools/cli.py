@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from tbo.core.errors import StrategyError
 from tbo.core.strategy import OperationsStrategy
-from tbo.tools.inputs import describe_validation_error, load_json_model
+from tbo.tools.inputs import describe_validation_error, load_json_model, positive
 
 __all__ = ["main", "load_strategy"]
 
@@ -74,17 +74,6 @@ def render_strategy(strategy: OperationsStrategy, delta: int | None, microbatche
         f"{strategy.describe()}\n\nschedule: {microbatches} microbatches, delta_stages={delta}, "
         f"{rounds} rounds\n{strategy.render_schedule(microbatches, delta)}"
     )
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1 (argparse names the flag in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 #: the most layers `lint` / `simulate` chain and microbatches `show` / `lint` schedule: far past any model, and

@@ -1,19 +1,23 @@
-"""Reading a user's JSON file into a pydantic model, with errors that name the file and the field.
+"""Reading a user's input: a JSON file into a pydantic model, with errors that name the file and the field, and
+the command line's argument types.
 
 The CLI reads strategies, cost models and hardware descriptions from files. A bad one should say which file, where
 in it, and what is wrong, in one line: not `Expecting ',' delimiter` without a file name, and not pydantic's
-multi-line dump with its documentation links.
+multi-line dump with its documentation links. The argument types (`positive`) live here, not in `tbo.tools.cli`,
+because every subcommand's parser uses them, `tbo predict`'s (`tbo.tools.predict.cli`) too, and the CLI imports
+those parsers: a type defined in the CLI made an import circle.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["describe_validation_error", "read_json", "load_json_model"]
+__all__ = ["describe_validation_error", "read_json", "load_json_model", "positive"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -67,3 +71,14 @@ def load_json_model(cls: type[M], path: str | Path, what: str, **extra: Any) -> 
         return cls.model_validate({**data, **extra})
     except ValidationError as exc:
         raise ValueError(f"{what} {path}: {describe_validation_error(exc)}") from None
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

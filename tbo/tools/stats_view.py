@@ -22,7 +22,10 @@ __all__ = ["docs_from_files", "docs_from_metrics", "load", "parse_exposition", "
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?\s*')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-_LABELLED = {"mode": ("steps_by_mode", "split_steps_by_mode"), "op": ("op_seconds", "op_calls")}
+_LABELLED = {"mode": ("steps_by_mode", "split_steps_by_mode"), "strategy": ("split_steps_by_strategy",),
+             "reason": ("unsplit_steps_by_reason",),
+             "op": ("op_seconds", "op_calls")}
+_HISTOGRAM = ("step_seconds_count", "step_seconds_sum", "step_seconds_bucket")
 _DERIVED = ("split_ratio", "microbatches_per_split_step", "exposed_wait_seconds", "fallback_steps")
 MODES = ("decode", "prefill", "mixed", "idle")
 
@@ -43,19 +46,30 @@ def parse_exposition(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
+#: the labels that say which worker a sample is from (vLLM's, SGLang's), not what tbo runs
+_WORKER_LABELS = ("model_name", "engine", "rank", "engine_type", "dp_rank", "tp_rank", "pp_rank", "moe_ep_rank")
+
+
 def docs_from_metrics(samples: list[tuple[str, dict[str, str], float]]) -> list[dict[str, Any]]:
-    """One document per worker (``engine``, ``rank``) from the ``tbo:*`` samples: its ``stats_file`` fields back
-    from their families (a counter's ``_total`` dropped), ``info`` from ``tbo:info``."""
+    """One document per worker (vLLM's ``engine`` and ``rank``; SGLang's ``dp_rank`` and ``tp_rank`` in their place)
+    from the ``tbo:*`` samples: its ``stats_file`` fields back from their families (a counter's ``_total`` dropped),
+    ``info`` from ``tbo:info``."""
     docs: dict[tuple[str, str], dict[str, Any]] = {}
     for name, labels, value in samples:
         if not name.startswith("tbo:") or name.endswith("_created"):
             continue
-        key = (labels.get("engine", "0"), labels.get("rank", "0"))
+        key = (labels.get("engine", labels.get("dp_rank", "0")), labels.get("rank", labels.get("tp_rank", "0")))
         doc = docs.setdefault(key, {"labels": {"engine": key[0], "rank": key[1]}, "info": {}, "stats": {}})
         field = name[4:].removesuffix("_total")
         stats = doc["stats"]
         if field == "info":
-            doc["info"] = {k: v for k, v in labels.items() if k not in ("model_name", "engine", "rank")}
+            doc["info"] = {k: v for k, v in labels.items() if k not in _WORKER_LABELS}
+        elif field.startswith("step_seconds_"):  # the histogram: _count, _sum, _bucket per mode and split
+            part, key = field[13:], f"{labels['mode']}|{labels['split']}"
+            if part == "bucket" and labels["le"] != "+Inf" and value:  # the stats_file keeps no empty bucket
+                stats.setdefault("step_seconds_bucket", {})[f"{key}|{float(labels['le']):g}"] = _number(value)
+            elif part in ("count", "sum"):
+                stats.setdefault(f"step_seconds_{part}", {})[key] = value if part == "sum" else _number(value)
         elif field.startswith("adaptive_"):
             row = stats.setdefault("buckets", {}).setdefault((labels["kind"], labels["tokens"]), {})
             row["choice" if field == "adaptive_choice" else field[9:]] = labels.get("choice", value)
@@ -65,6 +79,9 @@ def docs_from_metrics(samples: list[tuple[str, dict[str, str], float]]) -> list[
         elif field not in _DERIVED:
             stats[field] = _number(value)
     for doc in docs.values():
+        if doc["stats"]:  # a labelled family with no sample is an empty mapping in the stats_file (none split yet)
+            for field in (*(f for fields in _LABELLED.values() for f in fields), *_HISTOGRAM):
+                doc["stats"].setdefault(field, {})
         buckets = doc["stats"].pop("buckets", None)
         if buckets:
             doc["stats"]["adaptive"] = [{"buckets": [{"kind": k, "tokens": t, **row}
@@ -145,6 +162,14 @@ def _details(d: dict[str, Any]) -> list[str]:
         out.append(f"\n{who}, op times (layers {s.get('layers_seconds', 0):.4f} s):")
         for op, secs in sorted(ops.items(), key=lambda kv: -kv[1]):
             out.append(f"  {op:<24} {secs:10.4f} s  {_fmt(s.get('op_calls', {}).get(op, 0)):>8} calls")
+    counts, sums = s.get("step_seconds_count") or {}, s.get("step_seconds_sum") or {}
+    if counts:
+        out.append(f"\n{who}, mean step time (split against unsplit: did splitting pay?):")
+        for mode in sorted({key.split("|")[0] for key in counts}):
+            mean = {sp: sums.get(f"{mode}|{sp}", 0.0) / counts[f"{mode}|{sp}"] * 1e3
+                    for sp in ("split", "unsplit") if counts.get(f"{mode}|{sp}")}
+            out.append(f"  {mode:<8} " + ", ".join(f"{sp} {ms:.2f} ms ({_fmt(counts[f'{mode}|{sp}'])} steps)"
+                                                  for sp, ms in mean.items()))
     for report in s.get("adaptive") or []:
         out.append(f"\n{who}, adaptive buckets:")
         for row in report.get("buckets", []):

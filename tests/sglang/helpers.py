@@ -55,13 +55,54 @@ def save_mixtral(path: Path) -> Path:
     return path
 
 
-def save_qwen3_dense(path: Path) -> Path:
-    """A dense Qwen3: no MoE layer, so nothing for tbo to overlap (refused at load)."""
+def save_qwen2_moe(path: Path) -> Path:
+    """Qwen2-MoE: every MoE block has a shared expert gated by the sigmoid of its ``shared_expert_gate``; its
+    attention is one op (no ``forward_prepare``)."""
+    import torch
     import transformers
 
-    config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                      max_position_embeddings=512)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=512, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def save_deepseek_v3(path: Path) -> Path:
+    """A tiny DeepSeek-V3 (MLA, a shared expert, routed scaling) that SGLang 0.5.23 loads on a CPU: its CPU rotary
+    takes only ``deepseek_yarn`` from ``rope_scaling`` (transformers 5 writes ``rope_parameters``), and its config
+    reader wants ``topk_method``, ``scoring_func`` and ``moe_layer_freq``: added to the saved config."""
+    import json
+    import torch
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=32,
+        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    saved.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, rope_scaling={
+        "rope_type": "deepseek_yarn", "type": "deepseek_yarn", "factor": 1.0, "original_max_position_embeddings": 512,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    (path / "config.json").write_text(json.dumps(saved))
+    return path
+
+
+def save_qwen3_dense(path: Path, num_layers: int = 1, initializer_range: float = 0.02) -> Path:
+    """A dense Qwen3: no MoE layer, so nothing for tbo to overlap at TP = 1 (refused at load); at TP = 2 its
+    all-reduces are (``num_layers`` 2 and ``initializer_range`` 0.2 there: logits far apart)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=32, max_position_embeddings=512, initializer_range=initializer_range)
+    torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(config).save_pretrained(path)
     return path
 
@@ -81,21 +122,28 @@ def _deadline(seconds: int, what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def engine(model: Path, tbo: dict[str, Any] | None = None) -> Iterator[Any]:
-    """A real SGLang engine on ``model`` (tbo on with config ``tbo``, off for None), shut down on exit."""
+def engine(model: Path, tbo: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+           **args: Any) -> Iterator[Any]:
+    """A real SGLang engine on ``model`` (tbo on with config ``tbo``, off for None), shut down on exit. ``env``: more
+    variables for the engine's processes (set while it starts: SGLang spawns them then), restored after; ``args``:
+    more of ``sgl.Engine``'s arguments (``tp_size=2``: one scheduler process per rank, each bound to its core)."""
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's CPU engine (read when sglang is imported)
     import sglang as sgl
 
-    before = os.environ.pop("TBO_SGLANG_CONFIG", None)
-    if tbo is not None:
-        os.environ["TBO_SGLANG_CONFIG"] = json.dumps(tbo)
+    tp = int(args.get("tp_size", 1))
+    start = {"TBO_SGLANG_CONFIG": None if tbo is None else json.dumps(tbo), **(env or {})}
+    if tp > 1:  # one core per rank's scheduler process (SGLang's CPU engine needs it at TP >= 2)
+        start["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp)))
+    before = {key: os.environ.pop(key, None) for key in start}
+    os.environ.update({key: value for key, value in start.items() if value is not None})
     try:
         with _deadline(ENGINE_DEADLINE_S, f"SGLang engine on {model.name}"):
-            e = sgl.Engine(model_path=str(model), **ENGINE_ARGS)
+            e = sgl.Engine(model_path=str(model), **{**ENGINE_ARGS, **args})
     finally:
-        os.environ.pop("TBO_SGLANG_CONFIG", None)
-        if before is not None:
-            os.environ["TBO_SGLANG_CONFIG"] = before
+        for key, value in before.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
     try:
         yield e
     finally:

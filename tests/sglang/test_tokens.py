@@ -34,7 +34,16 @@ LINK = "5,50"
 #: the adaptive engine's run: the batch decoded this long (EOS ignored), so that its decode bucket (4 tokens a step)
 #: has the steps to warm up and to explore a choice that waits the longest interval (8 x 4 challengers / 0.5)
 ADAPTIVE_TOKENS = 80
-ADAPTIVE = {"split": "adaptive", "adaptive": {"microbatches": [2, 3], "warmup_samples": 1, "explore_share": 0.5}}
+#: decode steps choose between the engine's decode strategy and a lead-1 one given by value (``adaptive.strategies``,
+#: issue 62: bound at the engine's start under its name, run by the loop where chosen)
+LEAD1 = {"delta_stages": 1, "operations": [
+    "comm_prepare_attn", "attn_prepare", "Yield",
+    "attn_core", "comm_prepare_mlp", "gate", "select_experts", "dispatch_a", "Yield",
+    "dispatch_b", "experts", "combine_a", "Yield",
+    "combine_b", "output", "comm_postprocess_layer"]}
+ADAPTIVE = {"split": "adaptive", "strategies": {"adaptive_lead1": LEAD1},
+            "adaptive": {"microbatches": [2, 3], "warmup_samples": 1, "explore_share": 0.5,
+                         "strategies": {"decode": ["qwen3_moe_decode", "adaptive_lead1"]}}}
 
 
 def _runs(e: Any, name: str) -> dict[str, Any]:
@@ -161,6 +170,24 @@ def test_adaptive_with_two_counts_gives_plain_sglangs_tokens_and_runs_both(adapt
     assert last["steps"] == sum(samples.values()), (last, samples)
     assert last["split_steps"] == samples[2] + samples[3], (last, samples)
     assert last["microbatches"] == 2 * samples[2] + 3 * samples[3], (last, samples)
+
+
+def test_adaptive_runs_each_chosen_candidate_strategy(adaptive_run):
+    """The loop runs the strategy the adaptive split chose (issue 62): tbo's split steps by strategy are exactly the
+    samples of each candidate, the by-value one among them, and decode steps ran no strategy outside their
+    candidates (the engine's prefill strategy runs the prefill steps only)."""
+    last = adaptive_run["last"]
+    (report,) = last["adaptive"]
+    by_name: dict[str, int] = {}
+    for bucket in report["buckets"]:
+        for choice, n in bucket["samples"].items():
+            if choice != "unsplit" and n:
+                name = choice.removeprefix("split, ").rsplit(" x", 1)[0]
+                by_name[name] = by_name.get(name, 0) + n
+    assert by_name.get("adaptive_lead1", 0) >= 1, report["summary"]
+    assert last["split_steps_by_strategy"] == by_name, (last["split_steps_by_strategy"], by_name)
+    decode = [b for b in report["buckets"] if b["kind"] == "decode"]
+    assert all("qwen3_moe_prefill" not in c for b in decode for c in b["samples"]), decode
 
 
 def test_adaptive_engine_shutdown_logs_its_summary_in_the_engines_process(adaptive_run):

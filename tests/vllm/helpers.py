@@ -17,6 +17,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from ..served import free_port, server
+
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm runs this file in "
@@ -309,12 +311,7 @@ def _vllm_plugin(root: Path, name: str, source: str) -> Path:
 
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_free_port = free_port  # tests/served.py's
 
 
 @contextmanager
@@ -434,13 +431,6 @@ def _openai_server(model: Path, tbo: dict, log_path: Path, engine: dict | None =
     answers. A free port another process took first is replaced by another. On leaving, the server gets SIGTERM
     (graceful: its workers write their stats files at shutdown), then SIGKILL after 60 s, its process group with it,
     whatever happened. ``env``: more environment variables for the server."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.error
-    import urllib.request
-
     engine = {**ENGINE, **(engine or {})}
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
@@ -451,34 +441,8 @@ def _openai_server(model: Path, tbo: dict, log_path: Path, engine: dict | None =
     extra = env or {}
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default: a core
     env.update(extra)
-    log = log_path.open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None and "Address already in use" in log_path.read_text() and \
-                    time.monotonic() < deadline:  # another process took the free port first: take another
-                port = _free_port()
-                cmd[cmd.index("--port") + 1] = str(port)
-                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            assert proc.poll() is None, "the server exited: " + log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up in 300 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+    with server(cmd, env, log_path) as base:
+        yield base
 
 
 # ---- tensor parallel = 2: two worker processes --------------------------------------------------------------------

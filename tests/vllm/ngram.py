@@ -106,7 +106,7 @@ def _references(model: Path) -> dict[str, list[list[int]]]:
 
 def _decision(step: Any) -> dict[str, Any]:
     """What the test reads of one step decision, as JSON."""
-    return {"mode": step.mode, "forward_mode": step.forward_mode.name, "draft_tokens": step.draft_tokens,
+    return {"kind": step.kind, "forward_mode": step.forward_mode.name, "draft_tokens": step.draft_tokens,
             "varying_drafts": step.varying_drafts,
             "plan": None if step.plan is None else {"two_chunk": step.plan.two_chunk}}
 

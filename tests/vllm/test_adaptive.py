@@ -42,6 +42,9 @@ STEPS = 24  # decode tokens per request: enough steps per bucket for warm-up and
     ({"split": "adaptive", "adaptive": {"microbatches": [2, 1]}}, r"microbatches must be distinct counts in 2..16"),
     ({"split": "adaptive", "adaptive": {"explore_share": 0.9}}, r"explore_share must be in \[0, 0.5\], got 0.9"),
     ({"split": "learned"}, r"split='learned': Input should be 'static' or 'adaptive'"),
+    ({"split": "adaptive", "adaptive": {"strategies": {"decode": ["qwen3_moe_prefil"]}}},
+     r"adaptive.strategies: strategy 'qwen3_moe_prefil' is not registered; accepted: one of .*did you mean "
+     r"'qwen3_moe_prefill'"),
 ])
 def test_bad_adaptive_config_is_named(raw, match):
     with pytest.raises(TboConfigError, match=match):
@@ -157,7 +160,7 @@ def _tp_worker(rank: int, world: int, shared: bool) -> tuple[list, list, str]:
         tokens = 64 + i % 3  # one bucket
         step = steps.decide(planned(steps.policy, tokens), lambda policy: planned(policy, tokens))
         n = 1 if step.plan is None else step.plan.num_microbatches
-        ran.append((n, step.agreed_strategy))
+        ran.append((n, step.agreed_slot))
         time.sleep((0.012 if n == 1 else 0.002) if rank == 0 else (0.002 if n == 1 else 0.012))
         steps.step_done()
     error = ""
@@ -254,3 +257,39 @@ def test_data_parallel_ranks_run_the_same_adaptive_choices(tmp_path):
     _assert_both_split_and_sent(per_rank, 2)
     tables = [s["adaptive"][0]["buckets"] for s in per_rank]
     assert tables[0] == tables[1] and any(b["explored"] for b in tables[0]), tables
+
+
+#: a lead-1 strategy given by value (the ``strategies`` key), neither of the engine's own: the one candidate of decode
+#: steps below, so that every split decode step runs it
+LEAD1 = {"delta_stages": 1, "operations": [
+    "comm_prepare_attn", "attn_prepare", "Yield",
+    "attn_core", "comm_prepare_mlp", "gate", "select_experts", "dispatch_a", "Yield",
+    "dispatch_b", "experts", "combine_a", "Yield",
+    "combine_b", "output", "comm_postprocess_layer"]}
+
+
+@needs_vllm
+def test_a_candidate_strategy_given_by_value_runs_the_split_decode_steps(qwen3_moe, reference):
+    """``adaptive.strategies`` (issue 62): decode steps choose between unsplit and a strategy registered by value,
+    bound at the engine's start under its name; over a link the warm-up runs it, and the layer loop runs it (counted
+    by name in ``split_steps_by_strategy``, the engine's decode strategy never), with tokens equal to plain vLLM's."""
+    import tbo.integrations.vllm as tbo_vllm
+
+    tbo = {**ADAPTIVE, "strategies": {"adaptive_lead1": LEAD1}, "link": "0,0.012",
+           "adaptive": {**ADAPTIVE["adaptive"], "strategies": {"decode": ["adaptive_lead1"]}}}
+    llm = _llm(qwen3_moe, tbo, max_num_batched_tokens=256, max_num_seqs=64)
+    try:
+        tbo_vllm.reset_stats()
+        tokens = _tokens(_generate(llm, SMALL, max_tokens=[STEPS] * len(SMALL)))
+        stats = tbo_vllm.stats()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    assert tokens == reference[0]
+    (report,) = stats["adaptive"]
+    decode = [b for b in report["buckets"] if b["kind"] == "decode"]
+    assert decode and all(set(b["samples"]) == {"unsplit", "split, adaptive_lead1"} for b in decode), decode
+    ran = sum(b["samples"]["split, adaptive_lead1"] for b in decode)
+    assert ran > 0 and stats["split_steps_by_strategy"].get("adaptive_lead1") == ran, (stats, decode)
+    assert "qwen3_moe_decode" not in stats["split_steps_by_strategy"], stats

@@ -80,6 +80,8 @@ def test_adaptive_splitting_at_tp_2_makes_every_choice_alike_on_both_workers(den
         assert 2 * s["split_steps"] < s["microbatches"] < 3 * s["split_steps"], s  # both counts ran
         # over the link every step runs tbo's loop: two reductions per layer and microbatch, one per unsplit step
         assert s["tp_reductions"] == 2 * LAYERS * (s["microbatches"] + s["steps"] - s["split_steps"]), s
+        # the link the reductions were booked on, reported beside the counters (what tbo:link_* export)
+        assert s["link"]["transfers"] >= s["tp_reductions"] > 0 and s["link"]["busy_s"] > 0, s.get("link")
     tables = [s["adaptive"][0]["buckets"] for s in per_worker]
     assert tables[0] == tables[1], tables
     decode = [b for b in tables[0] if b["kind"] == "decode" and b["steps"] >= ADAPTIVE_TOKENS // 2]

@@ -41,7 +41,7 @@ def test_decide_step_rule():
     idle = StepVote(2, False, True, "idle", (1, 0))
     prefill = StepVote(2, False, True, "prefill", (9, 0))
     a = decide_step((wants, idle))
-    assert (a.split, a.num_microbatches, a.strategy_mode, a.idle_ranks) == (True, 2, "decode", 1)
+    assert (a.split, a.num_microbatches, a.slot, a.idle_ranks) == (True, 2, "decode", 1)
     assert a.rows == ((3, 1), (2, 0))  # per microbatch, per rank
     assert decide_step((idle, prefill)).rows == ((1, 9),)  # unsplit: each rank's total
     assert decide_step((wants, StepVote(2, False, True, "idle"))).rows is None  # a rank did not tell
@@ -50,7 +50,7 @@ def test_decide_step_rule():
             StepVote(2, True, True, "decode", bad)
     with pytest.raises(ValueError, match="num_microbatches must be 1..16"):
         StepVote(17, True, True, "decode")
-    assert decide_step((wants, prefill)).strategy_mode == "prefill"  # its collectives' order rules
+    assert decide_step((wants, prefill)).slot == "prefill"  # its collectives' order rules
     assert not decide_step((wants, StepVote(2, True, False, "decode"))).split  # one veto: nobody splits
     assert not decide_step((idle, prefill)).split  # nobody planned a split
     with pytest.raises(ValueError, match="rank 0: 2, rank 1: 3"):
@@ -63,12 +63,12 @@ def _agree_rank(rank: int, world: int) -> tuple:
     votes = [StepVote(2, True, True, "decode", (7, 6)), StepVote(2, False, True, "idle", (1, 0))]
     a = agree_step(votes[rank], timeout_s=20)
     if rank == 1:
-        return (a.split, a.strategy_mode, a.rows)  # and then never takes part in the second agreement
+        return (a.split, a.slot, a.rows)  # and then never takes part in the second agreement
     try:
         agree_step(votes[0], timeout_s=2)
     except CommTimeoutError as e:
-        return (a.split, a.strategy_mode, a.rows, str(e))
-    return (a.split, a.strategy_mode, a.rows, "no error")
+        return (a.split, a.slot, a.rows, str(e))
+    return (a.split, a.slot, a.rows, "no error")
 
 
 @pytest.mark.dist

@@ -63,8 +63,9 @@ def test_no_tbo_key_leaves_the_engine_alone():
 
 @pytest.mark.parametrize("raw, match", [
     ({"strategi": "auto"}, r"unknown key 'strategi'; accepted keys: strategy, num_microbatches"),
+    # the names registered so far: the built-ins, and any an earlier engine of this process bound by value
     ({"strategy": "qwen3_decode"}, r"strategy 'qwen3_decode' is not registered; accepted: 'auto' or one of "
-                                   r"afd_attention_dbo, deepseek_decode"),
+                                   r"(\w+, )*afd_attention_dbo, deepseek_decode, .*did you mean 'qwen3_moe_decode'"),
     ({"strategy": {"decode": "qwen3_moe_decode"}}, r"needs exactly the keys 'decode' and 'prefill'"),
     ({"num_microbatches": 3, "decode_token_threshold": 2}, r"decode_token_threshold=2 is lower than "
                                                            r"num_microbatches=3"),
@@ -306,6 +307,33 @@ def test_tbo_s_part_of_a_split_decode_step_reads_nothing_on_the_host(qwen_tbo, q
     assert reads == [], reads
     assert _tokens(out) == qwen_reference["decode"]
     assert delta["split_steps_by_mode"]["decode"] > 0 and len(guarded) == delta["split_steps_by_mode"]["decode"]
+
+
+@needs_vllm
+def test_a_split_decode_step_without_an_observer_keeps_the_executor_s_fast_path(qwen_tbo, qwen_reference,
+                                                                                  monkeypatch):
+    """The microbatches' forward contexts are the executor's stage hooks, not an observer: with ``op_times`` off, a
+    split step runs the hooked fast path (the observed path is never entered), every stage under `ContextSwitcher`,
+    and the tokens equal vLLM's."""
+    from tbo.core.executors import overlapped
+
+    def observed(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a step took the executor's observed path")
+
+    hooked, fast = [], overlapped._HookedStageExecutor.next
+
+    def counting(self: Any) -> None:
+        hooked.append(type(self.hooks).__name__)
+        fast(self)
+
+    monkeypatch.setattr(overlapped._ObservedStageExecutor, "next", observed)
+    monkeypatch.setattr(overlapped._HookedStageExecutor, "next", counting)
+    monkeypatch.setattr(_runner(qwen_tbo).tbo.loop, "op_times", False)
+    out, delta = _run(qwen_tbo, SCENARIOS["decode"])
+    assert _tokens(out) == qwen_reference["decode"]
+    assert delta["split_steps_by_mode"]["decode"] > 0, delta
+    assert hooked and set(hooked) == {"ContextSwitcher"}, hooked
+    assert not any(delta["op_calls"].values()), delta  # nothing timed: no observer ran
 
 
 @needs_vllm

@@ -70,7 +70,7 @@ def test_a_step_replays_its_sizes_graph_only_when_its_split_is_the_graphs(own, r
     if not replays:
         assert step is None, own
         return
-    assert step.plan is plan and step.num_tokens == own.num_tokens and step.mode == own.mode == "decode"
+    assert step.plan is plan and step.num_tokens == own.num_tokens and step.kind == own.kind == "decode"
     assert step.runner_split  # vLLM's runner builds it in the plan's microbatches, padding in the last one
 
 

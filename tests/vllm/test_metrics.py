@@ -15,12 +15,12 @@ import os
 import re
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from ..served import assert_stats_equal, dashboard_metrics, get_json, scrape, settled, stats_file, value
 from .helpers import MAX_TOKENS, SCENARIOS, TBO, _openai_server, _post, needs_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,46 +56,14 @@ def _entry_point_dist(root: Path) -> Path:
     return root
 
 
-def _scrape(base: str) -> dict:
-    """``/metrics`` parsed by prometheus_client: family name -> [(sample name, labels, value)]."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
-
-
-def _value(scraped: dict, family: str, **labels: str) -> float:
-    """The sum of ``family``'s samples whose labels include ``labels``."""
-    return sum(v for name, got, v in scraped.get(family, []) if labels.items() <= got.items()
-               and not name.endswith("_created"))
-
-
-def _settled(base: str, want: float, timeout_s: float = 30) -> dict:
-    """Scrape until ``tbo:steps`` reaches ``want`` steps (the slot lags by at most ``metrics_interval_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        scraped = _scrape(base)
-        if _value(scraped, "tbo:steps") >= want or time.monotonic() > deadline:
-            return scraped
-        time.sleep(0.2)
-
-
-def _stats_file(path: Path, timeout_s: float = 10) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return json.loads(path.read_text())
-
-
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
     """One OpenAI server with tbo, the stat logger and the trace route (``VLLM_PLUGINS`` names ``tbo_trace``),
     publishing every 0.2 s: (base URL, stats file, model, log)."""
     root = tmp_path_factory.mktemp("metrics")
     plugins = _entry_point_dist(root / "plugins")
-    stats_file = root / "stats-{rank}.json"
-    tbo = {**TBO, "stats_file": str(stats_file), "metrics_interval_s": 0.2}
+    stats_path = root / "stats-{rank}.json"
+    tbo = {**TBO, "stats_file": str(stats_path), "metrics_interval_s": 0.2}
     env = {"PYTHONPATH": f"{ROOT}:{plugins}", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "tbo,tbo_trace"}
     with _openai_server(models["qwen3_moe"], tbo, root / "server.log", env=env) as base:
         yield base, root / "stats-0.json", models["qwen3_moe"], root / "server.log"
@@ -107,9 +75,9 @@ def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work
     under both thresholds) counts steps and no split step; 16 concurrent clients split steps while the metrics are
     scraped; once they are done every figure of the scrape equals the worker's ``stats_file``."""
     base, stats_path, model, log = served
-    scraped = _scrape(base)
+    scraped = scrape(base)
     assert set(FAMILIES) <= set(scraped), (sorted(set(FAMILIES) - set(scraped)), log.read_text()[-3000:])
-    assert _value(scraped, "tbo:steps") == 0
+    assert value(scraped, "tbo:steps") == 0
     vllm_labels = {(s[1]["model_name"], s[1]["engine"]) for s in scraped["vllm:num_requests_running"]}
     tbo_labels = {(s[1]["model_name"], s[1]["engine"]) for f in FAMILIES for s in scraped[f]}
     assert tbo_labels == vllm_labels == {(str(model), "0")}, (tbo_labels, vllm_labels)
@@ -121,17 +89,19 @@ def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work
                                          "temperature": 0, "ignore_eos": True})
 
     complete(SCENARIOS["small"][0])
-    small = _stats_file(stats_path)
-    scraped = _settled(base, small["steps"])
-    assert _value(scraped, "tbo:steps") == small["steps"] >= MAX_TOKENS
-    assert _value(scraped, "tbo:split_steps") == 0 == _value(scraped, "tbo:split_ratio")
+    small = stats_file(stats_path)
+    scraped = settled(base, small["steps"])
+    assert value(scraped, "tbo:steps") == small["steps"] >= MAX_TOKENS
+    assert value(scraped, "tbo:split_steps") == 0 == value(scraped, "tbo:split_ratio")
+    # why: every one of those steps was below its kind's threshold, and the metric says so
+    assert value(scraped, "tbo:unsplit_steps_by_reason", reason="below_threshold") == small["steps"]
 
     seen, frames, stop = [], [], threading.Event()
 
     def watch() -> None:  # a scraper beside the clients
         while not stop.is_set():
-            scraped = _scrape(base)
-            seen.append(_value(scraped, "tbo:split_steps"))
+            scraped = scrape(base)
+            seen.append(value(scraped, "tbo:split_steps"))
             frames.append((time.time(), {k: v for k, v in scraped.items() if k.startswith("tbo:")}))
             time.sleep(0.1)
 
@@ -143,11 +113,11 @@ def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work
     finally:
         stop.set()
         watcher.join()
-    final = _stats_file(stats_path)
+    final = stats_file(stats_path)
     assert final["split_steps"] > 0 and final["op_seconds"], final
-    scraped = _settled(base, final["steps"])
+    scraped = settled(base, final["steps"])
     assert seen and seen == sorted(seen), seen  # counters never went back while the clients ran
-    _assert_equal(scraped, final)
+    assert_stats_equal(scraped, final)
     record = os.environ.get("TBO_METRICS_RECORD")  # the scrapes, for scripts/render_metrics_panels.py
     if record:
         Path(record).write_text(json.dumps([*frames, (time.time(), scraped)]))
@@ -156,47 +126,7 @@ def test_the_served_engine_s_metrics_carry_tbo_s_figures_that_move_with_the_work
     assert named and named <= samples, sorted(named - samples)  # the dashboard shows only what a server shows
 
 
-def dashboard_metrics() -> set[str]:
-    """The metric names the Grafana dashboard's queries use (docs/grafana/tbo-dashboard.json)."""
-    dashboard = json.loads((ROOT / "docs" / "grafana" / "tbo-dashboard.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
-    return {m for e in exprs for m in re.findall(r"\btbo:[A-Za-z0-9_:]+", e)}
-
-
-def _assert_equal(scraped: dict, doc: dict) -> None:
-    """Every figure of a ``stats_file`` document equals its metric (floats exactly: both are Python's repr)."""
-    compared = 0
-    for field, value in doc.items():
-        family = f"tbo:{field}"
-        if isinstance(value, dict):
-            label = "mode" if field.endswith("_by_mode") else "op"
-            for key, v in value.items():
-                assert _value(scraped, family, **{label: key}) == v, (field, key)
-                compared += 1
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            assert _value(scraped, family) == value, (field, value, scraped.get(family))
-            compared += 1
-    steps, split = doc["steps"], doc["split_steps"]
-    assert _value(scraped, "tbo:split_ratio") == split / steps
-    assert _value(scraped, "tbo:microbatches_per_split_step") == doc["microbatches"] / split
-    assert _value(scraped, "tbo:exposed_wait_seconds") == sum(v for k, v in doc["op_seconds"].items()
-                                                              if k.endswith("_b"))
-    assert compared > 30, compared
-
-
 # ---- the live trace: GET /tbo/trace (vLLM's endpoint plugin) ---------------------------------------------------------
-
-
-def _get(url: str, timeout: float = 120) -> tuple[int, dict]:
-    """GET ``url``: (status, JSON body), error statuses included."""
-    import urllib.error
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _assert_perfetto(trace: dict) -> list[dict]:
@@ -221,7 +151,7 @@ def test_the_trace_route_refuses_bad_parameters_by_name(served):
                            ("steps=2.5", "steps='2.5'"), ("steps=-1", "steps='-1'"), ("timeout_s=0", "timeout_s='0'"),
                            ("timeout_s=1e9", "timeout_s='1e9'"), ("max_bytes=12", "max_bytes='12'"),
                            ("steps=2&n=3", "unknown query parameter(s) ['n']")):
-        status, body = _get(f"{base}/tbo/trace?{query}")
+        status, body = get_json(f"{base}/tbo/trace?{query}")
         assert status == 400 and culprit in body["error"], (query, status, body)
 
 
@@ -229,7 +159,7 @@ def test_the_trace_route_refuses_bad_parameters_by_name(served):
 def test_a_step_less_engine_answers_at_the_deadline_with_what_it_has(served):
     """No request runs: the worker answers at the deadline, its reason named, no step on the trace."""
     base = served[0]
-    status, trace = _get(f"{base}/tbo/trace?steps=2&timeout_s=0.5")
+    status, trace = get_json(f"{base}/tbo/trace?steps=2&timeout_s=0.5")
     assert status == 200, trace
     assert not [e for e in _assert_perfetto(trace) if e["cat"] != "step"]
     (worker,) = trace["otherData"]["workers"]
@@ -245,7 +175,7 @@ def test_the_trace_route_records_the_next_steps_with_both_microbatches(served):
     answer: dict = {}
 
     def trace() -> None:
-        answer["got"] = _get(f"{base}/tbo/trace?steps=4&timeout_s=60")
+        answer["got"] = get_json(f"{base}/tbo/trace?steps=4&timeout_s=60")
 
     def complete(p: list[int]) -> None:
         _post(base + "/v1/completions", {"model": str(model), "prompt": p, "max_tokens": MAX_TOKENS,

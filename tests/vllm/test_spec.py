@@ -42,7 +42,7 @@ def test_a_verify_step_is_decode_like_and_cut_between_requests():
     from tbo.integrations.engine.step import decide
 
     uniform = decide(_policy(), [4] * 4, [True] * 4, allowed=True, padded_tokens=16, drafts=[3] * 4)
-    assert uniform.forward_mode is ForwardMode.TARGET_VERIFY and uniform.own_strategy == "decode"
+    assert uniform.forward_mode is ForwardMode.TARGET_VERIFY and uniform.own_slot == "decode"
     assert uniform.plan.split_token_index == 8 and not uniform.plan.two_chunk and not uniform.varying_drafts
     assert uniform.draft_tokens == 12
     varying = decide(_policy(), [4, 1, 2, 4, 1], [True] * 5, allowed=True, padded_tokens=12,
@@ -65,7 +65,7 @@ def test_a_cut_inside_a_drafted_request_of_a_mixed_step_moves_to_its_boundary():
     # token 10 inside a request verifying 11 drafts: the cut moves to its nearer boundary (token 14)
     step = decide(_policy(), [2, 12, 6], [True, True, False], allowed=True, padded_tokens=20, drafts=[1, 11, 0])
     assert step.plan.split_token_index == 14 and not step.plan.two_chunk, step.plan
-    assert step.mode == "mixed" and step.draft_tokens == 12 and step.forward_mode is ForwardMode.EXTEND
+    assert step.kind == "mixed" and step.draft_tokens == 12 and step.forward_mode is ForwardMode.EXTEND
 
 
 def test_a_draft_pass_is_decode_like_and_cut_between_requests():
@@ -74,7 +74,7 @@ def test_a_draft_pass_is_decode_like_and_cut_between_requests():
     from tbo.integrations.engine.step import decide_draft
 
     later = decide_draft(_policy(), [1] * 6, padded_tokens=6)
-    assert later.mode == "draft" and later.forward_mode is ForwardMode.DECODE and later.own_strategy == "decode"
+    assert later.kind == "draft" and later.forward_mode is ForwardMode.DECODE and later.own_slot == "decode"
     assert later.plan.split_token_index == 3
     first = decide_draft(_policy(), [3] * 4, padded_tokens=12)  # after a verify step of k = 2
     assert first.forward_mode is ForwardMode.TARGET_VERIFY and first.plan.split_token_index == 6
@@ -158,7 +158,7 @@ def test_ngram_tokens_equal_vllm_and_verify_steps_split_between_requests(ngram_r
     verify = [s for s in decided if s.draft_tokens]
     assert len(verify) == delta["verify_steps"] and any(s.varying_drafts and s.plan for s in verify), verify
     for s in verify:  # every request past its prompt: TARGET_VERIFY, and no request's 1 + k tokens were cut
-        if s.mode == "decode":
+        if s.kind == "decode":
             assert s.forward_mode is ForwardMode.TARGET_VERIFY and (s.plan is None or not s.plan.two_chunk), s
 
 

@@ -1,8 +1,9 @@
 """tbo on vLLM's Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``), run here under Triton's interpreter.
 
-The V2 engines run in one process of their own (tests/vllm/v2_engine.py, with the Triton shims of tests/vllm/v2_site
+The V2 engines run in one process of their own (tests/vllm/v2_engine.py, with the Triton shims of tests/triton_site
 on its path only: they must never reach a V1 engine), one after the other, shared by every test here through the
-module-scoped `v2` fixture: plain V2, tbo at 2 and at 3 microbatches, and the engines tbo must refuse on V2. The
+module-scoped `v2` fixture: plain V2, tbo at 2 and at 3 microbatches, tbo over an emulated link, and the engines tbo
+must refuse on V2. The
 interpreter costs about 0.15 s a step, so the scenarios are short.
 """
 
@@ -32,14 +33,16 @@ RUNS = {
 SPLIT = {2: {**TBO, "num_microbatches": 2},
          3: {**TBO, "num_microbatches": 3, "decode_token_threshold": 3, "op_times": False}}
 
+#: an emulated link (10 us, 100 GB/s) under tbo's local backend, and the runs it makes (every step through tbo's loop)
+LINK = {**TBO, "link": "10,100"}
+LINK_RUNS = ("decode", "mixed")
+
 #: what tbo does not run on V2 yet, each refused at engine start: name -> (engine settings, tbo config, culprit)
 REFUSED = {
     "compiled": ({"enforce_eager": False}, TBO, "enforce_eager=False"),
     "speculative": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_max": 2}}, TBO, "speculative_config='ngram'"),
-    "adaptive": ({}, {**TBO, "split": "adaptive"}, "split='adaptive'"),
     "deepep": ({}, {**TBO, "backend": "deepep"}, "backend='deepep'"),
-    "link": ({}, {**TBO, "link": "10,100"}, "link"),
     "afd": ({}, {**TBO, "afd": {"ffn": "127.0.0.1:9"}}, "afd"),
 }
 
@@ -52,9 +55,10 @@ def v2(qwen3_moe: Path, tmp_path_factory) -> dict[str, dict]:
 
     engine = {**ENGINE, "model": str(qwen3_moe)}
     runs = [{"prompts": prompts, "max_tokens": n} for prompts, n in RUNS.values()]
-    names: list = ["plain", *SPLIT, *REFUSED]
+    names: list = ["plain", *SPLIT, "link", *REFUSED]
     items = [{"engine": engine, "tbo": None, "runs": runs}]
     items += [{"engine": engine, "tbo": tbo, "runs": runs} for tbo in SPLIT.values()]
+    items += [{"engine": engine, "tbo": LINK, "runs": [runs[list(RUNS).index(name)] for name in LINK_RUNS]}]
     items += [{"engine": {**engine, **kw}, "tbo": tbo, "runs": []} for kw, tbo, _ in REFUSED.values()]
     return dict(zip(names, run_v2(tmp_path_factory.mktemp("v2"), items)))
 
@@ -101,6 +105,17 @@ def test_v2_splits_with_tokens_equal_plain_v2(v2, microbatches):
     assert result["runs"][list(RUNS).index("shared_prefix")]["vetoes"] > 0
 
 
+def test_v2_runs_an_emulated_link(v2):
+    """``link`` on V2: the expert traffic of tbo's local backend booked on an emulated link (`EmulatedLink`), its
+    steps split, tokens equal plain V2's."""
+    result, plain = v2["link"], _runs(v2["plain"])
+    assert "error" not in result, result["error"]
+    assert result["tbo"] and result["links"] == ["EmulatedLink"] and result["booked_s"] > 0, result
+    for name, run in zip(LINK_RUNS, result["runs"]):
+        assert run["tokens"] == plain[name]["tokens"], name
+        assert run["stats"]["split_steps"] > 0, (name, run["stats"])
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_v2_refuses_what_it_cannot_run_by_name(v2, name):
     """What tbo does not run on V2 yet refuses the engine at start, naming the setting, V2's runner, the vLLM
@@ -116,9 +131,10 @@ def test_v2_refuses_what_it_cannot_run_by_name(v2, name):
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in error, error
 
 
-def test_v2_refuses_data_and_tensor_parallelism_by_name(qwen3_moe):
-    """Data parallelism (DP attention + EP) and tensor parallelism, refused on V2 by the same check the engine runs
-    before its weights load, on vLLM's own config of such an engine (their engines need processes of their own)."""
+def test_v2_refuses_data_parallelism_by_name_and_admits_tensor_parallelism(qwen3_moe):
+    """Data parallelism (DP attention + EP) refused on V2 by the same check the engine runs before its weights load,
+    on vLLM's own config of such an engine (its engines need processes of their own); tensor parallelism, with the
+    thresholds or the adaptive split, admitted (tests/vllm/test_v2_tp.py runs it)."""
     import vllm
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner
@@ -126,16 +142,22 @@ def test_v2_refuses_data_and_tensor_parallelism_by_name(qwen3_moe):
     from tbo.integrations.vllm.admit.runners import check_v2
     from tbo.integrations.vllm.config import TboConfigError, parse_config
 
+    def vllm_config(**kw):
+        return EngineArgs(model=str(qwen3_moe), skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
+                          **kw).create_engine_config()
+
     config = parse_config({"tbo": TBO})
-    for kw, culprit in (({"data_parallel_size": 2, "enable_expert_parallel": True}, "data_parallel_size=2"),
-                        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2")):
-        vllm_config = EngineArgs(model=str(qwen3_moe), skip_tokenizer_init=True, enforce_eager=True,
-                                 max_model_len=256, **kw).create_engine_config()
-        with pytest.raises(TboConfigError) as e:
-            check_v2(CPUModelRunner, vllm_config, config, vllm.__version__)
-        assert f"additional_config['tbo'] with {culprit}: not supported" in str(e.value), e.value
-        assert "Model Runner V2 (vllm.v1.worker.cpu.model_runner.CPUModelRunner)" in str(e.value)
-        assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(e.value)
+    with pytest.raises(TboConfigError) as e:
+        check_v2(CPUModelRunner, vllm_config(data_parallel_size=2, enable_expert_parallel=True), config,
+                 vllm.__version__)
+    assert "additional_config['tbo'] with data_parallel_size=2: not supported" in str(e.value), e.value
+    assert "Model Runner V2 (vllm.v1.worker.cpu.model_runner.CPUModelRunner)" in str(e.value)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(e.value)
+    for tbo in (TBO, {**TBO, "split": "adaptive"}):
+        check_v2(CPUModelRunner, vllm_config(tensor_parallel_size=2), parse_config({"tbo": tbo}), vllm.__version__)
+    with pytest.raises(TboConfigError, match=r"with link and tensor_parallel_size=2: not supported .*under tensor "
+                                             r"parallelism.*VLLM_USE_V2_MODEL_RUNNER=0"):  # a link: one rank only
+        check_v2(CPUModelRunner, vllm_config(tensor_parallel_size=2), parse_config({"tbo": LINK}), vllm.__version__)
 
 
 def test_every_model_runner_class_is_wrapped_or_refused():
@@ -239,7 +261,7 @@ def test_v2_facts_adapt_batch_req_state():
     assert facts.scheduled == (1, 1, 20) and facts.past_prompt == (True, True, False)
     assert facts.computed == (5, 7, 0) and facts.padded_tokens == 22 and facts.drafts is None
     step = decide_facts(policy, facts)
-    assert step.mode == "mixed" and step.plan is not None
+    assert step.kind == "mixed" and step.plan is not None
     reader_first = v2_facts(state([12, 12], [32, 0], [44, 12]), 24)  # a cache hit before a new prompt
     assert decide_facts(policy, reader_first).plan is None
     reader_last = v2_facts(state([12, 12], [0, 32], [12, 44]), 24)

@@ -6,7 +6,9 @@ another microbatch's compute between them.
 
 Speed matters because this loop runs ~60 layers x 2 microbatches every decode step. So stages are split once (by the
 strategy), the schedule is compiled once (cached), and with no observer the inner loop is exactly the plain
-``out = op(state, **out)`` a hand-written loop would do.
+``out = op(state, **out)`` a hand-written loop would do. An engine's `StageHooks` (its per-microbatch forward
+context) keep that loop: they add two calls around each stage, none per op; only an `Observer` takes the observed
+path.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tbo.core.errors import HangError, OperationError, StrategyError
 from tbo.core.observer import Observer, as_observer
 from tbo.core.operations import YieldType, op_name
 from tbo.core.schedule import Schedule, interleave
+from tbo.core.stage_hooks import StageHooks
 from tbo.core.state import State
 from tbo.core.strategy import OperationsStrategy
 from tbo.core.executors.guard import Drainable, PositionObserver, drain_all, watchdog
@@ -90,18 +93,57 @@ class _StageExecutor:
         return OperationError(self.mb, stage, op_name(op), TypeError(f"{exc}; {note}"))
 
 
-class _ObservedStageExecutor(_StageExecutor):
-    """The same, reporting every stage and op to an observer. Chosen once per run, never per op."""
+class _HookedStageExecutor(_StageExecutor):
+    """The fast path with an engine's `StageHooks` around each stage: two calls a stage, none per op."""
 
-    __slots__ = ("observer", "names")
+    __slots__ = ("hooks",)
 
     def __init__(self, mb: int, strategy: OperationsStrategy, inputs: Mapping[str, Any], state: State,
-                 observer: Observer) -> None:
+                 hooks: StageHooks) -> None:
+        super().__init__(mb, strategy, inputs, state)
+        self.hooks = hooks
+
+    def next(self) -> None:
+        hooks, mb, stage = self.hooks, self.mb, self.stage
+        state, out, op = self.state, self.output, None
+        hooks.enter_stage(mb, stage)
+        try:
+            for op in self.stages[stage]:
+                out = op(state, **(out or _EMPTY))
+        except HangError:
+            raise
+        except Exception as exc:
+            raise self._error(op, out, exc) from exc
+        finally:
+            hooks.leave_stage(mb, stage)  # also when an op raised: the step's context is current again
+        self.output = out
+        self.stage += 1
+
+
+class _ObservedStageExecutor(_StageExecutor):
+    """The same, reporting every stage and op to an observer (inside the stage hooks, if any). Chosen once per run,
+    never per op."""
+
+    __slots__ = ("observer", "names", "hooks")
+
+    def __init__(self, mb: int, strategy: OperationsStrategy, inputs: Mapping[str, Any], state: State,
+                 observer: Observer, hooks: StageHooks | None = None) -> None:
         super().__init__(mb, strategy, inputs, state)
         self.observer = observer
         self.names = strategy.stage_names
+        self.hooks = hooks
 
     def next(self) -> None:
+        hooks, mb, stage = self.hooks, self.mb, self.stage
+        if hooks is None:
+            return self._observed()
+        hooks.enter_stage(mb, stage)
+        try:
+            self._observed()
+        finally:
+            hooks.leave_stage(mb, stage)  # also when an op raised
+
+    def _observed(self) -> None:
         obs, mb, stage = self.observer, self.mb, self.stage
         state, out, op = self.state, self.output, None
         obs.on_stage_start(mb, stage)
@@ -163,6 +205,7 @@ def execute_overlapped_operations(
     *,
     states: Sequence[State] | None = None,
     observer: Observer | Sequence[Observer] | None = None,
+    stage_hooks: StageHooks | None = None,
     drain: Sequence[Drainable] = (),
     watchdog_s: float | None = None,
     watchdog_label: str = "",
@@ -180,6 +223,8 @@ def execute_overlapped_operations(
     same as ``2``); None takes the strategy's own. ``states`` pre-filled per microbatch (split metadata, say) are
     used as given; otherwise each microbatch gets a fresh `State`.
 
+    ``stage_hooks``: an engine's `StageHooks`, entered and left around every stage of every microbatch, in schedule
+    order (its forward context); without an observer the run keeps the fast path.
     ``drain``: backends whose transfers in flight are waited out when an op fails, before `OperationError` is raised.
     ``watchdog_s``: a step running longer raises `HangError` with each microbatch's position, the pending transfers
     of ``drain`` and ``watchdog_label``; ``dump_stacks`` adds every thread's stack.
@@ -205,13 +250,14 @@ def execute_overlapped_operations(
     positions = None
     if watchdog_s is not None:
         obs = positions = PositionObserver(count, obs)
-    if obs is None:
-        executors = [_StageExecutor(mb, s, i, st) for mb, (s, i, st) in enumerate(zip(strategies, inputs_arr, states))]
+    runs = list(enumerate(zip(strategies, inputs_arr, states)))
+    if obs is not None:
+        executors: list[_StageExecutor] = [_ObservedStageExecutor(mb, s, i, st, obs, stage_hooks)
+                                           for mb, (s, i, st) in runs]
+    elif stage_hooks is not None:
+        executors = [_HookedStageExecutor(mb, s, i, st, stage_hooks) for mb, (s, i, st) in runs]
     else:
-        executors = [
-            _ObservedStageExecutor(mb, s, i, st, obs)
-            for mb, (s, i, st) in enumerate(zip(strategies, inputs_arr, states))
-        ]
+        executors = [_StageExecutor(mb, s, i, st) for mb, (s, i, st) in runs]
     if obs is None and not drain:
         return run_schedule(schedule, executors)
     try:
@@ -235,6 +281,7 @@ def execute_operations(
     *,
     state: State | None = None,
     observer: Observer | Sequence[Observer] | None = None,
+    stage_hooks: StageHooks | None = None,
     **guard: Any,
 ) -> Any:
     """Run one microbatch through every stage in order: the single-batch reference the overlapped run must equal.
@@ -242,5 +289,6 @@ def execute_operations(
     ``guard`` takes the `execute_overlapped_operations` keywords ``drain``, ``watchdog_s``, ``watchdog_label`` and
     ``dump_stacks``."""
     return execute_overlapped_operations(
-        [inputs], operations, 0, states=None if state is None else [state], observer=observer, **guard,
+        [inputs], operations, 0, states=None if state is None else [state], observer=observer,
+        stage_hooks=stage_hooks, **guard,
     )[0]

@@ -42,13 +42,35 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
+from tbo import strategies
 from tbo.integrations.engine.config import StrategyNames, TboConfig
+from tbo.integrations.engine.price import split_price
 from tbo.integrations.engine.step import Step
 from tbo.split import SplitPolicy
-from tbo.split.adaptive import UNSPLIT, AdaptiveSplit, Choice, nothing_to_hide, prior_from_policy
+from tbo.split.adaptive import (STEP_KINDS, UNSPLIT, AdaptiveConfig, AdaptiveSplit, Choice, nothing_to_hide,
+                                prior_from_policy)
 from tbo.split.agree import StepAgreement
+from tbo.split.kinds import Slot, StepKind
 
 __all__ = ["AdaptiveSteps"]
+
+
+def _schedule_price(names: list[str]) -> Callable[[Choice, float, float], float | None]:
+    """``AdaptiveSplit``'s ``price``: each candidate's split priced by its own schedule (`split_price`), the
+    registry's strategy of its name; cached per (choice, compute share), as every new bucket asks."""
+    found = {name: strategies.get(name) for name in names}
+    cache: dict[tuple[Choice, float], float | None] = {}
+
+    def price(choice: Choice, compute: float, wire: float) -> float | None:
+        strategy = found.get(choice.strategy) if choice.strategy is not None else None
+        if strategy is None or compute + wire <= 0:
+            return None
+        key = (choice, round(compute / (compute + wire), 6))
+        if key not in cache:
+            cache[key] = split_price(strategy, choice.num_microbatches, compute, wire)
+        return cache[key]
+
+    return price
 
 
 class AdaptiveSteps:
@@ -62,12 +84,15 @@ class AdaptiveSteps:
         adaptive = config.adaptive
         counts = sorted(adaptive.microbatches if adaptive is not None and adaptive.microbatches
                         else (config.num_microbatches,))
-        choices: dict[str, list[Choice]] = {"decode": [], "prefill": [], "mixed": []}
+        #: each step kind's candidate strategies (``adaptive.strategies``, else the engine's decode and prefill
+        #: strategies for decode steps and its prefill strategy for the others)
+        own = {kind: (names.decode, names.prefill) if kind == StepKind.DECODE else (names.prefill,)
+               for kind in STEP_KINDS}
+        self.candidates = {kind: (adaptive or AdaptiveConfig()).candidates(kind, own[kind]) for kind in STEP_KINDS}
+        choices: dict[str, list[Choice]] = {kind: [] for kind in STEP_KINDS}
         for n in counts:  # the fewest first: unpredicted, a count above the fewest waits until fewer pay
-            decode, prefill = Choice(names.decode, n), Choice(names.prefill, n)
-            choices["decode"] += [decode, prefill]
-            choices["prefill"].append(prefill)
-            choices["mixed"].append(prefill)
+            for kind, candidates in self.candidates.items():
+                choices[kind] += [Choice(name, n) for name in candidates]
         #: the split's shape once a choice of ``n`` microbatches splits: every threshold at its lowest
         self.policies = {n: SplitPolicy(num_microbatches=n, decode_token_threshold=n, prefill_token_threshold=n,
                                         token_distribution_threshold=config.token_distribution_threshold,
@@ -79,8 +104,12 @@ class AdaptiveSteps:
         # thresholds the user set (tbo predict's, say) seed the policy; unset, every bucket starts unsplit
         seeded = {"decode_token_threshold", "prefill_token_threshold"} & config.model_fields_set
         prior = prior_from_policy(config.split_policy(), choices) if seeded else None
-        self.split = AdaptiveSplit(choices, adaptive, prior, None if transfers else nothing_to_hide(choices))
-        self._mode_of = {names.decode: "decode", names.prefill: "prefill"}
+        self.split = AdaptiveSplit(choices, adaptive, prior, None if transfers else nothing_to_hide(choices),
+                                   price=_schedule_price(self.strategy_names()))
+        #: the engine's decode strategy: the one candidate a decode step runs in the decode slot (its backend, its
+        #: fixed shapes); every other candidate runs in the prefill slot, whose forms serve any step
+        self._decode_name = names.decode
+        self._own = {Slot.DECODE: names.decode, Slot.PREFILL: names.prefill}
         #: the step in flight: its kind, tokens, what ran, when it started, and the wire time booked on the links by
         #: then (None: no link to read); None: no step to measure
         self._running: tuple[str, int, Choice, float, float | None] | None = None
@@ -110,22 +139,50 @@ class AdaptiveSteps:
                             f"chosen count's policy; got {replan!r}")
         self._running = None
         if self.shared is not None:
-            self._observe_agreed(self.shared(step.mode, step.num_tokens, self.measured_ns))
-        choice = self.split.choose(step.mode, step.num_tokens)
+            self._observe_agreed(self.shared(step.kind, step.num_tokens, self.measured_ns))
+        choice = self.split.choose(step.kind, step.num_tokens)
         planned = None if step.plan is None else step.plan.num_microbatches
         # planned again with the chosen count's policy where the count differs, or where the decider's policy (the
         # most microbatches) found no plan: a step too small for three microbatches may still split into two
         if choice.split and planned != choice.num_microbatches:
             step = replan(self.policies[choice.num_microbatches])
         if choice.split and step.plan is not None:
-            ran, step = choice, replace(step, agreed_strategy=self._mode_of[choice.strategy])
+            slot = self.slot_of(step.kind, choice.strategy)
+            ran, step = choice, replace(step, agreed_slot=slot, strategy_name=self.bound_name(slot, choice))
         else:
-            ran, step = UNSPLIT, replace(step, plan=None)
+            # the choice ran it whole, or its count's plan found no cut (the replanned step says why)
+            ran, step = UNSPLIT, replace(step, plan=None, unsplit_reason="adaptive" if not choice.split or
+                                         step.unsplit_reason is None else step.unsplit_reason)
         wire0 = None if self.wire is None else self.wire()
-        self._running = (step.mode, step.num_tokens, ran, time.perf_counter(), wire0)
+        self._running = (step.kind, step.num_tokens, ran, time.perf_counter(), wire0)
         if self.shared is not None:  # observed at the next exchange, with every worker's time of it
-            self._agreed = (step.mode, step.num_tokens, ran)
+            self._agreed = (step.kind, step.num_tokens, ran)
         return step
+
+    def strategy_names(self) -> list[str]:
+        """Every candidate strategy's registry name, once each: what an engine binds at its start (beside its
+        decode and prefill strategies), so that a name that cannot run its layers is refused there, by name."""
+        return list(dict.fromkeys(n for names in self.candidates.values() for n in names))
+
+    def slot_of(self, kind: str, name: str) -> Slot:
+        """The slot a ``kind`` step runs candidate ``name`` in: decode for the engine's decode strategy on a decode
+        step (unless it is the prefill strategy too: one name for both runs in the prefill slot, as before
+        candidates were configurable), prefill otherwise (the forms any step can take: counted routes, the prefill
+        backend)."""
+        own = kind == StepKind.DECODE and name == self._decode_name != self._own[Slot.PREFILL]
+        return Slot.DECODE if own else Slot.PREFILL
+
+    def bound_name(self, slot: Slot, choice: Choice) -> str | None:
+        """The `Step.strategy_name` of a split ``choice`` run in ``slot``: None where it is that slot's own strategy
+        (the engine's ``strategies[slot]``), else its name (bound at the engine's start under that name:
+        `extra_strategies`)."""
+        return None if not choice.split or choice.strategy == self._own[slot] else choice.strategy
+
+    def extra_strategies(self) -> list[str]:
+        """The candidates an engine binds beside its decode and prefill strategies, each under its name and for the
+        prefill slot (the slot every candidate but the engine's own decode strategy runs in: `slot_of`)."""
+        return list(dict.fromkeys(n for kind, names in self.candidates.items() for n in names
+                                  if n != self._own[self.slot_of(kind, n)]))
 
     def _observe_agreed(self, measured_s: float | None) -> None:
         """Observe the last agreed step (data or tensor parallel) at ``measured_s``, the ranks' mean time of it
@@ -134,17 +191,18 @@ class AdaptiveSteps:
             self.split.observe(*self._agreed, measured_s, self._wire_s)  # None under DP: no wire is read there
         self._agreed, self.measured_ns, self._wire_s = None, -1, None
 
-    def agreed(self, agreement: StepAgreement) -> tuple[Choice, str]:
+    def agreed(self, agreement: StepAgreement) -> tuple[Choice, Slot]:
         """Data parallel: observe the previous agreed step's mean time, then choose for this one. Returns what runs
-        (unsplit where the agreement does not split) and the strategy mode it runs with. Called by every rank in
-        every agreement but those where every rank runs a dummy step (profiling, warm-up: nothing is chosen)."""
+        (unsplit where the agreement does not split; its ``strategy`` the candidate to run) and the slot it runs in
+        (the agreed slot is the bucket's kind: a mixed step agrees on prefill). Called by every rank in every
+        agreement but those where every rank runs a dummy step (profiling, warm-up: nothing is chosen)."""
         self._observe_agreed(agreement.measured_s)
-        kind, tokens = agreement.strategy_mode, agreement.tokens
+        kind, tokens = StepKind(agreement.slot), agreement.tokens
         choice = self.split.choose(kind, tokens)
         ran = choice if choice.split and agreement.split else UNSPLIT
         self._agreed = (kind, tokens, ran)
         self._running = (kind, tokens, ran, time.perf_counter(), None)
-        return ran, self._mode_of[ran.strategy] if ran.split else agreement.strategy_mode
+        return ran, self.slot_of(kind, ran.strategy) if ran.split else agreement.slot
 
     def step_done(self) -> None:
         """The step's results are on the host (the engine waits for them anyway): its wall time is measured."""

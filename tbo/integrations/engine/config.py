@@ -20,6 +20,7 @@ from tbo.comm.emulated import parse_link_spec
 from tbo.core.dataflow import closest_names
 from tbo.split import SplitPolicy
 from tbo.split.adaptive import AdaptiveConfig
+from tbo.split.kinds import Slot
 
 __all__ = ["AFDSettings", "StrategyNames", "TboConfig", "describe_error"]
 
@@ -66,6 +67,10 @@ class StrategyNames(BaseModel):
     decode: str
     prefill: str
 
+    def of(self, slot: Slot) -> str:
+        """The name in ``slot``."""
+        return self.decode if slot == Slot.DECODE else self.prefill
+
 
 def _check_strategy_name(name: str) -> str:
     if name not in strategies.names():
@@ -97,8 +102,8 @@ class TboConfig(BaseModel):
                                       "seed it), choosing among unsplit and the decode and prefill strategies")
     adaptive: AdaptiveConfig | None = Field(
         default=None, description="split 'adaptive' only: how it explores and decides (warmup_samples, warmup_slack, "
-                                  "explore_share, explore_cost, hysteresis, window, microbatches, prior_slack, "
-                                  "trust_below)")
+                                  "explore_share, explore_cost, hysteresis, window, microbatches, strategies, "
+                                  "prior_slack, trust_below)")
     token_distribution_threshold: float = Field(
         default=SplitPolicy.model_fields["token_distribution_threshold"].default,
         description="below this share on one side of a request boundary, cut inside a request")
@@ -165,7 +170,7 @@ class TboConfig(BaseModel):
     @classmethod
     def _strategy(cls, value: Any) -> str | StrategyNames:
         if isinstance(value, Mapping):
-            if set(value) != {"decode", "prefill"}:
+            if set(value) != set(Slot):
                 raise ValueError(f"a strategy dict needs exactly the keys 'decode' and 'prefill', got {sorted(value)}")
             value = StrategyNames(**value)
         if isinstance(value, StrategyNames):
@@ -182,6 +187,18 @@ class TboConfig(BaseModel):
         if self.adaptive is not None and self.split != "adaptive":
             raise ValueError("'adaptive' settings are read only with split='adaptive'; this config splits "
                              f"{self.split!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _candidate_strategies(self) -> "TboConfig":
+        """Every name ``adaptive.strategies`` gives is registered (built in, or by value through ``strategies``):
+        refused here, by name, before an engine starts; binding it to the layers is the engine's check."""
+        for name in ([] if self.adaptive is None else self.adaptive.strategy_names()):
+            try:
+                _check_strategy_name(name)
+            except ValueError as e:
+                raise ValueError(f"adaptive.strategies: {e}".replace("accepted: 'auto' or one of", "accepted: one of")
+                                 ) from None
         return self
 
     @field_validator("link")

@@ -19,6 +19,10 @@ and never pickled:
 A step-less engine (no request in flight) still answers: at the deadline each worker writes what it has, with its
 ``reason``. Times are seconds since the epoch (each worker maps ``perf_counter`` onto ``time.time`` once, when it
 arms), so the ranks of one host line up.
+
+What an HTTP route does with a request is engine-neutral too, and lives here: `parse_params` checks its query
+(a bad parameter is named), `run_trace` writes the request, waits for the workers and merges their answers. vLLM's
+route (`tbo.integrations.vllm.trace_route`) and SGLang's (`tbo.integrations.sglang.trace_route`) only adapt them.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from typing import Any
 
 from tbo.core.observer import Observer
 from tbo.core.operations import comm_role
+from tbo.integrations.engine.metrics import label_order, read_slots
 
-__all__ = ["DEFAULT_STEPS", "MAX_BYTES", "MAX_STEPS", "MAX_TIMEOUT_S", "REQUEST_BYTES", "LiveTrace", "StepRecorder",
-           "TraceRequest", "chrome_trace", "read_request", "read_trace_files", "remove_request", "trace_file_name",
-           "write_request"]
+__all__ = ["DEFAULT_STEPS", "MAX_BYTES", "MAX_STEPS", "MAX_TIMEOUT_S", "REQUEST_BYTES", "ROUTE", "LiveTrace",
+           "StepRecorder", "TraceParams", "TraceRequest", "chrome_trace", "parse_params", "read_request",
+           "read_trace_files", "remove_request", "run_trace", "trace_file_name", "worker_name", "write_request"]
 
 logger = logging.getLogger("tbo.trace")
 
@@ -52,6 +57,9 @@ REQUEST_NAME = "trace.request"
 _ID = re.compile(r"^[0-9a-f]{8,32}$")
 _SPAN_BYTES = 120  #: about what one span costs in a worker's file (its JSON object): the recorder's estimate
 _SPANS_PER_OP = 1.3  #: spans per op, about: every op, and a transfer and a wait for some
+ROUTE = "/tbo/trace"  #: the HTTP route, in every engine
+_INT = re.compile(r"^[0-9]{1,9}$")
+_NUMBER = re.compile(r"^[0-9]{1,6}(\.[0-9]{1,6})?$")
 
 
 @dataclass(frozen=True)
@@ -303,10 +311,18 @@ def read_trace_files(directory: str | os.PathLike[str], request_id: str, max_byt
             doc = None
         if isinstance(doc, dict) and doc.get("id") == request_id and isinstance(doc.get("steps"), list):
             docs.append(doc)
-    return sorted(docs, key=lambda d: (int(d["labels"].get("engine", 0)), int(d["labels"].get("rank", 0))))
+    return sorted(docs, key=lambda d: label_order(d["labels"]))
 
 
 _LANES = {"compute": 0, "wait": 0, "comm": 1}
+
+
+def worker_name(labels: dict[str, Any]) -> str:
+    """A worker's name on a trace: vLLM's ``engine E rank R``; another engine's labels as ``name value`` pairs in
+    `label_order` (SGLang: ``tp_rank 0 pp_rank 0 ...``)."""
+    if set(labels) <= {"engine", "rank"}:
+        return f"engine {labels.get('engine', '0')} rank {labels.get('rank', '0')}"
+    return " ".join(f"{k} {v[1]}" for k, v in label_order(labels))
 
 
 def chrome_trace(docs: list[dict[str, Any]], missing: list[str] = ()) -> dict[str, Any]:
@@ -320,8 +336,7 @@ def chrome_trace(docs: list[dict[str, Any]], missing: list[str] = ()) -> dict[st
     t0 = min(starts, default=0.0)
     workers = []
     for pid, doc in enumerate(docs):
-        labels = doc["labels"]
-        name = f"engine {labels.get('engine', '0')} rank {labels.get('rank', '0')}"
+        name = worker_name(doc["labels"])
         mbs = sorted({s["mb"] for step in doc["steps"] for s in step["spans"]})
         for mb in mbs:
             for lane, tid_off in (("compute", 0), ("comm", 1)):
@@ -349,3 +364,73 @@ def chrome_trace(docs: list[dict[str, Any]], missing: list[str] = ()) -> dict[st
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"tokens": [step["tokens"] for d in docs for step in d["steps"]], "workers": workers,
                           "missing": list(missing)}}
+
+
+# ---- what an HTTP route does with a request (every engine's) ------------------------------------------------------
+
+
+class TraceParams:
+    """A route's checked query: ``steps`` (1..`MAX_STEPS`), ``timeout_s`` (0 < t <= `MAX_TIMEOUT_S`), ``max_bytes``
+    per worker (1024..`MAX_BYTES`)."""
+
+    def __init__(self, steps: int = DEFAULT_STEPS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_bytes: int = MAX_BYTES) -> None:
+        self.steps, self.timeout_s, self.max_bytes = steps, timeout_s, max_bytes
+
+
+def parse_params(query: Any) -> TraceParams:
+    """``query`` (a mapping of query parameters to their values) checked; a ValueError names the culprit."""
+    known = {"steps", "timeout_s", "max_bytes"}
+    unknown = sorted(set(query) - known)
+    if unknown:
+        raise ValueError(f"unknown query parameter(s) {unknown}: the route takes {sorted(known)}")
+    params = TraceParams()
+    if "steps" in query:
+        raw = query["steps"]
+        if not _INT.match(raw) or not 1 <= int(raw) <= MAX_STEPS:
+            raise ValueError(f"steps={raw!r}: an integer from 1 to {MAX_STEPS}")
+        params.steps = int(raw)
+    if "timeout_s" in query:
+        raw = query["timeout_s"]
+        if not _NUMBER.match(raw) or not 0 < float(raw) <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s={raw!r}: seconds, more than 0 and at most {MAX_TIMEOUT_S:g}")
+        params.timeout_s = float(raw)
+    if "max_bytes" in query:
+        raw = query["max_bytes"]
+        if not _INT.match(raw) or not 1024 <= int(raw) <= MAX_BYTES:
+            raise ValueError(f"max_bytes={raw!r}: an integer from 1024 to {MAX_BYTES}")
+        params.max_bytes = int(raw)
+    return params
+
+
+async def run_trace(directory: Path, params: TraceParams, interval_s: float) -> tuple[int, dict[str, Any]]:
+    """Ask every worker publishing a slot in ``directory`` for the next ``params.steps`` steps and wait for their
+    answers (each notices within one publisher tick of ``interval_s`` and answers within one tick of the deadline):
+    (200, the merged Perfetto trace), (503, error) no worker publishing, (504, error) none answered in time. The
+    caller holds one trace at a time per folder."""
+    import asyncio
+    import secrets
+
+    workers = [d["labels"] for d in read_slots(directory)]
+    if not workers:
+        return 503, {"error": f"no tbo worker publishes to {directory} (has the engine started?)"}
+    request_id = secrets.token_hex(8)
+    deadline = time.time() + params.timeout_s
+    names = {trace_file_name(request_id, w): w for w in workers}
+    write_request(directory, TraceRequest(request_id, params.steps, deadline, params.max_bytes))
+    grace = 2 * interval_s + 1.0
+    try:
+        while time.time() < deadline + grace:
+            if all((Path(directory) / name).exists() for name in names):
+                break
+            await asyncio.sleep(0.05)
+        docs = await asyncio.to_thread(read_trace_files, directory, request_id, params.max_bytes)
+    finally:
+        remove_request(directory, request_id)
+    answered = {trace_file_name(request_id, d["labels"]) for d in docs}
+    missing = [worker_name(w) for n, w in names.items() if n not in answered]
+    if not docs:
+        return 504, {"error": f"timeout: no tbo worker answered within timeout_s={params.timeout_s:g} s (and "
+                              f"{grace:g} s of grace); missing: {', '.join(missing)}"}
+    logger.info("tbo: a live trace of %d step(s) from %d worker(s)", params.steps, len(docs))
+    return 200, chrome_trace(docs, missing)

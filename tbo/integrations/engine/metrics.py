@@ -18,7 +18,10 @@ default), and which the serving process reads when ``/metrics`` is scraped (`rea
   publishes once when the engine closes.
 
 The slot's payload is the worker's ``stats_file`` document (its `StepStats` and the engine's extra report) with
-who wrote it (``labels``: engine index and rank) and tbo's ``info`` (version, strategies, split policy).
+who wrote it (``labels``: the engine's own labels of that worker, vLLM's ``engine`` and tbo's ``rank``, SGLang's
+``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank`` and ``dp_rank``) and tbo's ``info`` (version, strategies,
+split policy). The labels become the samples' Prometheus labels as they are, after ``model_name``, so each engine's
+families are labelled the way that engine labels its own.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["SLOT_BYTES", "MetricsPublisher", "MetricsSlot", "families", "metrics_dir", "read_slots", "sample_name", "tbo_version"]
+from tbo.integrations.engine.stats import STEP_SECONDS_BUCKETS
+
+__all__ = ["SLOT_BYTES", "MetricsPublisher", "MetricsSlot", "SlotCollector", "families", "label_order", "metrics_dir",
+           "read_slots", "sample_name", "tbo_version"]
 
 logger = logging.getLogger("tbo.metrics")
 
@@ -61,7 +67,7 @@ def tbo_version() -> str:
 def metrics_dir(key: str, base: str | None = None) -> Path:
     """The folder of one served engine's slots: ``tbo-metrics-<key>`` under ``base`` (default ``/dev/shm`` where it
     is a writable folder, memory rather than disk, else the system's temporary folder). ``key`` is what every process
-    of the engine knows alike (vLLM: the config's ``instance_id``)."""
+    of the engine knows alike (vLLM: the config's ``instance_id``; SGLang: its ``SGLANG_RUN_ID``)."""
     if not key or any(c in key for c in "/\\\0") or key in (".", ".."):
         raise ValueError(f"metrics key {key!r}: a non-empty name without path separators")
     if base is None:
@@ -138,12 +144,27 @@ def read_slots(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     found = [doc for doc in (read_slot(Path(directory) / name) for name in names) if doc is not None]
-    return sorted(found, key=lambda d: (int(d["labels"].get("engine", 0)), int(d["labels"].get("rank", 0))))
+    return sorted(found, key=lambda d: label_order(d["labels"]))
+
+
+def label_order(labels: dict[str, Any]) -> tuple[Any, ...]:
+    """A sort key of a worker's labels: vLLM's ``engine`` then ``rank``, SGLang's ``dp_rank`` then ``tp_rank``,
+    numbers as numbers (so rank 10 follows rank 9), then the rest by name."""
+    first = ("engine", "dp_rank", "rank", "tp_rank", "pp_rank", "moe_ep_rank")
+    keys = [k for k in first if k in labels] + sorted(k for k in labels if k not in first)
+
+    def value(v: Any) -> tuple[int, Any]:
+        text = str(v)
+        return (0, int(text)) if text.isdigit() else (1, text)
+
+    return tuple((k, value(labels[k])) for k in keys)
 
 
 class MetricsPublisher:
     """A worker's side: ``snapshot()`` (its ``stats_file`` document) published to its slot every ``interval_s`` by
-    a daemon thread, and once more at `close`. ``labels`` (``engine``, ``rank``) and ``info`` travel with it."""
+    a daemon thread, and once more at `close`. ``labels`` (the engine's labels of this worker: vLLM ``engine`` and
+    ``rank``, SGLang ``engine_type``, ``tp_rank``, ...; names and values without path separators, they name the
+    slot's file) and ``info`` travel with it."""
 
     def __init__(self, directory: str | os.PathLike[str], labels: dict[str, Any], info: dict[str, Any],
                  snapshot: Callable[[], dict[str, Any]], interval_s: float = 1.0, size: int = SLOT_BYTES,
@@ -151,6 +172,10 @@ class MetricsPublisher:
         if not interval_s > 0:
             raise ValueError(f"metrics interval_s={interval_s!r}: a positive number of seconds")
         self.labels = {k: str(v) for k, v in labels.items()}
+        bad = [f"{k}={v!r}" for k, v in self.labels.items() if not k.isidentifier() or any(c in v for c in "/\\\0")]
+        if bad:
+            raise ValueError(f"metrics labels {', '.join(bad)}: label names are identifiers, values have no path "
+                             "separators (they name the slot's file)")
         self.info, self.snapshot, self.interval_s = info, snapshot, interval_s
         #: called on the thread at each tick, before the publish (the live trace's poll: `tbo.integrations.engine.
         #: live_trace.LiveTrace.poll`)
@@ -218,7 +243,9 @@ class MetricsPublisher:
 # ---- the metric families ---------------------------------------------------------------------------------------
 
 #: StepStats' dict fields and the label their keys become
-_LABELLED = {"steps_by_mode": "mode", "split_steps_by_mode": "mode", "op_seconds": "op", "op_calls": "op"}
+_LABELLED = {"steps_by_mode": "mode", "split_steps_by_mode": "mode", "split_steps_by_strategy": "strategy",
+             "unsplit_steps_by_reason": "reason",
+             "op_seconds": "op", "op_calls": "op"}
 #: StepStats fields that describe the engine (gauges, not counters)
 _GAUGES = ("ep_size", "op_compile_bound")
 _DOC = {
@@ -226,6 +253,8 @@ _DOC = {
     "microbatches": "microbatches run over the split steps", "tokens": "tokens of the counted steps",
     "split_tokens": "tokens of the split steps", "cut_requests": "split steps whose cut fell inside a request",
     "steps_by_mode": "steps by kind", "split_steps_by_mode": "split steps by kind",
+    "split_steps_by_strategy": "split steps by the strategy that ran them",
+    "unsplit_steps_by_reason": "steps run unsplit, by why (below_threshold, no_cut, engine_veto, adaptive, ...)",
     "op_seconds": "op_times: wall seconds per op (a *_b op's: a wait the overlap left exposed)",
     "op_calls": "op_times: calls per op", "layers_seconds": "op_times: wall seconds of the layer stacks",
     "graph_eager_steps": "steps run eager because their split differed from their size's CUDA graph",
@@ -253,12 +282,31 @@ def sample_name(field: str) -> str:
     return f"tbo:{field}"
 
 
+class SlotCollector:
+    """A prometheus_client collector of the slots in ``directory``: ``collect`` reads them at each scrape (vLLM's
+    stat logger registers one in the registry its ``/metrics`` serves; SGLang's plugin in the one its
+    ``--enable-metrics`` route builds)."""
+
+    def __init__(self, directory: str | os.PathLike[str], model_name: str) -> None:
+        self.directory, self.model_name = directory, model_name
+
+    def collect(self) -> Iterator[Any]:
+        return families(read_slots(self.directory), self.model_name)
+
+    def describe(self) -> list[Any]:
+        return []  # unchecked at registration: the families depend on the engine's run
+
+
 def families(docs: list[dict[str, Any]], model_name: str) -> Iterator[Any]:
     """The Prometheus metric families of the slots' documents (`read_slots`), each sample labelled like the engine's
-    own (``model_name``, ``engine``) and by the worker's ``rank``. Needs ``prometheus_client`` (an engine's)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    own: ``model_name``, then the worker's labels as it published them (vLLM: ``engine``, ``rank``; SGLang:
+    ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank`` and, under DP, ``dp_rank``). A family's label names
+    are those of the first worker; a worker whose labels differ (an engine's workers all label alike) is skipped,
+    logged. Needs ``prometheus_client`` (an engine's)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    base = ["model_name", "engine", "rank"]
+    names = list(docs[0]["labels"]) if docs else []
+    base = ["model_name", *(n for n in names if n != "model_name")]
     made: dict[str, Any] = {}
 
     def family(kind: Any, name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
@@ -267,7 +315,10 @@ def families(docs: list[dict[str, Any]], model_name: str) -> Iterator[Any]:
         return made[name]
 
     for d in docs:
-        ids = [model_name, d["labels"].get("engine", "0"), d["labels"].get("rank", "0")]
+        if sorted(d["labels"]) != sorted(names):
+            logger.warning("tbo: a metrics slot labelled %s beside workers labelled %s: skipped", d["labels"], names)
+            continue
+        ids = [model_name, *(str(d["labels"][n]) for n in base[1:])]
         stats, info = d["stats"], d.get("info", {})
         keys = sorted(info)
         family(GaugeMetricFamily, "tbo:info", "tbo's version, strategies and split policy (always 1)",
@@ -284,6 +335,7 @@ def families(docs: list[dict[str, Any]], model_name: str) -> Iterator[Any]:
                 family(GaugeMetricFamily, sample_name(field), _DOC.get(field, field)).add_metric(ids, value)
             else:
                 family(CounterMetricFamily, sample_name(field), _DOC.get(field, field)).add_metric(ids, value)
+        _step_seconds(family, ids, stats, HistogramMetricFamily)
         steps, split = stats.get("steps", 0), stats.get("split_steps", 0)
         family(GaugeMetricFamily, "tbo:split_ratio", "split steps over steps, since the engine started").add_metric(
             ids, split / steps if steps else 0.0)
@@ -294,8 +346,32 @@ def families(docs: list[dict[str, Any]], model_name: str) -> Iterator[Any]:
         exposed = sum(v for k, v in stats.get("op_seconds", {}).items() if k.endswith("_b"))
         family(CounterMetricFamily, "tbo:exposed_wait_seconds", "op_times: seconds in *_b ops (waits on transfers "
                "the overlap left exposed)").add_metric(ids, exposed)
+        link = stats.get("link")
+        if isinstance(link, dict):  # the emulated links' report (`link_report`): busy, hidden and exposed time
+            busy, exposed_s = link.get("busy_s", 0.0), link.get("exposed_s", 0.0)
+            for name, doc, value in (
+                    ("tbo:link_transfers", "link: transfers booked on the emulated interconnect", link.get("transfers", 0)),
+                    ("tbo:link_busy_seconds", "link: seconds the emulated interconnect was busy", busy),
+                    ("tbo:link_exposed_seconds", "link: busy seconds the overlap left exposed (waited for in a *_b op)",
+                     exposed_s),
+                    ("tbo:link_hidden_seconds", "link: busy seconds the overlap hid (busy minus exposed)",
+                     max(busy - exposed_s, 0.0))):
+                family(CounterMetricFamily, name, doc).add_metric(ids, value)
         _adaptive(family, ids, stats.get("adaptive") or [], GaugeMetricFamily, CounterMetricFamily)
     yield from made.values()
+
+
+def _step_seconds(family: Callable[..., Any], ids: list[str], stats: dict[str, Any], histogram: Any) -> None:
+    """``tbo:step_seconds``: the timed steps' wall time (`tbo.integrations.engine.stats.StepClock`) as a Prometheus
+    histogram per step kind and split (labels ``mode``, ``split``: "split" or "unsplit"), buckets
+    `STEP_SECONDS_BUCKETS`."""
+    counts, sums, cumulative = (stats.get(f"step_seconds_{k}") or {} for k in ("count", "sum", "bucket"))
+    for key in sorted(counts):
+        mode, split = key.split("|")
+        buckets = [(repr(le), cumulative.get(f"{key}|{le:g}", 0)) for le in STEP_SECONDS_BUCKETS]
+        family(histogram, "tbo:step_seconds", "seconds a step took, from its layers' start to its results on the "
+               "host, by kind and split", ("mode", "split")).add_metric(
+            [*ids, mode, split], buckets=[*buckets, ("+Inf", counts[key])], sum_value=sums.get(key, 0.0))
 
 
 def _adaptive(family: Callable[..., Any], ids: list[str], reports: list[dict[str, Any]], gauge: Any,

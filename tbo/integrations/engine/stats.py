@@ -13,15 +13,25 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-__all__ = ["MODES", "PROPERTIES", "StatsFile", "StatsRegistry", "StepStats", "summary_line"]
+from tbo.split.kinds import StepKind
 
-MODES = ("decode", "prefill", "mixed", "idle")  # idle: a data-parallel rank's dummy step beside its peers'
+__all__ = ["MODES", "PROPERTIES", "STEP_SECONDS_BUCKETS", "StatsFile", "StatsRegistry", "StepClock", "StepStats",
+           "link_report", "summary_line"]
+
+#: the step kinds counted by kind (idle: a data-parallel rank's dummy step beside its peers')
+MODES = (StepKind.DECODE, StepKind.PREFILL, StepKind.MIXED, StepKind.IDLE)
 #: `StepStats` fields that describe the engine rather than count what it did: a reset keeps them, a sum of engines
 #: takes the largest expert-parallel group and adds the compile bounds
 PROPERTIES = ("ep_size", "op_compile_bound")
+#: the step-time histogram's upper bounds in seconds (Prometheus's ``le``): vLLM's per-decode-step buckets
+#: (``vllm.v1.metrics.buckets.INTER_TOKEN_LATENCY_BUCKETS``, from 10 ms), with three below them for the millisecond
+#: steps of a small model on a GPU
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 @dataclass
@@ -35,6 +45,17 @@ class StepStats:
     split_tokens: int = 0
     steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
     split_steps_by_mode: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MODES, 0))
+    #: steps run unsplit, by why (`tbo.integrations.engine.step.UNSPLIT_REASONS`: below the threshold, no cut, the
+    #: engine's veto, padded, the adaptive choice, another DP rank, ...): what an operator asks when the ratio is low
+    unsplit_steps_by_reason: dict[str, int] = field(default_factory=dict)
+    #: split steps by the registry name of the strategy that ran them (the adaptive split chooses among candidates)
+    split_steps_by_strategy: dict[str, int] = field(default_factory=dict)
+    #: each timed step's wall time (`StepClock`) as a histogram by its kind and whether it split, under the key
+    #: ``"decode|split"`` (or ``"prefill|unsplit"``, ...): how many, their seconds, and per bucket the steps at most
+    #: that long (``"decode|split|0.05"``: cumulative, as Prometheus's ``le``; the ``+Inf`` bucket is the count)
+    step_seconds_count: dict[str, int] = field(default_factory=dict)
+    step_seconds_sum: dict[str, float] = field(default_factory=dict)
+    step_seconds_bucket: dict[str, int] = field(default_factory=dict)
     cut_requests: int = 0  #: split steps whose cut fell inside a request (a prefill chunk in two microbatches)
     #: speculative decoding: target steps that verified draft tokens, those split (never inside a request's 1 + k
     #: tokens), those of them whose requests brought different draft counts, and the draft tokens they verified
@@ -85,8 +106,12 @@ class StepStats:
     compiled_op_calls: int = 0
     guarded_op_calls: int = 0
 
-    def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool) -> None:
-        """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit."""
+    def record(self, mode: str, num_tokens: int, num_microbatches: int, cut_request: bool,
+               unsplit_reason: str | None = None) -> None:
+        """Count one step; ``num_microbatches`` is 1 for a step that ran unsplit, and ``unsplit_reason`` says why
+        (`tbo.integrations.engine.step.Step.unsplit_reason`; "idle" for a dummy step; None: not counted by reason)."""
+        if num_microbatches == 1 and unsplit_reason is not None:
+            self.unsplit_steps_by_reason[unsplit_reason] = self.unsplit_steps_by_reason.get(unsplit_reason, 0) + 1
         self.steps += 1
         self.tokens += num_tokens
         self.steps_by_mode[mode] += 1
@@ -96,6 +121,20 @@ class StepStats:
             self.split_tokens += num_tokens
             self.split_steps_by_mode[mode] += 1
             self.cut_requests += int(cut_request)
+
+    def observe_step(self, mode: str, split: bool, seconds: float) -> None:
+        """Add one step's wall time to the histogram of its kind and split (`STEP_SECONDS_BUCKETS`)."""
+        key = f"{mode}|{'split' if split else 'unsplit'}"
+        self.step_seconds_count[key] = self.step_seconds_count.get(key, 0) + 1
+        self.step_seconds_sum[key] = self.step_seconds_sum.get(key, 0.0) + seconds
+        for le in STEP_SECONDS_BUCKETS:
+            if seconds <= le:
+                bucket = f"{key}|{le:g}"
+                self.step_seconds_bucket[bucket] = self.step_seconds_bucket.get(bucket, 0) + 1
+
+    def record_strategy(self, name: str) -> None:
+        """Count one split step (after `record`) as run by the strategy registered as ``name``."""
+        self.split_steps_by_strategy[name] = self.split_steps_by_strategy.get(name, 0) + 1
 
     def record_verify(self, draft_tokens: int, split: bool, varying: bool) -> None:
         """Count one target step that verified ``draft_tokens`` draft tokens (after `record`)."""
@@ -157,6 +196,29 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         raise
 
 
+class StepClock:
+    """Times a counted step for `StepStats.observe_step`: `start` where its layers begin, `stop` where the engine
+    waits for its results anyway (vLLM: its ``sample_tokens`` returned, the tokens on the host; an engine without
+    such a seat stops at the end of its layer loop), so the clock adds no device sync. A step started but never
+    stopped (a data-parallel dummy step, which samples nothing) is dropped by the next start."""
+
+    def __init__(self, stats: StepStats) -> None:
+        self.stats = stats
+        self._running: tuple[str, bool, float] | None = None
+
+    def start(self, mode: str, split: bool) -> None:
+        self._running = (mode, split, time.perf_counter())
+
+    def stop(self) -> bool:
+        """Observe the running step, if any; True where one was observed."""
+        if self._running is None:
+            return False
+        mode, split, t0 = self._running
+        self._running = None
+        self.stats.observe_step(mode, split, time.perf_counter() - t0)
+        return True
+
+
 class StatsFile:
     """``stats_file``: a worker's stats written after every counted step, not only at shutdown.
 
@@ -187,6 +249,18 @@ class StatsFile:
                 self._error = message
                 logger.warning("tbo: cannot write stats_file %r (%s); the engine goes on without it",
                                self.path, message)
+
+
+def link_report(links: list[Any]) -> dict[str, Any] | None:
+    """``stats_file``'s ``link`` for an engine's emulated links (`tbo.comm.emulated.LinkTimeline`s: ``link`` set):
+    the transfers booked on them, their busy seconds, and the seconds of those the overlap left exposed (waited for
+    in a ``*_b`` op), summed; None without a link. Proof that the link ran, and what the metrics' ``tbo:link_*``
+    families (hidden = busy - exposed) read."""
+    if not links:
+        return None
+    stats = [link.stats for link in links]
+    return {"transfers": sum(s.count for s in stats), "busy_s": sum(s.comm_s for s in stats),
+            "exposed_s": sum(s.exposed_s for s in stats)}
 
 
 def summary_line(s: StepStats) -> str:

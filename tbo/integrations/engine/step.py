@@ -1,7 +1,9 @@
-"""The split decision for one engine step, made by tbo's `SplitPolicy` from vLLM's batch.
+"""The split decision for one engine step, made by tbo's `SplitPolicy` from the engine's batch (each engine adapts its
+own batch into `StepFacts`; `decide_facts` is a pure function of them).
 
-A step is ``decode`` (every request past its prompt), ``prefill`` (none is) or ``mixed`` (chunked prefill beside
-decodes). The policy sees it as DECODE when every request brings one token, else as EXTEND with each request's
+A step is of kind `StepKind.DECODE` (every request past its prompt), ``PREFILL`` (none is) or ``MIXED`` (chunked
+prefill beside decodes), and runs one of the engine's two strategies, its `Slot` (decode-like batches the decode
+one). The policy sees it as DECODE when every request brings one token, else as EXTEND with each request's
 scheduled tokens, so a step can be cut between requests or, when the boundaries are lopsided, inside a prefill
 chunk (the later part then attends over the earlier part through the KV cache, which the earlier microbatch's
 attention has written by then: microbatch 0 always runs a layer's attention first).
@@ -13,11 +15,12 @@ that best balances tokens, `tbo.split.index.verify_cuts`). In a step that also p
 a drafted request moves to that request's nearer boundary. vLLM's rejection sampling and spec-decode metadata see the
 whole step, as without tbo: only the layers run in microbatches.
 
-A forward of vLLM's MTP drafter (`tbo.integrations.vllm.runner.draft`) is decided alone (`decide_draft`): decode-like, cut
-between requests only.
+A forward of a drafter's model (vLLM's MTP: `tbo.integrations.vllm.runner.draft`) is decided alone
+(`decide_draft`): decode-like, cut between requests only.
 
-A step does not split when the policy says no, when vLLM's prefix-cache rule forbids it (a request reading blocks
-another request of the same step is writing now), when it uses cascade attention, or when the runner padded it.
+A step does not split when the policy says no, when the engine's prefix-cache rule forbids it (a request reading
+blocks another request of the same step is writing now: vLLM's own rule, `readers_last` where a runner has none),
+when it uses cascade attention, or when the runner padded it.
 """
 
 from __future__ import annotations
@@ -28,43 +31,68 @@ from typing import Any, Sequence
 
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
 from tbo.split.index import Cut
+from tbo.split.kinds import Slot, StepKind
 from tbo.split.plan import plan_from_cuts
 
-__all__ = ["Step", "StepFacts", "decide", "decide_draft", "decide_facts", "microbatch_rows", "readers_last"]
+__all__ = ["Step", "StepFacts", "UNSPLIT_REASONS", "decide", "decide_draft", "decide_facts", "microbatch_rows",
+           "readers_last", "unsplit_reason"]
+
+#: why a step runs unsplit: fewer tokens than its kind's threshold; no cut the policy accepts (too few requests for
+#: the microbatches, lopsided boundaries where cuts fall between requests only, drafts kept whole); the engine's own
+#: veto (vLLM's prefix-cache rule, its microbatching veto); a step the runner padded; cascade attention; the adaptive
+#: split's choice; another data-parallel rank's (the agreement ran it whole); a step with no request; a dummy step;
+#: "other": a step whose decision gave no reason (none of tbo's does; a counter that rises names a gap)
+UNSPLIT_REASONS = ("below_threshold", "no_cut", "engine_veto", "padded", "cascade", "adaptive", "data_parallel",
+                   "empty", "idle", "other")
 
 
 @dataclass(frozen=True)
 class Step:
     """One engine step as tbo sees it."""
 
-    #: "decode", "prefill" or "mixed"; with data parallelism also "idle" (a dummy step) or "warmup"; "draft": one
-    #: forward of a drafter's model (`decide_draft`)
-    mode: str
+    #: what the step is (`StepKind`): decode, prefill or mixed; with data parallelism also idle (a dummy step) or
+    #: warmup; draft: one forward of a drafter's model (`decide_draft`)
+    kind: StepKind
     forward_mode: ForwardMode
     num_tokens: int
     plan: SplitPlan | None  #: None: the step runs unsplit
-    #: the strategy chosen for it, by the data-parallel ranks' agreement or the adaptive split (None: this step's
-    #: own, from its forward mode)
-    agreed_strategy: str | None = None
-    #: data parallel: what the ranks agreed beyond the plan and the strategy (`tbo.integrations.vllm.step.agree.DpStep`:
+    #: the slot the step runs, chosen by the data-parallel ranks' agreement or the adaptive split (None: its own,
+    #: `own_slot`)
+    agreed_slot: Slot | None = None
+    #: the registry name of the strategy the adaptive split chose among its candidates (`slot` is the slot it runs
+    #: in: its backend and forms); None: the slot's own strategy
+    strategy_name: str | None = None
+    #: data parallel: what the ranks agreed beyond the plan and the slot (`tbo.integrations.vllm.step.agree.DpStep`:
     #: an empty tail, every rank's rows); None: this engine decided alone
     dp: Any = None
     #: speculative decoding: the draft tokens this step verifies (0: none, not a verify step)
     draft_tokens: int = 0
     #: a verify step whose requests bring different draft counts (k varies between them)
     varying_drafts: bool = False
+    #: why it runs unsplit (None: it splits): one of `UNSPLIT_REASONS`, counted by reason in ``stats()``
+    unsplit_reason: str | None = None
+
+    def __post_init__(self) -> None:  # a kind or slot given as its string: the member (one vocabulary downstream)
+        object.__setattr__(self, "kind", StepKind(self.kind))
+        if self.agreed_slot is not None:
+            object.__setattr__(self, "agreed_slot", Slot(self.agreed_slot))
 
     @property
-    def strategy_mode(self) -> str:
-        """Which strategy runs it: the agreed one, else the decode one for decode-only steps, the prefill one
-        otherwise."""
-        return self.agreed_strategy if self.agreed_strategy is not None else self.own_strategy
+    def slot(self) -> Slot:
+        """Which of the engine's strategies runs it: the agreed slot, else its own."""
+        return self.agreed_slot if self.agreed_slot is not None else self.own_slot
 
     @property
-    def own_strategy(self) -> str:
-        """The strategy this step's own batch needs: decode for decode-like steps (a verify step too), prefill
+    def own_slot(self) -> Slot:
+        """The slot this step's own batch needs: decode for decode-like steps (a verify step too), prefill
         otherwise."""
-        return "decode" if self.forward_mode.is_decode_like else "prefill"
+        return Slot.of(self.forward_mode)
+
+    @property
+    def counted_reason(self) -> str:
+        """Why it ran unsplit, as ``stats()`` counts it: its decision's reason, "idle" for a dummy step, else "other"
+        (no decision of tbo's leaves it unset: a counter that rises names a gap)."""
+        return self.unsplit_reason or ("idle" if self.kind == StepKind.IDLE else "other")
 
     @property
     def runner_split(self) -> bool:
@@ -85,13 +113,13 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
     """
     lens = [int(n) for n in scheduled]
     decoding = sum(bool(p) for p in past_prompt)
-    mode = "decode" if decoding == len(lens) else "prefill" if decoding == 0 else "mixed"
+    kind = StepKind.DECODE if decoding == len(lens) else StepKind.PREFILL if decoding == 0 else StepKind.MIXED
     num_tokens = sum(lens)
     k = [int(d) for d in drafts] if drafts is not None else [0] * len(lens)
     if len(k) != len(lens):
         raise ValueError(f"drafts gives {len(k)} requests' draft counts for a step of {len(lens)} requests")
     draft_tokens = sum(k)
-    if draft_tokens and mode == "decode":  # a verify step: 1 + k tokens per request
+    if draft_tokens and kind is StepKind.DECODE:  # a verify step: 1 + k tokens per request
         fmode = ForwardMode.TARGET_VERIFY
     else:
         fmode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.EXTEND
@@ -101,7 +129,15 @@ def decide(policy: SplitPolicy, scheduled: Sequence[int], past_prompt: Sequence[
         if plan is not None and draft_tokens and plan.two_chunk:
             plan = _keep_drafts_whole(policy, plan, lens, k)
     varying = draft_tokens > 0 and len({d for d, p in zip(k, past_prompt) if p}) > 1
-    return Step(mode, fmode, num_tokens, plan, draft_tokens=draft_tokens, varying_drafts=varying)
+    why = None if plan is not None else "empty" if not lens else "engine_veto" if not allowed else \
+        "cascade" if cascade else "padded" if padded_tokens != num_tokens else unsplit_reason(policy, fmode, lens)
+    return Step(kind, fmode, num_tokens, plan, draft_tokens=draft_tokens, varying_drafts=varying,
+                unsplit_reason=why)
+
+
+def unsplit_reason(policy: SplitPolicy, fmode: ForwardMode, lens: Sequence[int]) -> str:
+    """Why ``policy`` found no plan for requests of ``lens`` tokens: below its threshold, or no acceptable cut."""
+    return "below_threshold" if sum(lens) < policy.threshold_for(fmode, lens) else "no_cut"
 
 
 def decide_draft(policy: SplitPolicy, query_lens: Sequence[int], *, padded_tokens: int) -> Step:
@@ -116,7 +152,9 @@ def decide_draft(policy: SplitPolicy, query_lens: Sequence[int], *, padded_token
     num_tokens = sum(lens)
     fmode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.TARGET_VERIFY
     plan = _plan(policy, fmode, lens) if lens and padded_tokens == num_tokens else None
-    return Step("draft", fmode, num_tokens, plan)
+    why = None if plan is not None else "empty" if not lens else "padded" if padded_tokens != num_tokens else \
+        unsplit_reason(policy, fmode, lens)
+    return Step(StepKind.DRAFT, fmode, num_tokens, plan, unsplit_reason=why)
 
 
 def _plan(policy: SplitPolicy, fmode: ForwardMode, lens: list[int]) -> SplitPlan | None:

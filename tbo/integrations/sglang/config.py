@@ -62,7 +62,3 @@ def _check_supported(config: TboSglangConfig) -> None:
         refuse("afd", "no 'afd' key", "attention-FFN disaggregation runs inside vLLM only")
     if config.fp8_dispatch is True:
         refuse({"fp8_dispatch": True}, "'auto' or false", "FP8 dispatch needs DeepEP")
-    asked = {key: getattr(config, key) for key in ("metrics", "metrics_interval_s") if key in config.model_fields_set}
-    if asked and asked.get("metrics", True):  # the default is vLLM's; asking for it here would run silently off
-        refuse(asked, "no metrics keys, or 'metrics': false (stats_file and `tbo stats` report SGLang's figures)",
-               "tbo's figures do not reach SGLang's /metrics yet: docs/metrics.md")

@@ -14,6 +14,12 @@ request (`CLOSE_RPC`), answered by ``Scheduler.handle_rpc_request`` (AROUND: tha
 is SGLang's): each closes its `SglangEngine` (tbo comes off the runner, the summary is logged and written to
 ``stats_file``) and replies with the summary lines, which the engine's process logs too. The wait is bounded
 (`CLOSE_TIMEOUT_S`) and nothing there raises: a dead scheduler costs the summary, never the shutdown.
+
+Metrics: with ``--enable-metrics``, SGLang's ``add_prometheus_middleware`` (AROUND, hooked late, from the
+``TokenizerManager`` hook, and only in a process that serves HTTP) gets tbo's collector into the registry its
+``/metrics`` serves, and tbo's live trace route where ``SGLANG_PLUGINS`` names ``tbo_trace``
+(`tbo.integrations.sglang.metrics`, `tbo.integrations.sglang.trace_route`); each scheduler publishes its figures
+from `SglangEngine` (`tbo.integrations.sglang.runner.metrics`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["CLOSE_RPC", "CLOSE_TIMEOUT_S", "TARGET", "engine_of", "register"]
+__all__ = ["CLOSE_RPC", "CLOSE_TIMEOUT_S", "PROMETHEUS", "TARGET", "engine_of", "register"]
 
 logger = logging.getLogger("sglang.tbo")
 
@@ -34,6 +40,8 @@ STARTED = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
 SHUTDOWN = "sglang.srt.entrypoints.engine.Engine.shutdown"
 #: the scheduler's RPC handler, which answers `CLOSE_RPC`
 RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+#: SGLang's function that mounts /metrics on the HTTP server's app: tbo's collector joins its registry there
+PROMETHEUS = "sglang.srt.entrypoints.http_server.add_prometheus_middleware"
 #: the RPC's method name (no method of SGLang's Scheduler has it)
 CLOSE_RPC = "tbo_close"
 #: how long the engine's process waits for the schedulers' reply at shutdown
@@ -50,6 +58,14 @@ def register() -> None:
     HookRegistry.register(STARTED, _after_tokenizer_manager, HookType.AFTER)
     HookRegistry.register(SHUTDOWN, _before_shutdown, HookType.BEFORE)
     HookRegistry.register(RPC, _around_rpc, HookType.AROUND)
+
+
+def _around_prometheus(original: Any, app: Any, *args: Any, **kwargs: Any) -> Any:
+    """The server's process, as SGLang mounts ``/metrics`` (``--enable-metrics``): tbo's figures join it, and the
+    trace route is added where allow-listed (`tbo.integrations.sglang.metrics`)."""
+    from tbo.integrations.sglang.metrics import around_prometheus
+
+    return around_prometheus(original, app, *args, **kwargs)
 
 
 def _after_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -74,8 +90,28 @@ def _after_tokenizer_manager(result: Any, manager: Any, *args: Any, **kwargs: An
     variable as they load the model), so that only such an engine's shutdown asks them to close tbo."""
     from tbo.integrations.sglang.errors import ENV
 
-    setattr(manager, _ON, bool(os.environ.get(ENV, "").strip()))
+    on = bool(os.environ.get(ENV, "").strip())
+    setattr(manager, _ON, on)
+    if on:
+        _hook_prometheus()
     return result
+
+
+def _hook_prometheus() -> None:
+    """Where this process serves HTTP (SGLang's server module is loaded: ``launch_server`` imports it before it
+    starts the engine), hook its ``add_prometheus_middleware``, which the server's start calls by that module name.
+    Registered here, late, and not in `register`: SGLang resolves every hook target in every process it starts, and
+    resolving this one would import the HTTP server's module (its app, its event-loop policy) into the schedulers
+    and into every ``sgl.Engine`` user's process."""
+    import sys
+
+    if PROMETHEUS.rsplit(".", 1)[0] not in sys.modules:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if PROMETHEUS not in HookRegistry._patched:
+        HookRegistry.register(PROMETHEUS, _around_prometheus, HookType.AROUND)
+        HookRegistry.apply_hooks()  # patches what is not patched yet: this target alone
 
 
 def _before_shutdown(engine: Any, *args: Any, **kwargs: Any) -> None:

@@ -118,6 +118,8 @@ V2_ENTRIES: tuple[Entry, ...] = (
     Entry(_V2, "GPUModelRunner.gather_batch_req_state", "wrap", params=("scheduler_output", "dummy_run"),
           leading=True, where="runner.v2 (V2Patches.scope: its result[0], the step's BatchReqState)"),
     Entry(_V2, "GPUModelRunner.shutdown", "wrap", where="runner.v2"),
+    Entry(_V2, "GPUModelRunner.sample_tokens", "wrap", params=("grammar_output",),
+          where="runner.v2 (split: \"adaptive\": the step's clock stops when its tokens are sampled)"),
     Entry(_V2, "GPUModelRunner", "read",
           attrs=("vllm_config", "model", "model_state", "attn_groups", "kv_cache_config", "device", "max_num_reqs",
                  "ubatch_runner"), where="runner.v2, runner.engine (ubatch_runner also set: tbo's TboUBatchRunner)"),

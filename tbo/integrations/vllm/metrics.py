@@ -17,25 +17,15 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from tbo.integrations.engine.metrics import families, metrics_dir, read_slots
+from tbo.integrations.engine.metrics import SlotCollector, metrics_dir
 from tbo.integrations.vllm.config import parse_config
 
 __all__ = ["TboCollector", "TboStatLogger"]
 
 logger = logging.getLogger("vllm.tbo")
 
-
-class TboCollector:
-    """A prometheus_client collector of the slots in ``directory``: ``collect`` reads them at each scrape."""
-
-    def __init__(self, directory: Any, model_name: str) -> None:
-        self.directory, self.model_name = directory, model_name
-
-    def collect(self) -> Any:
-        return families(read_slots(self.directory), self.model_name)
-
-    def describe(self) -> list[Any]:
-        return []  # unchecked at registration: the families depend on the engine's run
+#: the collector of one engine's slots (engine-neutral: `tbo.integrations.engine.metrics.SlotCollector`)
+TboCollector = SlotCollector
 
 
 class TboStatLogger(AggregateStatLoggerBase):

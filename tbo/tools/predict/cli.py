@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tbo.tools.cli import positive
+from tbo.tools.inputs import positive
 from tbo.tools.simulate import simulate, split_tokens, summary
 from tbo.tools.predict.comm import traffic, transfer_seconds
 from tbo.tools.predict.costs import Prediction, predict

@@ -4,8 +4,11 @@ Every op calls the layer's own modules, so the math is SGLang's: the layer-bound
 ``ffn_boundary``: the residual adds and norms, on the microbatch's own residual stream), the attention module
 (Qwen3-MoE's as two ops: ``forward_prepare`` with its projections, q/k norms and rotary in ``attn_prepare``,
 ``forward_core`` with SGLang's attention backend and KV cache in ``attn_core``; any other whole in ``attn_core``),
-the router gate, SGLang's ``TopK`` and the ``experts`` module (its own MoE runner, unquantized or not). What tbo
-changes is where the tokens go between routing and the experts: through an `EPBackend` (dispatch, combine), in the
+the router gate, SGLang's ``TopK``, the ``experts`` module (its own MoE runner, unquantized or not) and, where the
+block has one, its shared expert as its own op (``shared_experts``: the block's module, gated by the sigmoid of its
+``shared_expert_gate`` where it has one, as Qwen2-MoE's block computes it; its output added to the routed one in
+``output``), so that a strategy (``deepseek_decode``/``deepseek_prefill``) runs it while a dispatch or combine is in
+flight. What tbo changes is where the tokens go between routing and the experts: through an `EPBackend` (dispatch, combine), in the
 NORMAL layout SGLang's experts take (each token once with its top-k ids and weights).
 
 Each microbatch carries its own ForwardBatch (pinned in its State as ``forward_batch``, with its ``positions``): the
@@ -23,13 +26,15 @@ import torch
 from tbo.core.dataflow import OpFlow, declares
 from tbo.core.state import State
 from tbo.integrations.sglang.model.structure import LayerStructure
-from tbo.models.layer_ops import ExpertParallelOps
+from tbo.integrations.sglang.model.tp import TensorParallelOps
+from tbo.ops import ExpertParallelOps
 
 __all__ = ["SglangDecoderLayer"]
 
 
-class SglangDecoderLayer(ExpertParallelOps):
-    """An SGLang decoder layer as ops; its experts' tokens dispatched through ``backend``."""
+class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
+    """An SGLang decoder layer as ops; its experts' tokens dispatched through ``backend`` (None: a dense model, at
+    tensor parallel >= 2); under TP its reductions as tbo's transfers where its strategy says (`model.tp`)."""
 
     #: the engine's `StepStats` (counts local_ffn_calls); None: not counted
     stats: Any = None
@@ -41,8 +46,10 @@ class SglangDecoderLayer(ExpertParallelOps):
         self.split_attention = structure.split_attention
         #: the model's final norm, on the last layer only: it ends each microbatch's stack as SGLang's model does
         self.final_norm = final_norm
-        self.has_shared_experts = False
-        self.required_ops = ()
+        self.shared, self.shared_gate = structure.shared, structure.shared_gate
+        self.has_shared_experts = self.shared is not None
+        #: a strategy without the shared expert's op would run and leave its part out: refused when bound
+        self.required_ops = ("shared_experts",) if self.has_shared_experts else ()
         self._ids_dtype = torch.int32
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
         from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -78,9 +85,7 @@ class SglangDecoderLayer(ExpertParallelOps):
 
     @declares(takes="attn_out", writes="mlp_in", pinned="forward_batch")
     def op_comm_prepare_mlp(self, state: State) -> None:
-        fb = state.forward_batch
-        hidden = self.layer.attn_boundary.finish(state.pop("attn_out"), fb)
-        state.mlp_in = self.layer.ffn_boundary.prepare(hidden, fb)
+        state.mlp_in = self.prepare_ffn_input(state.pop("attn_out"), state.forward_batch)
 
     # ---- dense layers ------------------------------------------------------------------------------------------
     @declares(takes="mlp_in", writes="mlp_out", pinned="forward_batch")
@@ -110,38 +115,67 @@ class SglangDecoderLayer(ExpertParallelOps):
         self._ids_dtype = out.topk_ids.dtype  # the experts take them back in their own dtype
         state.topk = (out.topk_ids, out.topk_weights)
 
-    @declares(takes=("mlp_in", "topk"), writes=("dispatch", "mlp_shape"))
+    @declares(lambda layer: OpFlow(reads="mlp_in", takes="topk", writes=("dispatch", "mlp_shape"))
+              if layer.has_shared_experts else OpFlow(takes=("mlp_in", "topk"), writes=("dispatch", "mlp_shape")))
     def op_dispatch_a(self, state: State) -> None:
-        x = state.pop("mlp_in")
+        x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")  # the shared expert reads it later
         state.mlp_shape = x.shape
         state.dispatch = self.backend.dispatch_a(x.view(-1, x.shape[-1]), *state.pop("topk"))
 
+    @declares(lambda layer: OpFlow(takes="mlp_in", writes="shared_out") if layer.has_shared_experts else OpFlow())
     def op_shared_experts(self, state: State) -> None:
-        """No shared expert here (a layer with one is refused at load: `structure`)."""
+        """The block's shared expert on this microbatch's tokens, scaled per token by the sigmoid of its gate where it
+        has one (Qwen2-MoE's ``shared_expert_gate``); nothing on a layer without a shared expert."""
+        if not self.has_shared_experts:
+            return
+        x = state.pop("mlp_in")
+        x = x.view(-1, x.shape[-1])
+        if x.shape[0] == 0:  # an empty microbatch: SGLang's block skips its shared expert too
+            state.shared_out = torch.zeros_like(x)
+            return
+        self._count_ffn()
+        out = self.shared(x)
+        if self.shared_gate is not None:
+            gate = self.shared_gate(x)
+            out = torch.sigmoid(gate[0] if isinstance(gate, tuple) else gate) * out
+        state.shared_out = out
 
     @declares(takes="dispatched", writes="expert_out")
     def op_experts(self, state: State) -> None:
         """SGLang's experts module on the tokens dispatched here: per token, the weighted sum over its experts."""
-        d = state.pop("dispatched")
+        state.expert_out = self.run_experts(state.pop("dispatched"), state.get("mlp_in"))
+
+    def run_experts(self, d: Any, mlp_in: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """``(output, combine handle)`` of SGLang's experts module on the dispatched rows ``d``. ``mlp_in``: the
+        microbatch's MLP input while its shared expert has yet to read it."""
         self._count_ffn()
         ids = d.topk_idx.to(self._ids_dtype)
-        logits = d.hidden.new_empty((d.hidden.shape[0], 0))  # the runner reads ids and weights, not the logits
-        out = self.ffn.experts(d.hidden, self._topk_output(d.topk_weights.to(torch.float32), ids, logits))
-        state.expert_out = (out, d.handle)
+        x = d.hidden
+        if mlp_in is not None and x.numel() and x.data_ptr() == mlp_in.data_ptr():
+            # the shared expert has not run yet and reads the same storage (the local backend dispatches the MLP
+            # input itself): the experts get a copy, so that a runner writing its input in place cannot change it
+            x = x.clone()
+        logits = x.new_empty((x.shape[0], 0))  # the runner reads ids and weights, not the logits
+        out = self.ffn.experts(x, self._topk_output(d.topk_weights.to(torch.float32), ids, logits))
+        return out, d.handle
 
     # ---- output ------------------------------------------------------------------------------------------------
-    @declares(lambda layer: OpFlow(takes="mlp_out" if layer.kind == "dense" else ("routed_out", "mlp_shape"),
-                                   writes="layer_out"))
+    @declares(lambda layer: OpFlow(takes="mlp_out" if layer.kind == "dense" else
+                                   ("routed_out", "shared_out", "mlp_shape") if layer.has_shared_experts else
+                                   ("routed_out", "mlp_shape"), writes="layer_out"))
     def op_output(self, state: State) -> None:
         if self.kind == "dense":
             state.layer_out = state.pop("mlp_out")
             return
-        state.layer_out = state.pop("routed_out").view(state.pop("mlp_shape"))
+        out = state.pop("routed_out")
+        if self.has_shared_experts:  # the shared part added to the routed one, as SGLang's block adds it
+            out = out + state.pop("shared_out").view(out.shape)
+        state.layer_out = out.view(state.pop("mlp_shape"))
 
     @declares(takes="layer_out", clears=True, returns="hidden_states", pinned="forward_batch")
     def op_comm_postprocess_layer(self, state: State) -> dict[str, Any]:
         fb = state.forward_batch
-        hidden = self.layer.ffn_boundary.finish(state.pop("layer_out"), fb)
+        hidden = self.finish_ffn_output(state.pop("layer_out"), fb)
         if self.final_norm is not None:  # the stack's end, per microbatch (as the model's forward ends it)
             hidden = self._residual.final_norm(hidden, fb, self.final_norm, skip_empty=True)
         state.clear()

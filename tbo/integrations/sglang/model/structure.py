@@ -4,7 +4,9 @@ tbo runs the layer loop of a model whose inner model (``model.model``) has SGLan
 ``layers``, ``norm``, the residual stream started by ``residual_batch.start``) and whose decoder layers have SGLang's
 layer-boundary stages (``attn_boundary``, ``ffn_boundary``: the residual adds and norms), a ``self_attn`` module and
 an MLP: a MoE block with a router ``gate``, a ``topk`` and ``experts`` (Qwen3-MoE's ``mlp``, Mixtral's
-``block_sparse_moe``), or a dense MLP. That covers the models that call SGLang's ``model_forward_stages``
+``block_sparse_moe``), optionally a shared expert beside them (Qwen2-MoE's ``shared_expert`` with its sigmoid
+``shared_expert_gate``, DeepSeek's ungated ``shared_experts``), or a dense MLP. The shared expert is found by
+structure and run as its own op (``shared_experts``), so that a strategy can overlap it with the dispatch. That covers the models that call SGLang's ``model_forward_stages``
 (Qwen2/3-MoE, ...) and those that do not (Mixtral): admission reads the structure, never the class name. A model
 tbo cannot reproduce is refused at load, naming the layer and the missing feature.
 """
@@ -21,8 +23,8 @@ __all__ = ["LayerStructure", "ModelStructure", "model_structure"]
 
 #: attribute names of a decoder layer's MLP, in the order they are looked for
 _MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "moe")
-#: attributes of a MoE block beside its routed experts that tbo does not reproduce (yet): refused by name
-_UNSUPPORTED_MOE = {"shared_expert": "a shared expert", "shared_experts": "shared experts"}
+#: attribute names of a MoE block's shared expert (one MLP every token runs beside its routed experts)
+_SHARED_NAMES = ("shared_expert", "shared_experts")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class LayerStructure:
     kind: str  #: "moe" or "dense"
     split_attention: bool  #: attention as two ops (``forward_prepare`` / ``forward_core``, Qwen3-MoE's)
     ffn_takes_batch: bool  #: the MLP's forward takes the ForwardBatch as a second argument
+    shared: Any = None  #: the MoE block's shared expert (an MLP called on the block's input), or None
+    #: the shared expert's gate (Qwen2-MoE's ``shared_expert_gate``: one logit a token, its sigmoid scales the shared
+    #: expert's output), or None: an ungated shared expert (DeepSeek's)
+    shared_gate: Any = None
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,14 @@ class ModelStructure:
 def _refuse(where: str, feature: str) -> TboSglangError:
     return TboSglangError(f"TBO_SGLANG_CONFIG: {where}: not supported ({feature}); tbo runs SGLang MoE models whose "
                           "decoder layers have SGLang's layer-boundary stages, an attention module and a MoE block "
-                          "of gate, topk and experts (Qwen3-MoE, Mixtral, ...)")
+                          "of gate, topk and experts, with or without a shared expert (Qwen3-MoE, Mixtral, "
+                          "Qwen2-MoE, ...)")
 
 
-def model_structure(model: Any) -> ModelStructure:
+def model_structure(model: Any, *, tensor_parallel: bool = False) -> ModelStructure:
     """The structure of SGLang's ``model`` (the ``*ForCausalLM``), or `TboSglangError` naming the part and the
-    feature tbo cannot run."""
+    feature tbo cannot run. ``tensor_parallel`` (TP >= 2): a model without MoE layers is admitted (its all-reduces
+    are what tbo overlaps)."""
     arch = type(model).__name__
     inner = getattr(model, "model", None)
     missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(inner, name)]
@@ -75,9 +83,10 @@ def model_structure(model: Any) -> ModelStructure:
     start, end = getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(inner.layers))
     layers = [inner.layers[i] for i in range(start, end)]
     structures = [layer_structure(layer, start + i) for i, layer in enumerate(layers)]
-    if not any(s.kind == "moe" for s in structures):
+    if not tensor_parallel and not any(s.kind == "moe" for s in structures):
         raise _refuse(f"model {arch}, layer {start} ({type(layers[0]).__name__})",
-                      "no MoE layer: tbo overlaps the expert dispatch, which this model does not have")
+                      "no MoE layer: tbo overlaps the expert dispatch, which this model does not have (at tensor "
+                      "parallel >= 2 it overlaps the all-reduces)")
     return ModelStructure(inner, layers, structures, arch)
 
 
@@ -92,16 +101,42 @@ def layer_structure(layer: Any, index: int) -> LayerStructure:
         raise _refuse(where, f"no MLP module (looked for {', '.join(_MLP_NAMES)})")
     ffn = getattr(layer, ffn_name)
     attn = layer.self_attn
+    if getattr(attn, "kv_lora_rank", None) is not None:
+        raise _refuse(f"{where}, self_attn ({type(attn).__name__})",
+                      "multi-head latent attention (DeepSeek-V2/V3's MLA): tbo's ops are not judged on it yet, "
+                      "SGLang's torch_native MLA failing on a CPU at DeepSeek-V3's shapes (docs/sglang.md, 'Shared "
+                      "experts and DeepSeek')")
     split = callable(getattr(attn, "forward_prepare", None)) and callable(getattr(attn, "forward_core", None))
     moe = all(hasattr(ffn, n) for n in ("gate", "topk", "experts"))
+    shared = shared_gate = None
     if moe:
-        for attr, feature in _UNSUPPORTED_MOE.items():
-            if getattr(ffn, attr, None) is not None:
-                raise _refuse(f"{where}, {ffn_name} ({type(ffn).__name__})", feature)
-        if getattr(ffn, "_use_mega_moe", False):
-            raise _refuse(f"{where}, {ffn_name}", "SGLang's MegaMoE")
+        shared, shared_gate = _moe_checks(f"{where}, {ffn_name} ({type(ffn).__name__})", ffn)
         takes_batch = False
     else:
         params = list(inspect.signature(ffn.forward).parameters)
         takes_batch = "forward_batch" in params
-    return LayerStructure(attn, ffn, ffn_name, "moe" if moe else "dense", split, takes_batch)
+    return LayerStructure(attn, ffn, ffn_name, "moe" if moe else "dense", split, takes_batch, shared, shared_gate)
+
+
+def _moe_checks(where: str, ffn: Any) -> tuple[Any, Any]:
+    """The MoE block's shared expert and its gate (each None where it has none), or `TboSglangError` naming what of
+    the block tbo's ops would not reproduce."""
+    if getattr(ffn, "_use_mega_moe", False):
+        raise _refuse(where, "SGLang's MegaMoE")
+    if getattr(ffn, "num_fused_shared_experts", 0) or getattr(ffn, "enable_shared_expert_fusion", False):
+        raise _refuse(where, "a shared expert fused into the routed experts' kernel (SGLang's shared-expert "
+                             "fusion): tbo runs the shared expert as its own op")
+    scaling = getattr(ffn, "routed_scaling_factor", None)
+    if scaling is not None and float(scaling) != 1.0:
+        raise _refuse(where, f"routed_scaling_factor={scaling} (DeepSeek's routed scaling, applied inside SGLang's "
+                             "top-k or experts by backend: not reproduced by tbo's SGLang ops yet)")
+    found = [(n, getattr(ffn, n)) for n in _SHARED_NAMES if getattr(ffn, n, None) is not None]
+    if len(found) > 1:
+        raise _refuse(where, f"two shared-expert modules ({', '.join(n for n, _ in found)})")
+    if not found:
+        return None, None
+    name, shared = found[0]
+    if not callable(shared):
+        raise _refuse(where, f"its {name} is not a module tbo can call")
+    gate = getattr(ffn, "shared_expert_gate", None)  # Qwen2-MoE's; built even where no shared expert is
+    return shared, gate

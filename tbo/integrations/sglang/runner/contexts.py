@@ -2,8 +2,10 @@
 
 SGLang's layers find per-step state outside their arguments: the ForwardContext (the attention backend and the MoE
 runner's ``moe_num_token_non_padded``) and the current ForwardBatch (`set_forward_batch`, read by eager regions of
-the attention). `MicrobatchContexts`, an `Observer`, enters microbatch k's (its own child ForwardBatch in both) when
-one of its stages starts and leaves it when the stage ends, so the step's own context is current between stages.
+the attention). `MicrobatchContexts`, the executor's `StageHooks`, enters microbatch k's (its own child ForwardBatch
+in both) when one of its stages starts and leaves it when the stage ends (also when an op raised), so the step's own
+context is current between stages. Being stage hooks and not an `Observer`, it keeps a split step on the
+executor's fast path.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any, Sequence
 
-from tbo.core.observer import Observer
+from tbo.core.stage_hooks import StageHooks
 
 __all__ = ["MicrobatchContexts"]
 
 
-class MicrobatchContexts(Observer):
+class MicrobatchContexts(StageHooks):
     """Makes microbatch k's forward context and batch current for the duration of each of its stages."""
 
     def __init__(self, batches: Sequence[Any]) -> None:
@@ -28,17 +30,13 @@ class MicrobatchContexts(Observer):
         self.batches = list(batches)
         self._active: ExitStack | None = None
 
-    def on_stage_start(self, mb: int, stage: int) -> None:
-        stack = ExitStack()
-        stack.enter_context(self._ctx(self._step_ctx, forward_batch=self.batches[mb]))
-        stack.enter_context(self._set_batch(self.batches[mb]))
-        self._active = stack
+    def enter_stage(self, mb: int, stage: int) -> None:
+        with ExitStack() as stack:  # the first context left again if the second cannot be entered
+            stack.enter_context(self._ctx(self._step_ctx, forward_batch=self.batches[mb]))
+            stack.enter_context(self._set_batch(self.batches[mb]))
+            self._active = stack.pop_all()
 
-    def on_stage_end(self, mb: int, stage: int) -> None:
+    def leave_stage(self, mb: int, stage: int) -> None:
         active, self._active = self._active, None
         if active is not None:
             active.close()
-
-    def close(self) -> None:
-        if self._active is not None:  # a stage raised: put the step's context back
-            self.on_stage_end(-1, -1)

@@ -6,6 +6,8 @@ tbo does not run inside SGLang is refused by name), the model admitted by its st
 the expert-parallel backend made (``link``: an emulated interconnect around it), the strategies bound, and the inner
 model's ``forward`` replaced, on that instance only, by tbo's `LayerLoop`. Each step that changes something records
 its undo (`UndoStack`), so a refusal at any step leaves the runner as found, and `close` takes tbo off again.
+With SGLang's ``--enable-metrics``, the last step starts the metrics publisher (`tbo.integrations.sglang.runner.
+metrics`): tbo's figures in the server's own ``/metrics``.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
 from tbo.core.errors import StrategyError
 from tbo.integrations.engine.adaptive import AdaptiveSteps
-from tbo.integrations.engine.stats import StatsFile, StepStats, summary_line
+from tbo.integrations.engine.stats import StatsFile, StepStats, link_report, summary_line
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.sglang.config import TboSglangConfig
 from tbo.integrations.sglang.errors import TboSglangError, refuse
 from tbo.integrations.sglang.model.layers import SglangDecoderLayer
 from tbo.integrations.sglang.model.structure import model_structure
 from tbo.integrations.sglang.runner.loop import LayerLoop
+from tbo.integrations.sglang.runner.metrics import publish_metrics
 from tbo.integrations.sglang.stats import ENGINES
+from tbo.split.kinds import Slot
 
 __all__ = ["SglangEngine", "check_deployment"]
 
@@ -37,17 +41,25 @@ logger = logging.getLogger("sglang.tbo")
 ATTENTION_BACKENDS = ("torch_native",)
 
 
-def check_deployment(server_args: Any, parallel: Any) -> None:
+def check_deployment(server_args: Any, parallel: Any, config: TboSglangConfig | None = None) -> None:
     """Refuse, by name, what tbo does not run inside SGLang (yet)."""
     if getattr(server_args, "enable_two_batch_overlap", False):
         refuse("SGLang's --enable-two-batch-overlap", "tbo's split instead of SGLang's (one owner of the layer loop)",
                "two owners of the layer loop")
-    for name, value in (("tp_size", parallel.tp_size), ("pp_size", parallel.pp_size),
-                        ("moe_ep_size", parallel.moe_ep_size), ("attn_dp_size", getattr(parallel, "attn_dp_size", 1))):
+    for name, value in (("pp_size", parallel.pp_size), ("moe_ep_size", parallel.moe_ep_size),
+                        ("attn_dp_size", getattr(parallel, "attn_dp_size", 1))):
         if value != 1:
-            refuse(f"SGLang's {name}={value}", f"{name}=1",
-                   "tensor, pipeline, expert and attention data parallelism inside SGLang are not wired to tbo yet "
+            refuse(f"SGLang's {name}={value}", f"{name}=1 (tensor parallelism, tp_size >= 1, runs)",
+                   "pipeline, expert and attention data parallelism inside SGLang are not wired to tbo yet "
                    "(docs/sglang.md, 'Not yet')")
+    tp = int(parallel.tp_size)
+    if tp > 1 and getattr(server_args, "enable_quant_communications", False):
+        refuse("SGLang's --enable-quant-communications", "full-precision all-reduces",
+               "tbo's tensor-parallel all-reduce sums the partial sums as they are; SGLang's quantised one would "
+               "round otherwise")
+    if tp > 1 and config is not None and config.split == "adaptive":
+        refuse(f"split='adaptive' at SGLang's tp_size={tp}", "split 'static' at tensor parallel >= 2",
+               "each rank would choose from its own measured times, and every rank must run the same split")
     spec = getattr(server_args, "speculative_algorithm", None)
     if spec not in (None, "", "NONE"):
         refuse(f"SGLang's speculative_algorithm={spec!r}", "none", "speculative decoding is not wired to tbo yet")
@@ -65,66 +77,118 @@ class SglangEngine:
 
         self.config, self.undo = config, UndoStack()
         self.stats, self.loop, self.adaptive = StepStats(), None, None
+        self.tp, self.rank, self.reducer, self.raw_reducer = 1, 0, None, None
         #: the lines `close` logged (None: still open); ``stats_file`` carries them from then on
         self.summary: list[str] | None = None
         try:
             parallel = get_parallel()
-            check_deployment(runner.server_args, parallel)
-            self._build(runner, config, int(parallel.tp_rank))
+            check_deployment(runner.server_args, parallel, config)
+            self._build(runner, config, int(parallel.tp_rank), int(parallel.tp_size))
         except BaseException:
             self.undo.close()
             raise
 
-    def _build(self, runner: Any, config: TboSglangConfig, rank: int) -> None:
-        structure = model_structure(runner.model)
-        self.architecture = structure.architecture
-        backend: Any = LocalBackend(structure.num_experts, DispatchFormat.NORMAL)
-        if config.link is not None:
+    def _build(self, runner: Any, config: TboSglangConfig, rank: int, tp: int) -> None:
+        structure = model_structure(runner.model, tensor_parallel=tp > 1)
+        self.architecture, self.tp, self.rank = structure.architecture, tp, rank
+        moe = any(s.kind == "moe" for s in structure.structures)
+        backend: Any = LocalBackend(structure.num_experts, DispatchFormat.NORMAL) if moe else None
+        if config.link is not None and tp == 1:  # at TP >= 2 the link carries the all-reduces (`_defer_reductions`)
             backend = EmulatedLink.from_spec(backend, config.link)
-        self.backend = backend
+        self.backend, self.reducer, self.raw_reducer = backend, None, None
         last = len(structure.layers) - 1
         self.layers = [SglangDecoderLayer(layer, s, backend, i, structure.inner.norm if i == last else None)
                        for i, (layer, s) in enumerate(zip(structure.layers, structure.structures))]
         for layer in self.layers:
             layer.stats = self.stats
-        names = config.strategy_names(shared_experts=False)
-        bound = {"decode": self._bind(names.decode), "prefill": self._bind(names.prefill)}
+        names = self.names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers),
+                                                   dense=not moe, tensor_parallel=tp > 1)
+        if tp > 1:
+            self._defer_reductions(moe)  # before binding: the ops' flows read which reductions are deferred
+        else:
+            from tbo.integrations.sglang.model.tp import deferred_by
+
+            for name in {names.decode, names.prefill}:
+                if deferred_by(strategies.get(name)):
+                    refuse({"strategy": name}, "a strategy without *_reduce_a/_b ops at tp_size=1",
+                           "it runs tensor-parallel all-reduces as transfers, and this engine has one rank")
+        bound = {slot: self._bind(names.of(slot)) for slot in Slot}
         adaptive = None
         if config.split == "adaptive":  # one rank: only a link has transfers to hide, and its wire time to observe
             adaptive = self.adaptive = AdaptiveSteps(config, names, transfers=isinstance(backend, EmulatedLink))
             if isinstance(backend, EmulatedLink):
                 adaptive.wire = lambda: backend.booked_s
+            for name in adaptive.extra_strategies():  # adaptive.strategies: bound and checked now, like the two
+                bound[name] = self._bind(name, key="adaptive.strategies")
         path = None if config.stats_file is None else config.stats_file.replace("{rank}", str(rank))
         self.loop = LayerLoop(structure.inner, self.layers, bound, backend, config.split_policy(), adaptive=adaptive,
-                              stats=self.stats, stats_file=None if path is None else StatsFile(path, self._extra),
-                              op_times=config.op_times)
+                              stats=self.stats, stats_file=None if path is None else StatsFile(path, self.extra),
+                              op_times=config.op_times, reducer=self.reducer)
         self.undo.push("the engine's stats in the process registry",
                        ENGINES.register(self.stats, None if adaptive is None else adaptive.report))
         self.undo.set_attr(structure.inner, "forward", self.loop)  # nn.Module.__call__ finds the instance's
-        logger.info("tbo: %s runs its %d layers through tbo (strategies %s / %s, %d microbatches)",
-                    self.architecture, len(self.layers), names.decode, names.prefill, config.num_microbatches)
+        publisher = publish_metrics(self)  # the scheduler's slot for SGLang's /metrics (--enable-metrics)
+        if publisher is not None:
+            self.undo.push("the metrics publisher", publisher.close)
+        logger.info("tbo: %s runs its %d layers through tbo (strategies %s / %s, %d microbatches, TP rank %d of %d)",
+                    self.architecture, len(self.layers), names.decode, names.prefill, config.num_microbatches,
+                    rank, tp)
 
-    def _extra(self) -> dict[str, Any]:
+    def _defer_reductions(self, moe: bool) -> None:
+        """TP >= 2: have each layer run, as tbo's transfers, the all-reduces its strategies name (`model.tp`); the
+        decode and prefill strategies must agree on them (a layer hands its sums to SGLang one way)."""
+        from tbo.integrations.sglang.model.tp import deferred_by, tp_coordinators, tp_reducer
+
+        per_layer = []
+        for layer in self.layers:
+            if layer.has_shared_experts:
+                raise TboSglangError(f"TBO_SGLANG_CONFIG at tp_size={self.tp}: {layer!r} has a shared expert: not "
+                                     "supported (SGLang sums its output with the routed experts' in one all-reduce, "
+                                     "which tbo's TP ops do not make yet); accepted: tp_size=1")
+            modes = {slot: deferred_by(strategies.get(self.names.of(slot))) for slot in Slot}
+            if modes[Slot.DECODE] != modes[Slot.PREFILL]:
+                raise TboSglangError(f"TBO_SGLANG_CONFIG strategies {self.names.decode!r} and {self.names.prefill!r} "
+                                     f"disagree on which tensor-parallel all-reduces of {layer!r} they run as "
+                                     f"transfers ({sorted(modes[Slot.DECODE])} vs {sorted(modes[Slot.PREFILL])}); "
+                                     "name a decode and a prefill strategy that reduce alike")
+            per_layer.append(modes[Slot.DECODE])
+        if not any(per_layer):
+            if not moe:
+                refuse({"strategy": self.names.decode}, "'auto' or a dense_tp_* strategy",
+                       f"{self.architecture} has no MoE layer, and the strategy runs none of its tensor-parallel "
+                       "all-reduces as transfers: nothing would overlap")
+            return  # a strategy without reduce ops: SGLang's boundaries make every sum, as without tbo
+        self.reducer, self.raw_reducer = tp_reducer(self.config.comm_timeout_s, self.config.link)
+        coordinators = tp_coordinators()
+        for layer, deferred in zip(self.layers, per_layer):
+            layer.reducer, layer.deferred, layer.coordinators = self.reducer, deferred, coordinators
+
+    def extra(self) -> dict[str, Any]:
         """What ``stats_file`` holds beside the counters: ``link`` (with ``link`` set: transfers booked on the emulated
         link, its busy seconds, and the seconds of them the overlap left exposed, waited for in a ``*_b`` op; proof
         that the link ran), ``adaptive`` (``split: "adaptive"``: the buckets, as `stats()` reports them) and, once the
         engine closed, ``summary`` (the lines it logged)."""
         out: dict[str, Any] = {}
-        if isinstance(self.backend, EmulatedLink):
-            s = self.backend.stats
-            out["link"] = {"transfers": s.count, "busy_s": s.comm_s, "exposed_s": s.exposed_s}
+        link = link_report([x for x in (self.backend, self.reducer) if isinstance(x, EmulatedLink)])
+        if link is not None:
+            out["link"] = link
+        if self.tp > 1:
+            out["tp"] = {"size": self.tp, "rank": self.rank,
+                         "group": None if self.raw_reducer is None else self.raw_reducer.backend,
+                         "launched": 0 if self.raw_reducer is None else self.raw_reducer.launched,
+                         "attn_sums_by_sglang": sum(layer.attn_sums_by_sglang for layer in self.layers)}
         if self.adaptive is not None:
             out["adaptive"] = [self.adaptive.report()]
         if self.summary is not None:
             out["summary"] = self.summary
         return out
 
-    def _bind(self, name: str) -> Any:
+    def _bind(self, name: str, key: str = "strategy") -> Any:
         try:
             return strategies.bind_layers(self.layers, strategies.get(name), backend=self.backend,
                                           num_microbatches=self.config.num_microbatches)
         except StrategyError as e:
-            raise TboSglangError(f"TBO_SGLANG_CONFIG strategy {name!r} cannot run SGLang's {self.architecture} "
+            raise TboSglangError(f"TBO_SGLANG_CONFIG {key} {name!r} cannot run SGLang's {self.architecture} "
                                  f"layers: {e}") from None
 
     def close(self) -> list[str]:

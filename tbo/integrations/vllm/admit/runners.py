@@ -55,11 +55,13 @@ def runner_kind(runner: Any, vllm_version: str) -> str:
 
 
 def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_version: str) -> None:
-    """Refuse, by name, what tbo does not run on Model Runner V2 yet (docs/vllm.md, "V1 and V2"): it runs one rank's
-    eager steps of a MoE model, split at any microbatch count by the config's thresholds over tbo's local backend.
-    Everything else (data parallelism with expert parallelism, tensor parallelism, AFD, compiled mode and CUDA graphs,
-    speculative decoding, adaptive splitting, DeepEP, an emulated link) runs on the V1 runner only. ``runner_cls``:
-    the runner's class, as the refusal names it."""
+    """Refuse, by name, what tbo does not run on Model Runner V2 yet (docs/vllm.md, "V1 and V2"): it runs eager steps
+    of a MoE model on one rank, or of a dense or MoE model under tensor parallelism (every TP worker decides the same
+    step alike from the same batch, its all-reduces tbo's transfers as on V1), split at any microbatch count by the
+    config's thresholds or by the adaptive choice (``split: "adaptive"``, the TP workers exchanging their step times
+    before each choice), over tbo's local backend, on one rank also over an emulated ``link``. Everything else (data
+    parallelism with expert parallelism, AFD, compiled mode and CUDA graphs, speculative decoding, DeepEP, a link
+    under TP) runs on the V1 runner only. ``runner_cls``: the runner's class, as the refusal names it."""
     where = f"vLLM {vllm_version}'s Model Runner V2 ({_name(runner_cls)})"
 
     def no(setting: dict[str, Any], what: str) -> None:
@@ -69,17 +71,16 @@ def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_ver
     par, model = vllm_config.parallel_config, vllm_config.model_config
     if par.data_parallel_size != 1:
         no({"data_parallel_size": par.data_parallel_size}, "data parallelism (DP attention + EP, tbo's step agreement)")
-    if par.tensor_parallel_size != 1:
-        no({"tensor_parallel_size": par.tensor_parallel_size}, "tensor parallelism (dense and MoE TP)")
     if config.afd is not None:
         no({"afd": ON}, "attention-FFN disaggregation")
     if not model.enforce_eager:
         no({"enforce_eager": False}, "compiled mode and CUDA graphs (CudaGraphManager)")
     if vllm_config.speculative_config is not None:
-        no({"speculative_config": getattr(vllm_config.speculative_config, "method", "ON")}, "speculative decoding (ngram, MTP)")
-    if config.split == "adaptive":
-        no({"split": "adaptive"}, "adaptive splitting")
+        no({"speculative_config": getattr(vllm_config.speculative_config, "method", "ON")},
+           "speculative decoding (ngram, MTP)")
+    if config.link is not None and par.tensor_parallel_size != 1:
+        no({"link": ON, "tensor_parallel_size": par.tensor_parallel_size},
+           "an emulated link under tensor parallelism (the TP reducer over the link)")
     if config.backend != "local":
         no({"backend": config.backend}, f"the {config.backend!r} backend")
-    if config.link is not None:
-        no({"link": ON}, "an emulated link")
+

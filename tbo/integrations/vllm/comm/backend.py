@@ -25,6 +25,7 @@ from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
 from tbo.integrations.vllm.config import TboVllmConfig
 from tbo.integrations.vllm.errors import config_error
+from tbo.split.kinds import Slot
 
 __all__ = ["ModeBackends", "backend_for", "low_latency_refusal", "low_latency_tokens", "make_backend",
            "select_backend"]
@@ -71,13 +72,13 @@ class ModeBackends:
         self.rank, self.num_ranks = decode.rank, decode.num_ranks
         self.active = prefill
 
-    def for_mode(self, mode: str) -> Any:
-        """The backend of a step run by the ``mode`` strategy ("decode" or "prefill")."""
-        return self.decode if mode == "decode" else self.prefill
+    def for_mode(self, slot: Slot) -> Any:
+        """The backend of a step run in ``slot``."""
+        return self.decode if slot == Slot.DECODE else self.prefill
 
-    def use(self, mode: str) -> Any:
-        """Point every call until the next `use` at the ``mode`` backend; returns it."""
-        self.active = self.for_mode(mode)
+    def use(self, slot: Slot) -> Any:
+        """Point every call until the next `use` at the ``slot`` backend; returns it."""
+        self.active = self.for_mode(slot)
         return self.active
 
     @property
@@ -125,16 +126,16 @@ class ModeBackends:
         return f"ModeBackends(decode={self.decode!r}, prefill={self.prefill!r})"
 
 
-def backend_for(backend: Any, mode: str) -> Any:
-    """The backend a step of the ``mode`` strategy runs over: the mode's own behind a `ModeBackends`, ``backend``
-    itself otherwise (nothing is made active: `select_backend` does that)."""
-    return backend.for_mode(mode) if isinstance(backend, ModeBackends) else backend
+def backend_for(backend: Any, slot: Slot) -> Any:
+    """The backend a step run in ``slot`` runs over: the slot's own behind a `ModeBackends`, ``backend`` itself
+    otherwise (nothing is made active: `select_backend` does that)."""
+    return backend.for_mode(slot) if isinstance(backend, ModeBackends) else backend
 
 
-def select_backend(backend: Any, mode: str) -> Any:
-    """The backend a step of the ``mode`` strategy runs over: the mode's own behind a `ModeBackends` (now active),
+def select_backend(backend: Any, slot: Slot) -> Any:
+    """The backend a step run in ``slot`` runs over: the slot's own behind a `ModeBackends` (now active),
     ``backend`` itself otherwise."""
-    return backend.use(mode) if isinstance(backend, ModeBackends) else backend
+    return backend.use(slot) if isinstance(backend, ModeBackends) else backend
 
 
 def make_backend(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int, max_tokens: int,
@@ -186,13 +187,13 @@ def _deepep(config: TboVllmConfig, num_experts: int, *, hidden: int, top_k: int,
                            "every step)")
     kind = config.deepep_kind  # "auto" in prefill mode: V2 when installed, else V1 normal; both NORMAL layout
     prefill = deepep_backend(group, num_experts, hidden=hidden, num_max_tokens_per_rank=max_tokens, num_topk=top_k,
-                             kind=kind, mode="prefill", use_fp8=fp8, deep_ep=deep_ep)
+                             kind=kind, mode=Slot.PREFILL, use_fp8=fp8, deep_ep=deep_ep)
     if config.deepep_decode == "normal":
         return prefill
     if why is not None:
         logger.info("tbo: DeepEP decode steps run normal mode, as prefill does: low-latency mode cannot carry them "
                     "(%s)", why)
         return prefill
-    decode = deepep_backend(group, num_experts, hidden=hidden, num_topk=top_k, kind="v1_low_latency", mode="decode",
+    decode = deepep_backend(group, num_experts, hidden=hidden, num_topk=top_k, kind="v1_low_latency", mode=Slot.DECODE,
                             num_max_tokens_per_rank=low_latency_tokens(decode_tokens, ranks), deep_ep=deep_ep)
     return ModeBackends(decode, prefill)

@@ -36,7 +36,7 @@ from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.model.quant import ExpertsCall, batch_dependent_scales
 from tbo.integrations.vllm.model.structure import layer_structure
 from tbo.integrations.vllm.model.tp import TensorParallelOps, reduction_sites
-from tbo.models.layer_ops import ExpertParallelOps
+from tbo.ops import ExpertParallelOps
 
 __all__ = ["VllmDecoderLayer", "reduce_plan"]
 

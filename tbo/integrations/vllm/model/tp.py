@@ -28,7 +28,7 @@ from typing import Any, ContextManager, Iterator
 from tbo.core.dataflow import OpFlow, declares
 from tbo.core.state import State
 from tbo.integrations.vllm.errors import TboConfigError
-from tbo.models.layer_ops import TensorParallelOps as LibraryTensorParallelOps
+from tbo.ops import TensorParallelOps as LibraryTensorParallelOps
 
 __all__ = ["REDUCE_OPS", "ReductionSites", "TensorParallelOps", "deferred_by", "reduce_off", "reducing_linears",
            "reduction_sites"]
@@ -100,7 +100,7 @@ def _moe_flow(layer: Any, pair: str, half: str) -> OpFlow:
 
 
 class TensorParallelOps(LibraryTensorParallelOps):
-    """The library's reduction ops (`tbo.models.layer_ops.TensorParallelOps`: attention's and a dense MLP's
+    """The library's reduction ops (`tbo.ops.TensorParallelOps`: attention's and a dense MLP's
     partial sums), counted into the engine's stats, and a MoE layer's output reduced as vLLM's MoE runner reduces
     it: once, the routed part scaled and the shared part added first (``moe_reduce`` and ``shared_reduce`` then
     make one all-reduce between them, `_moe_flow`; the ``output`` op has nothing left to do). Reducing the two

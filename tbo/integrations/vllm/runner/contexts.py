@@ -3,16 +3,17 @@
 vLLM's attention layers find their metadata (query ranges, sequence lengths, block table, slot mapping) in the
 current forward context, and its MoE runner finds itself there. On a split step the model runner has built one
 context's worth per microbatch (``attn_metadata`` and ``slot_mapping`` are lists); `microbatch_contexts` makes a
-context of each with vLLM's own ``create_forward_context``, and `ContextSwitcher`, an `Observer`, enters
-microbatch k's context (vLLM's ``override_forward_context``) when one of its stages starts and leaves it when the
-stage ends, so the step's own context is current again between stages.
+context of each with vLLM's own ``create_forward_context``, and `ContextSwitcher`, the executor's `StageHooks`,
+enters microbatch k's context (vLLM's ``override_forward_context``) when one of its stages starts and leaves it when
+the stage ends (also when an op raised), so the step's own context is current again between stages. Being stage
+hooks and not an `Observer`, it keeps a split step on the executor's fast path.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tbo.core.observer import Observer
+from tbo.core.stage_hooks import StageHooks
 from tbo.split.plan import SplitPlan
 
 __all__ = ["ContextSwitcher", "microbatch_context", "microbatch_contexts"]
@@ -43,7 +44,7 @@ def microbatch_context(step: Any, attn_metadata: Any, vllm_config: Any, slot_map
                                   is_padding=None if step.is_padding is None else step.is_padding[tokens])
 
 
-class ContextSwitcher(Observer):
+class ContextSwitcher(StageHooks):
     """Makes microbatch k's forward context current for the duration of each of its stages."""
 
     def __init__(self, contexts: Sequence[Any]) -> None:
@@ -53,14 +54,12 @@ class ContextSwitcher(Observer):
         self.contexts = list(contexts)
         self._active: Any = None
 
-    def on_stage_start(self, mb: int, stage: int) -> None:
-        self._active = self._override(self.contexts[mb])
-        self._active.__enter__()
+    def enter_stage(self, mb: int, stage: int) -> None:
+        active = self._override(self.contexts[mb])
+        active.__enter__()
+        self._active = active
 
-    def on_stage_end(self, mb: int, stage: int) -> None:
+    def leave_stage(self, mb: int, stage: int) -> None:
         active, self._active = self._active, None
-        active.__exit__(None, None, None)
-
-    def close(self) -> None:
-        if self._active is not None:  # a stage raised: put the step's context back
-            self.on_stage_end(-1, -1)
+        if active is not None:
+            active.__exit__(None, None, None)

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.vllm.comm.bounded import call_bounded
 from tbo.integrations.vllm.step.agree import StepAgreementHook, agreement_config
+from tbo.split.kinds import StepKind
 
 __all__ = ["bounded_engine_sync", "install_data_parallel"]
 
@@ -89,7 +90,7 @@ def install_data_parallel(engine: Any, undo: UndoStack) -> None:
 
     @functools.wraps(dummy_run)
     def _dummy_run(*args: Any, **kwargs: Any) -> Any:
-        with patches.dummy_scope("idle" if serving[0] else "warmup"):
+        with patches.dummy_scope(StepKind.IDLE if serving[0] else StepKind.WARMUP):
             return dummy_run(*args, **kwargs)
 
     undo.set_attr(runner, "execute_model", execute_model)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings
+from tbo.split.kinds import Slot
 
 __all__ = ["DraftPass", "mtp_blocks"]
 
@@ -55,13 +56,13 @@ def mtp_blocks(model: Any) -> list[tuple[int, Any]]:
 class DraftPass:
     """tbo on ``runner.drafter`` (an MTP proposer): its blocks' forwards through tbo, each split by its own plan.
 
-    ``bind(layers, mode)`` binds the engine's strategy of ``mode`` to a one-layer stack; ``counters`` are the
+    ``bind(layers, slot)`` binds the engine's strategy of ``slot`` to a one-layer stack; ``counters`` are the
     `StepStats` that count ``draft_steps``; ``vllm_unsplit``: a pass that does not split runs vLLM's own block (as
     the engine's unsplit target steps run vLLM's forward); ``after`` runs after each counted forward (the engine's
     ``stats_file`` write); ``fp8_dispatch``: the engine's dispatches carry FP8 rows (`tbo.integrations.vllm.model.quant`).
     """
 
-    def __init__(self, runner: Any, backend: Any, tp_size: int, bind: Callable[[list[Any], str], Any], policy: Any,
+    def __init__(self, runner: Any, backend: Any, tp_size: int, bind: Callable[[list[Any], Slot], Any], policy: Any,
                  counters: Sequence[Any], *, vllm_unsplit: bool, after: Callable[[], None] | None = None,
                  fp8_dispatch: bool = False) -> None:
         from tbo.integrations.vllm.model.layers import VllmDecoderLayer
@@ -78,7 +79,7 @@ class DraftPass:
                 raise TboConfigError(f"MTP layer {idx}: its block adds its residual itself; tbo's MTP pass hands "
                                      "vLLM's MTP layer the (hidden_states, residual) pair its blocks return")
             layer.counters = self.counters
-            self.blocks.append((block, layer, {mode: bind([layer], mode) for mode in ("decode", "prefill")}))
+            self.blocks.append((block, layer, {slot: bind([layer], slot) for slot in Slot}))
         self.layers = [layer for _, layer, _ in self.blocks]
         #: the drafter's rotary modules, rerouted where vLLM's CPU kernel is shape dependent, as the target's are
         #: (`tbo.integrations.vllm.model.fixes`; vLLM may share them with the target's, and the fix counts references)
@@ -146,8 +147,8 @@ class DraftPass:
         if plan is None and self.vllm_unsplit:
             out = type(block).forward(block, positions, hidden_states, residual)
         else:
-            mode = "decode" if max(lens, default=1) <= self.decode_len else "prefill"  # a prompt: prefill's
-            out = self._run(layer, bound[mode], mode, positions, hidden_states, residual, plan,
+            slot = Slot.DECODE if max(lens, default=1) <= self.decode_len else Slot.PREFILL  # a prompt: prefill's
+            out = self._run(layer, bound[slot], slot, positions, hidden_states, residual, plan,
                             None if plan is None else self._contexts(ctx, cad, draft_index, plan))
         for s in self.counters:
             s.record_draft(plan is not None)
@@ -155,9 +156,9 @@ class DraftPass:
             self.after()
         return out
 
-    def _run(self, layer: Any, strategy: Any, mode: str, positions: Any, hidden_states: Any, residual: Any,
+    def _run(self, layer: Any, strategy: Any, slot: Slot, positions: Any, hidden_states: Any, residual: Any,
              plan: Any, contexts: list[Any] | None) -> tuple[Any, Any]:
-        """The block as a one-layer stack through tbo's loop with the ``mode`` strategy and backend: split over
+        """The block as a one-layer stack through tbo's loop with the ``slot`` strategy and backend: split over
         ``plan`` (each microbatch's stages in its context of ``contexts``), or whole."""
         from tbo.comm.devices import no_host_reads
         from tbo.integrations.vllm.comm.backend import select_backend
@@ -171,11 +172,11 @@ class DraftPass:
         def pinned(mb: Any) -> dict[str, Any]:
             return {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
 
-        backend = select_backend(self.backend, mode)  # DeepEP: the mode's kind
-        with no_host_reads(plan is not None and mode == "decode"):  # a split decode forward: fixed shapes
+        backend = select_backend(self.backend, slot)  # DeepEP: the slot's kind
+        with no_host_reads(plan is not None and slot == Slot.DECODE):  # a split decode forward: fixed shapes
             out = model_forward_maybe_tbo([layer], inputs, strategy, plan, pinned=pinned,
                                           output_key=("hidden_states", "residual"), backend=backend,
-                                          observer=None if contexts is None else ContextSwitcher(contexts))
+                                          stage_hooks=None if contexts is None else ContextSwitcher(contexts))
         return out["hidden_states"], out["residual"]
 
     def _contexts(self, ctx: Any, cad: Any, draft_index: int, plan: Any) -> list[Any]:

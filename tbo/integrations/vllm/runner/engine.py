@@ -28,7 +28,7 @@ from typing import Any
 
 from tbo import strategies
 from tbo.core.errors import StrategyError
-from tbo.integrations.engine.stats import StatsFile, StepStats, summary_line
+from tbo.integrations.engine.stats import StatsFile, StepStats, link_report, summary_line
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.vllm.admit.graphs import check_graph_backend
 from tbo.integrations.vllm.admit.speculative import runs_draft_pass
@@ -46,6 +46,7 @@ from tbo.integrations.vllm.runner.loop import LayerLoop
 from tbo.integrations.vllm.runner.patches import RunnerPatches
 from tbo.integrations.vllm.stats import ENGINES
 from tbo.integrations.vllm.step.decider import StepDecider
+from tbo.split.kinds import Slot
 
 __all__ = ["TboEngine"]
 
@@ -126,7 +127,7 @@ class TboEngine:
         self.undo.push("the AFD attention side", self.afd.close)
         self.backend, self.layers = None, self.afd.layers
         self.names = StrategyNames(decode=AFD_STRATEGY, prefill=AFD_STRATEGY)
-        self.strategies = dict.fromkeys(("decode", "prefill"), strategies.bind_layers(
+        self.strategies = dict.fromkeys(Slot, strategies.bind_layers(
             self.layers, strategies.get(AFD_STRATEGY)))
 
     def _split_counts(self) -> list[int]:
@@ -151,7 +152,7 @@ class TboEngine:
         else:  # dense: its tensor-parallel all-reduces are what tbo overlaps
             build_dense_layers(self)
         defer_reductions(self, current_platform.device_type)  # before binding: the ops' flows depend on it
-        self.strategies = {mode: self._bind(getattr(self.names, mode), mode) for mode in ("decode", "prefill")}
+        self.strategies = {slot: self._bind(self.names.of(slot), slot) for slot in Slot}
 
     def _build_moe_layers(self, platform: str) -> None:
         """A MoE model's layers, the expert-parallel backend they dispatch through, and their strategies."""
@@ -184,6 +185,12 @@ class TboEngine:
         """The split policy: the config's thresholds, or (``split: "adaptive"``) measured step costs
         (`tbo.integrations.vllm.step.adaptive`); the decider that decides each step with it, and the patches that
         hand vLLM's calls to the decider."""
+        self._build_decider()
+        self.patches = RunnerPatches(self.runner, self.decider)
+
+    def _build_decider(self) -> None:
+        """The split policy and the `StepDecider` that decides each step with it (``adaptive``: the measured choice
+        of `tbo.integrations.vllm.step.adaptive.AdaptiveSteps`), shared by every runner kind."""
         if self.config.split == "adaptive":
             from tbo.integrations.vllm.step.adaptive import AdaptiveSteps
 
@@ -191,13 +198,29 @@ class TboEngine:
             transfers = (self.afd is not None or self.config.link is not None or self.ep_size > 1 or self.tp > 1
                          or parallel.data_parallel_size > 1 or parallel.pipeline_parallel_size > 1)
             self.adaptive = AdaptiveSteps(self.config, self.names, transfers=transfers)
+            extra = self.adaptive.extra_strategies()  # adaptive.strategies: candidates beside the engine's two
+            if extra and self.afd is not None:
+                raise TboConfigError(f"additional_config['tbo'] adaptive.strategies {extra} cannot run with 'afd': "
+                                     "the attention side runs the AFD strategy only")
+            for name in extra:  # bound and checked now, like the engine's own: a name that cannot run is refused
+                self.strategies[name] = self._bind(name, Slot.PREFILL, key="adaptive.strategies")
             links = self._links()
             if links and parallel.data_parallel_size == 1:  # the wire prior (step/adaptive.py)
                 self.adaptive.wire = lambda: sum(link.booked_s for link in links)
         policy = self.config.split_policy() if self.adaptive is None else self.adaptive.policy
         #: decides each step (`tbo.integrations.vllm.step.decider`); the patches hand vLLM's calls to it
         self.decider = StepDecider(policy, adaptive=self.adaptive)
-        self.patches = RunnerPatches(self.runner, self.decider)
+
+    def stats_extra(self) -> dict[str, Any]:
+        """What ``stats_file`` (and the metrics slot) hold beside the counters: ``adaptive`` (its buckets) and ``link``
+        (`tbo.integrations.engine.stats.link_report`), where the engine has them."""
+        out: dict[str, Any] = {}
+        if self.adaptive is not None:
+            out["adaptive"] = [self.adaptive.report()]
+        link = link_report(self._links())
+        if link is not None:
+            out["link"] = link
+        return out
 
     def _links(self) -> list[Any]:
         """The emulated links this engine's transfers are booked on (``link``): the expert backend's (one per
@@ -213,8 +236,7 @@ class TboEngine:
         config = self.config
         stats_file = None
         if config.stats_file:
-            extra = None if self.adaptive is None else (lambda: {"adaptive": [self.adaptive.report()]})
-            stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), extra)
+            stats_file = StatsFile(config.stats_file.replace("{rank}", str(_rank())), self.stats_extra)
         self.loop = LayerLoop(self._model, self.layers, self.strategies, self.backend, self.decider,
                               self.runner.vllm_config, stats=self.stats, stats_file=stats_file,
                               op_times=config.op_times, agreed_rows=config.agreed_rows)
@@ -266,8 +288,9 @@ class TboEngine:
             self.undo.push("vLLM's do_not_compile", self._graph_on)
         if full_graphs:
             if self.backend is not None:  # what the captured decode steps dispatch through
-                check_graph_backend(backend_for(self.backend, "decode"))
+                check_graph_backend(backend_for(self.backend, Slot.DECODE))
             self.graphs = self.decider.graphs = SplitGraphs(self.decider.policy, (self.stats,))
+            self.graphs.clock = self.loop.clock if self.loop is not None else None
 
     def _graph_on(self) -> None:
         """Put vLLM's ``do_not_compile`` back (the undo of `vllm_graph_off`)."""
@@ -282,7 +305,7 @@ class TboEngine:
         from tbo.integrations.vllm.runner.draft import DraftPass
 
         self.draft = DraftPass(self.runner, self.backend, self.tp,
-                               lambda layers, mode: self._bind(getattr(self.names, mode), mode, layers),
+                               lambda layers, slot: self._bind(self.names.of(slot), slot, layers),
                                self.config.split_policy(), (self.stats,), vllm_unsplit=self.forwards is not None,
                                after=self.loop.write_stats, fp8_dispatch=self.fp8_dispatch)
         self.undo.push("the MTP draft pass", self.draft.close)
@@ -327,18 +350,18 @@ class TboEngine:
             self.undo.push("the engine's metrics slot", publisher.close)
 
     # ---- helpers -------------------------------------------------------------------------------------------------
-    def _bind(self, name: str, mode: str, layers: list[Any] | None = None) -> Any:
-        """The ``mode`` strategy ``name`` bound to the layers (``layers``: others, the MTP drafter's), sized for and
-        checked against the backend its steps run over (DeepEP low-latency decode: one un-received call at a
+    def _bind(self, name: str, slot: Slot, layers: list[Any] | None = None, key: str = "strategy") -> Any:
+        """Strategy ``name``, run in ``slot``, bound to the layers (``layers``: others, the MTP drafter's), sized for
+        and checked against the backend its steps run over (DeepEP low-latency decode: one un-received call at a
         time)."""
-        backend = backend_for(self.backend, mode)
+        backend = backend_for(self.backend, slot)
         strategy: Any = strategies.sized_for(strategies.get(name), backend, self.top_k)
         try:
             return strategies.bind_layers(self.layers if layers is None else layers,
                                           {"dense": strategy} if self.dense else strategy,  # dense: every layer's
                                           backend=backend)
         except StrategyError as e:
-            raise TboConfigError(f"additional_config['tbo'] strategy {name!r} cannot run vLLM's {self.architecture} "
+            raise TboConfigError(f"additional_config['tbo'] {key} {name!r} cannot run vLLM's {self.architecture} "
                                  f"layers: {e}") from None
 
     def close(self) -> None:

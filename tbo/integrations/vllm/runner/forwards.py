@@ -31,6 +31,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from tbo.split.kinds import StepKind
+
 __all__ = ["StepForwards", "compiles", "is_compiled", "vllm_graph_off", "vllm_runs_unsplit"]
 
 
@@ -102,10 +104,13 @@ class StepForwards:
         model.__dict__.pop("forward", None)
         if self._do_not_compile is not None:
             model.do_not_compile = self._do_not_compile
-        if step is not None and step.mode != "warmup":  # vLLM's own forward (or compiled graph) runs it: count it
+        if step is not None and step.kind != StepKind.WARMUP:  # vLLM's own forward (or graph) runs it: count it
             self.vllm_steps += 1
+            idle = step.kind == StepKind.IDLE
             for s in self.counters:
-                s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, 1, False)
+                s.record(step.kind, 0 if idle else step.num_tokens, 1, False, step.counted_reason)
+            if step.kind.samples:  # its time, to its tokens, as a step of tbo's loop (a dummy or draft: none)
+                self.loop.clock.start(step.kind, False)
 
     @contextmanager
     def warming_up(self) -> Iterator[None]:

@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from tbo.integrations.engine.undo import UndoStack
-from tbo.integrations.vllm.runner.patches import check_metadata_builders
+from tbo.integrations.vllm.runner.patches import check_metadata_builders, timed_sample
 
 __all__ = ["install_on_runner", "install_step_and_shutdown"]
 
@@ -38,17 +38,11 @@ def install_on_runner(engine: Any, undo: UndoStack) -> None:
             engine.draft.make_builders(patches.policy.num_microbatches)
         return result
 
-    @functools.wraps(sample)
-    def sample_tokens(*args: Any, **kwargs: Any) -> Any:
-        out = sample(*args, **kwargs)
-        if engine.adaptive is not None:  # the step's tokens are on the host: its wall time is measured
-            engine.adaptive.step_done()
-        return out
+    sample_tokens = timed_sample(engine, sample)
 
     _install_forward(engine, undo)
     install_step_and_shutdown(engine, undo)
-    if engine.adaptive is not None:
-        undo.set_attr(runner, "sample_tokens", sample_tokens)
+    undo.set_attr(runner, "sample_tokens", sample_tokens)  # ends the step's clocks (the histogram's, adaptive's)
     undo.set_attr(runner, "initialize_metadata_builders", initialize_metadata_builders)
     if engine.graphs is not None:  # vLLM's capture of a size tbo splits runs with the size's plan
         undo.set_attr(runner, "_warmup_and_capture", engine.graphs.wrap(runner._warmup_and_capture, patches))

@@ -3,7 +3,8 @@
 Embeddings, the final norm and everything outside the layers stay vLLM's; the layers run through
 `model_forward_maybe_tbo` as `VllmDecoderLayer` ops with the step's strategy. On a step the runner built in
 microbatches, the plan decided for it splits the hidden states, each microbatch gets its positions (pinned in its
-State) and its own forward context (`ContextSwitcher`), and the outputs are merged back in token order.
+State) and its own forward context (`ContextSwitcher`, the executor's stage hooks: no observer on the hot path),
+and the outputs are merged back in token order.
 
 A split decode step runs inside `tbo.comm.devices.no_host_reads`: tbo's routes, checks and statistics take their
 fixed-shape forms there (docs/vllm.md, "Compiled mode and host reads").
@@ -27,10 +28,11 @@ from tbo.integrations.vllm.comm.backend import select_backend
 from tbo.integrations.vllm.model.compute import EAGER, Compute
 from tbo.integrations.vllm.runner.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.step.decider import StepDecider
-from tbo.integrations.engine.stats import StatsFile, StepStats
+from tbo.integrations.engine.stats import StatsFile, StepClock, StepStats
 from tbo.integrations.vllm.model.structure import model_ends
 from tbo.runtime.forward import model_forward_maybe_tbo
 from tbo.runtime.op_times import OpTimes
+from tbo.split.kinds import Slot, StepKind
 from tbo.split.plan import MicrobatchSlice
 
 __all__ = ["LayerLoop"]
@@ -41,7 +43,7 @@ def _split_decode(step: Any) -> bool:
     (`tbo.comm.devices.no_host_reads`; with data parallelism the agreed rows are the static bounds). Decided by the
     agreed strategy, never by this rank's own batch alone: every rank's dispatches must take the same form (the
     fixed-shape combine's sizes differ from the counted one's)."""
-    return step is not None and step.plan is not None and step.strategy_mode == "decode"
+    return step is not None and step.plan is not None and step.slot == Slot.DECODE
 
 
 logger = logging.getLogger("vllm.tbo")
@@ -62,6 +64,9 @@ class LayerLoop:
         #: modules as they are, or a compiled engine's compiled functions (set by the engine)
         self.compute: Compute = EAGER
         self.stats = StepStats() if stats is None else stats
+        #: each counted step's time for ``stats()``' histogram: started here, stopped where the runner's
+        #: ``sample_tokens`` returns (`tbo.integrations.vllm.runner.patches.timed_sample`)
+        self.clock = StepClock(self.stats)
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (set by `tbo.integrations.vllm.runner.dp`)
         self.stats_file = stats_file  #: ``stats_file``, written during the run
         self.op_times = op_times  #: ``op_times``: time every op of the counted steps
@@ -86,15 +91,15 @@ class LayerLoop:
         if dp is not None and dp.all_idle:  # every DP rank idle: nobody needs a dispatch
             return self._skip_idle(hidden)
         plan = step.plan if step is not None else None
-        observer = None
+        hooks = None
         if plan is not None:
             if hidden.shape[0] != plan.num_tokens:
                 raise RuntimeError(f"tbo planned {plan.num_tokens} tokens but the model got {hidden.shape[0]}")
             if dp is None or not dp.empty_tail:  # empty tail: microbatch 0 is the whole step, in the step's own context
                 contexts = (microbatch_contexts(get_forward_context(), plan, self.vllm_config)
                             if self.contexts_for is None else self.contexts_for(plan))
-                observer = ContextSwitcher(contexts)
-        counted = step is not None and step.mode != "warmup"
+                hooks = ContextSwitcher(contexts)
+        counted = step is not None and step.kind != StepKind.WARMUP
         timer = OpTimes() if self.op_times and counted else None
         live = self.live_trace
         recorder = live.recorder() if live is not None and live.armed and counted else None
@@ -106,13 +111,17 @@ class LayerLoop:
                 values["rows_per_rank"] = dp.rows[0 if mb is None else mb.microbatch_idx]
             return values
 
-        mode = step.strategy_mode if step is not None else "prefill"
-        strategy, backend = self.strategies[mode], select_backend(self.backend, mode)  # DeepEP: the mode's kind
+        slot = step.slot if step is not None else Slot.PREFILL
+        # the adaptive split's candidate where it chose one (bound at the engine's start), else the slot's own
+        name = step.strategy_name if step is not None and step.plan is not None else None
+        strategy, backend = self.strategies[name or slot], select_backend(self.backend, slot)  # DeepEP: the slot's
+        if counted and step.kind.samples:  # a dummy step samples nothing; a draft is not a step
+            self.clock.start(step.kind, plan is not None)
         t0 = time.perf_counter() if timer is not None else 0.0
         with no_host_reads(_split_decode(step)):  # tbo's part of a split decode step reads nothing on the host
             out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
                                           output_key=self.ends.outputs, backend=backend,
-                                          observer=as_observer([observer, timer, recorder]))
+                                          observer=as_observer([timer, recorder]), stage_hooks=hooks)
         layers_s = time.perf_counter() - t0 if timer is not None else 0.0
         hidden = self.ends.end(out, self.compute)
         if counted:
@@ -120,17 +129,20 @@ class LayerLoop:
             cut = plan is not None and plan.two_chunk
             rows, exchanges = (a - b for a, b in zip(self._traffic(), traffic_before))
             s = self.stats
-            s.record(step.mode, 0 if step.mode == "idle" else step.num_tokens, parts, cut)  # dummy: no tokens
+            s.record(step.kind, 0 if step.kind == StepKind.IDLE else step.num_tokens, parts, cut,  # dummy: no tokens
+                     step.counted_reason)
+            if parts > 1:
+                s.record_strategy(name or strategy.name or slot)
             s.remote_rows += rows
             s.count_exchanges += exchanges
-            s.peer_strategy_steps += int(step.mode != "idle" and step.strategy_mode != step.own_strategy)
+            s.peer_strategy_steps += int(step.kind != StepKind.IDLE and step.slot != step.own_slot)
             if step.draft_tokens:
                 s.record_verify(step.draft_tokens, parts > 1, step.varying_drafts)
             if timer is not None:
                 s.add_op_times(timer.seconds, timer.calls, layers_s)
             if recorder is not None:
                 tokens = [step.num_tokens] if plan is None else [m.tokens_unpadded_len for m in plan.microbatches]
-                live.record(recorder, f"{step.mode} step, {'split' if plan else 'unsplit'}", tokens)
+                live.record(recorder, f"{step.kind} step, {'split' if plan else 'unsplit'}", tokens)
             self.write_stats()
         return hidden
 
@@ -139,7 +151,7 @@ class LayerLoop:
         sync, up to ``dp_sync_interval - 1`` of them): counted, its layer stack skipped. It exists only for the
         collectives of peers' batches, and every peer is idle too (the agreement says so on every rank alike);
         vLLM discards what a dummy step returns."""
-        self.stats.record("idle", 0, 1, False)
+        self.stats.record(StepKind.IDLE, 0, 1, False, "idle")
         self.stats.idle_skipped += 1
         self.write_stats()
         return hidden

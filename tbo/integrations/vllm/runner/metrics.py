@@ -18,11 +18,9 @@ __all__ = ["engine_info", "publish_metrics", "stats_document"]
 
 
 def stats_document(engine: Any) -> dict[str, Any]:
-    """What ``stats_file`` holds for ``engine`` (a `TboEngine`): its stats, and its adaptive buckets where it has
-    them."""
+    """What ``stats_file`` holds for ``engine`` (a `TboEngine`): its stats, and its `TboEngine.stats_extra`."""
     doc = engine.stats.as_dict()
-    if engine.adaptive is not None:
-        doc["adaptive"] = [engine.adaptive.report()]
+    doc.update(engine.stats_extra())
     return doc
 
 

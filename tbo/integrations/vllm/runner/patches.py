@@ -32,6 +32,7 @@ building fresh tensors, would hide).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from contextlib import contextmanager
@@ -60,6 +61,24 @@ class _Microbatching:
 
 class MetadataBuilderError(RuntimeError):
     """An attention group without one metadata builder of its own per microbatch."""
+
+
+def timed_sample(engine: Any, sample: Callable[..., Any]) -> Callable[..., Any]:
+    """The runner's ``sample_tokens`` (V1's and V2's), ending the adaptive split's clock and the step-time
+    histogram's (`tbo.integrations.engine.stats.StepClock`) once the step's tokens are on the host: the wait the runner
+    makes anyway, so the measurement adds no device sync."""
+
+    @functools.wraps(sample)
+    def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+        out = sample(*args, **kwargs)
+        if engine.adaptive is not None:
+            engine.adaptive.step_done()
+        loop = engine.loop
+        if loop is not None and loop.clock.stop():  # the step's time joins stats(); stats_file then says so too
+            loop.write_stats()
+        return out
+
+    return sample_tokens
 
 
 def check_metadata_builders(attn_groups: list[list[Any]], num_microbatches: int) -> int:

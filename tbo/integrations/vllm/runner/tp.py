@@ -10,6 +10,7 @@ from typing import Any
 from tbo import strategies
 from tbo.integrations.vllm.errors import TboConfigError
 from tbo.integrations.vllm.model.tp import deferred_by
+from tbo.split.kinds import Slot
 
 __all__ = ["build_dense_layers", "defer_reductions", "moe_tp_eligible"]
 
@@ -57,14 +58,14 @@ def defer_reductions(engine: Any, platform: str) -> None:
     nothing is changed."""
     per_layer = []
     for layer in engine.layers:
-        modes = {mode: deferred_by(_layer_strategy(engine, getattr(engine.names, mode), layer))
-                 for mode in ("decode", "prefill")}
-        if modes["decode"] != modes["prefill"]:
+        modes = {slot: deferred_by(_layer_strategy(engine, engine.names.of(slot), layer)) for slot in Slot}
+        if modes[Slot.DECODE] != modes[Slot.PREFILL]:
             raise TboConfigError(f"additional_config['tbo'] strategies {engine.names.decode!r} and "
                                  f"{engine.names.prefill!r} disagree on which tensor-parallel all-reduces of "
-                                 f"{layer!r} they run as transfers ({sorted(modes['decode'])} vs "
-                                 f"{sorted(modes['prefill'])}); name a decode and a prefill strategy that reduce alike")
-        per_layer.append(modes["decode"])
+                                 f"{layer!r} they run as transfers ({sorted(modes[Slot.DECODE])} vs "
+                                 f"{sorted(modes[Slot.PREFILL])}); name a decode and a prefill strategy that reduce "
+                                 "alike")
+        per_layer.append(modes[Slot.DECODE])
     if not any(per_layer):
         return
     from tbo.integrations.vllm.comm.tp import tp_reducer

@@ -36,7 +36,7 @@ from tbo.integrations.engine.step import Step, StepFacts, decide_facts, readers_
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.vllm.contract import V2_ENTRIES
 from tbo.integrations.vllm.runner.engine import TboEngine
-from tbo.integrations.vllm.runner.patches import check_metadata_builders
+from tbo.integrations.vllm.runner.patches import check_metadata_builders, timed_sample
 from tbo.integrations.vllm.step.decider import StepDecider
 
 __all__ = ["TboUBatchRunner", "V2Engine", "V2Patches", "V2_SYMBOLS", "v2_facts"]
@@ -264,6 +264,9 @@ class V2Patches:
             if desc.cg_mode != CUDAGraphMode.NONE:  # a graph's step runs vLLM's graph, whole
                 facts = replace(facts, allowed=False)
             step = decide_facts(self.policy, facts)
+            adaptive = self.decider.adaptive
+            if adaptive is not None:  # the measured choice's; planned again where it chose another count
+                step = adaptive.decide(step, lambda policy: decide_facts(policy, facts))
             self.vetoes += int(facts.computed is not None and not readers_last(facts.scheduled, facts.computed))
         self.decider.step = step  # one decision, told once (the forward the step runs: StepForwards)
         if step is not None and step.plan is not None:
@@ -275,7 +278,7 @@ class V2Engine(TboEngine):
     """tbo on a Model Runner V2 runner: `TboEngine`'s build, its split and runner steps V2's (module docstring)."""
 
     def _build_split(self) -> None:
-        self.decider = StepDecider(self.config.split_policy())
+        self._build_decider()  # thresholds or the adaptive choice, as on V1
         self.patches = V2Patches(self.runner, self.decider)
 
     def _build_draft(self) -> None:  # refused on V2 at start (check_v2)
@@ -306,10 +309,15 @@ def install_on_v2_runner(engine: V2Engine, undo: UndoStack) -> None:
         runner.ubatch_runner = engine.ubatches
         return result
 
+    sample = runner.sample_tokens
+
+    sample_tokens = timed_sample(engine, sample)
+
     from tbo.integrations.vllm.runner.install import _install_forward, install_step_and_shutdown
 
     _install_forward(engine, undo)
     install_step_and_shutdown(engine, undo)
+    undo.set_attr(runner, "sample_tokens", sample_tokens)  # ends the step's clocks (the histogram's, adaptive's)
     undo.set_attr(runner, "initialize_kv_cache", initialize_kv_cache)
     undo.set_attr(runner, "ubatch_runner", engine.ubatches)
     undo.set_attr(runner, "tbo", engine)

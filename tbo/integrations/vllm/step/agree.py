@@ -36,6 +36,7 @@ from tbo.integrations.vllm.step.batch import VllmDecision
 from tbo.split import ForwardMode
 from tbo.split.agree import MAX_AGREED_MICROBATCHES, AgreedConfig, StepVote, agree_step
 from tbo.split.index import Cut
+from tbo.split.kinds import Slot, StepKind
 from tbo.split.plan import SplitPlan, plan_from_cuts
 
 #: the deadline of the agreements of the profiling and warm-up runs (at least ``comm_timeout_s``): the ranks reach
@@ -67,10 +68,11 @@ def empty_tail_plan(num_tokens: int, num_microbatches: int) -> SplitPlan:
     return plan_from_cuts(ForwardMode.EXTEND, [num_tokens], cuts)
 
 
-def _mode_of(step: Step) -> str:
-    if step.mode in ("idle", "warmup"):
-        return "idle"
-    return step.own_strategy  # a verify step is decode-like
+def _vote_of(step: Step) -> Slot | StepKind:
+    """What ``step`` votes for: the slot its own batch needs, or idle for a dummy or warm-up run."""
+    if step.kind in (StepKind.IDLE, StepKind.WARMUP):
+        return StepKind.IDLE
+    return step.own_slot  # a verify step is decode-like
 
 
 class StepAgreementHook:
@@ -100,10 +102,10 @@ class StepAgreementHook:
     def __call__(self, step: Step, vetoed: bool) -> Step:
         adaptive = self.adaptive
         vote = StepVote(self.num_microbatches, wants_split=step.plan is not None, can_split=not vetoed,
-                        mode=_mode_of(step), rows=microbatch_rows(step.plan, step.num_tokens, self.num_microbatches),
+                        mode=_vote_of(step), rows=microbatch_rows(step.plan, step.num_tokens, self.num_microbatches),
                         measured_ns=-1 if adaptive is None else adaptive.measured_ns)
         # the profiling and warm-up runs wait for peers still loading their weights: a slow start is no fault
-        timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.mode == "warmup" else self.timeout_s
+        timeout = max(self.timeout_s, WARMUP_TIMEOUT_S) if step.kind == StepKind.WARMUP else self.timeout_s
         try:
             agreed = self.last = agree_step(vote, self.group, timeout, self.config, step=self.steps_agreed)
             self.steps_agreed += 1
@@ -112,12 +114,14 @@ class StepAgreementHook:
                                    "(offline, without vLLM's DP coordinator) it has no requests in this wave (none in "
                                    "this generate call, or the wave ended before this rank's requests reached its "
                                    "engine), and an engine without requests does not step for its peers") from e
-        if step.mode == "idle" and agreed.all_idle:  # a wave's end: every rank steps only for its peers, none has any
-            return replace(step, plan=None, agreed_strategy=agreed.strategy_mode, dp=DpStep(all_idle=True))
-        split, strategy_mode = agreed.split, agreed.strategy_mode
+        # a wave's end: every rank steps only for its peers, none has any
+        if step.kind == StepKind.IDLE and agreed.all_idle:
+            return replace(step, plan=None, agreed_slot=agreed.slot, dp=DpStep(all_idle=True),
+                           unsplit_reason="idle")
+        split, slot, name = agreed.split, agreed.slot, None
         if adaptive is not None and agreed.idle_ranks < len(agreed.votes):  # every rank alike: see AdaptiveSteps
-            choice, strategy_mode = adaptive.agreed(agreed)
-            split = choice.split
+            choice, slot = adaptive.agreed(agreed)
+            split, name = choice.split, adaptive.bound_name(slot, choice)
         if not split:
             plan, empty_tail = None, False
         elif step.plan is not None:
@@ -127,7 +131,10 @@ class StepAgreementHook:
         rows = agreed.rows
         if rows is not None and agreed.split and not split:  # the policy keeps it whole: each rank's total rows
             rows = (tuple(sum(per_rank) for per_rank in zip(*rows)),)
-        return replace(step, plan=plan, agreed_strategy=strategy_mode, dp=DpStep(empty_tail, rows))
+        why = None if plan is not None else "adaptive" if agreed.split else \
+            step.unsplit_reason if step.plan is None else "data_parallel"  # a peer could not, or wanted no split
+        return replace(step, plan=plan, agreed_slot=slot, strategy_name=name,
+                       dp=DpStep(empty_tail, rows), unsplit_reason=why)
 
     def coordinate(self, determine: Any, /, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``_determine_batch_execution_and_padding`` (``determine``) for the step just agreed on.

@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 from tbo.integrations.engine.step import Step
 from tbo.integrations.vllm.step.batch import VllmDecision
 from tbo.split import ForwardMode, SplitPolicy
+from tbo.split.kinds import StepKind
 
 __all__ = ["RunnerCall", "StepDecider"]
 
@@ -66,7 +67,7 @@ class StepDecider:
         #: steps: `tbo.integrations.vllm.runner.forwards.StepForwards.on_step` picks the forward the step runs)
         self.on_step: Callable[[Step | None], None] | None = None
         self.fixed: Step | None = None  #: inside a split graph's capture: the step every decision returns
-        self.dummy: str | None = None  #: inside a data-parallel dummy run: its Step mode ("idle" or "warmup")
+        self.dummy: StepKind | None = None  #: inside a data-parallel dummy run: its Step's kind (idle or warmup)
         self._step: Step | None = None
 
     @property
@@ -115,7 +116,7 @@ class StepDecider:
         decision, its DP batch coordination answered from the agreement or under the agreement's deadline."""
         num_tokens = call.num_tokens
         if self.dummy is not None:  # a dummy run: nothing of its own to split; it takes part in its peers' steps
-            step, vetoed = Step(self.dummy, ForwardMode.DECODE, num_tokens, None), False
+            step, vetoed = Step(self.dummy, ForwardMode.DECODE, num_tokens, None, unsplit_reason="idle"), False
         else:  # no CUDA graphs (admit/graphs.py): vLLM pads no DP step, so the plan's token count is the runner's
             allowed = call.allowed()
             step, vetoed = call.own(allowed, num_tokens), not allowed

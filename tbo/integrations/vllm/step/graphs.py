@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 from tbo.integrations.engine.step import Step
 from tbo.split import ForwardMode, SplitPlan, SplitPolicy
+from tbo.split.kinds import StepKind
 
 __all__ = ["GraphKey", "SplitGraphs", "graph_key", "graph_plan", "mode_name", "settle"]
 
@@ -109,6 +110,7 @@ class SplitGraphs:
 
     def __init__(self, policy: SplitPolicy, counters: tuple[Any, ...]) -> None:
         self.policy, self.counters = policy, counters
+        self.clock: Any = None  #: the layer loop's `StepClock`, started for each replay (set by the engine)
         #: vLLM batch descriptor -> the plan fixed in the split graph captured for it (its `GraphKey`: `graph_key`)
         self.captured: dict[Any, SplitPlan] = {}
         self.replays = self.eager_steps = 0
@@ -128,8 +130,10 @@ class SplitGraphs:
                 s.graph_eager_steps += 1
             return None
         self.replays += 1
+        if self.clock is not None:  # its time runs to the tokens, as an eager step's (the engine's loop's clock)
+            self.clock.start(step.kind, True)
         for s in self.counters:
-            s.record(step.mode, step.num_tokens, plan.num_microbatches, plan.two_chunk)
+            s.record(step.kind, step.num_tokens, plan.num_microbatches, plan.two_chunk)
             s.graph_replays += 1
         return step
 
@@ -148,7 +152,8 @@ class SplitGraphs:
             plan = graph_plan(self.policy, desc) if mode_name(cudagraph_runtime_mode) == "FULL" else None
             if plan is None:  # not a split graph: vLLM's own
                 return warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kwargs)
-            step = Step("warmup", ForwardMode.DECODE, int(desc.num_tokens), plan)  # uncounted, as vLLM's warm-ups
+            # uncounted, as vLLM's warm-ups
+            step = Step(StepKind.WARMUP, ForwardMode.DECODE, int(desc.num_tokens), plan)
             with patches.fixed(step):
                 out = warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kwargs)
             self.record(desc, plan)

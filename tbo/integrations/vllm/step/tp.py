@@ -21,14 +21,15 @@ from typing import Any
 
 from tbo.integrations.vllm.step.agree import WARMUP_TIMEOUT_S
 from tbo.split.agree import AgreedConfig, AgreementMismatchError, StepVote, agree_step
+from tbo.split.kinds import Slot, StepKind
 
 __all__ = ["TpStepTimes"]
 
 
 class TpStepTimes:
-    """``times(mode, tokens, measured_ns)``: this worker's wall time of the previous step (``measured_ns``, -1: none)
+    """``times(kind, tokens, measured_ns)``: this worker's wall time of the previous step (``measured_ns``, -1: none)
     exchanged with the other TP workers over ``group``; returns their mean in seconds (None: no worker measured
-    one), the same number on every worker. ``mode`` and ``tokens`` describe the step about to be chosen: every
+    one), the same number on every worker. ``kind`` and ``tokens`` describe the step about to be chosen: every
     worker must bring the same (`AgreementMismatchError` otherwise)."""
 
     def __init__(self, group: Any, timeout_s: float, config: Any = None) -> None:
@@ -37,8 +38,9 @@ class TpStepTimes:
         self.exchanges = 0  #: the exchanges made: the step number each carries, so that workers a step apart are named
         self.serving = False  #: a served step was measured: the warm-up's longer deadline no longer applies
 
-    def __call__(self, mode: str, tokens: int, measured_ns: int) -> float | None:
-        vote = StepVote(1, wants_split=True, can_split=True, mode="decode" if mode == "decode" else "prefill",
+    def __call__(self, kind: StepKind, tokens: int, measured_ns: int) -> float | None:
+        slot = Slot.DECODE if kind == StepKind.DECODE else Slot.PREFILL  # a vote carries a slot: a mixed step, prefill
+        vote = StepVote(1, wants_split=True, can_split=True, mode=slot,
                         rows=(tokens,), measured_ns=measured_ns)
         timeout = self.timeout_s if self.serving else max(self.timeout_s, WARMUP_TIMEOUT_S)
         agreed = agree_step(vote, self.group, timeout, self.config, step=self.exchanges)

@@ -1,0 +1,64 @@
+"""The SGLang plugin's deployment check without SGLang: tensor parallelism is admitted (tests/sglang/test_tp.py runs
+it in real engines), what tbo does not drive inside SGLang is refused by name, the TP-only refusals (the adaptive
+split, quantised all-reduces) included, and a strategy's deferred reductions are read off its op list."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+
+def _args(**kw):
+    return SimpleNamespace(**{"enable_two_batch_overlap": False, "speculative_algorithm": None,
+                              "attention_backend": "torch_native", **kw})
+
+
+def _parallel(**kw):
+    return SimpleNamespace(**{"tp_size": 1, "pp_size": 1, "moe_ep_size": 1, "attn_dp_size": 1, **kw})
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_tensor_parallelism_is_admitted(tp):
+    from tbo.integrations.sglang.config import parse_config
+    from tbo.integrations.sglang.runner.engine import check_deployment
+
+    check_deployment(_args(), _parallel(tp_size=tp), parse_config({}))  # no refusal
+
+
+@pytest.mark.parametrize("args, parallel, config, named", [
+    ({}, {"tp_size": 2, "moe_ep_size": 2}, {}, "moe_ep_size=2"),
+    ({}, {"attn_dp_size": 2, "tp_size": 2}, {}, "attn_dp_size=2"),
+    ({}, {"pp_size": 2}, {}, "pp_size=2"),
+    ({}, {"tp_size": 2}, {"split": "adaptive"}, "split='adaptive' at SGLang's tp_size=2"),
+    ({"enable_quant_communications": True}, {"tp_size": 2}, {}, "--enable-quant-communications"),
+    ({"attention_backend": "flashinfer"}, {"tp_size": 2}, {}, "attention_backend='flashinfer'"),
+    ({"enable_two_batch_overlap": True}, {}, {}, "--enable-two-batch-overlap"),
+])
+def test_what_tbo_does_not_drive_is_refused_by_name(args, parallel, config, named):
+    from tbo.integrations.sglang.config import parse_config
+    from tbo.integrations.sglang.errors import TboSglangError
+    from tbo.integrations.sglang.runner.engine import check_deployment
+
+    with pytest.raises(TboSglangError, match="TBO_SGLANG_CONFIG") as info:
+        check_deployment(_args(**args), _parallel(**parallel), parse_config(config))
+    assert named in str(info.value) and "accepted" in str(info.value)
+
+
+def test_the_adaptive_split_and_quantised_sums_run_at_one_rank():
+    from tbo.integrations.sglang.config import parse_config
+    from tbo.integrations.sglang.runner.engine import check_deployment
+
+    check_deployment(_args(enable_quant_communications=True), _parallel(),
+                     parse_config({"split": "adaptive", "adaptive": {"microbatches": [2]}}))
+
+
+@pytest.mark.parametrize("name, deferred", [
+    ("moe_tp_decode", {"attn", "moe"}), ("moe_tp_prefill", {"attn", "moe"}),
+    ("dense_tp_decode", {"attn", "mlp"}), ("qwen3_moe_decode", set()), ("deepseek_prefill", set()),
+])
+def test_the_reductions_a_strategy_defers_are_read_off_its_ops(name, deferred):
+    from tbo import strategies
+    from tbo.integrations.sglang.model.tp import deferred_by
+
+    assert deferred_by(strategies.get(name)) == deferred
