@@ -372,6 +372,37 @@ def test_the_secret_guards_the_claim_and_one_engine_is_served():
     group.close()
 
 
+@pytest.mark.dist
+def test_a_claim_arriving_while_another_s_join_is_awaited_waits_for_its_outcome():
+    """A claim accepted but not yet joined holds the server; an engine claiming meanwhile waits for the outcome, and
+    is served once the first declines (it was refused as 'already serving' when the declining engine's thread had
+    not yet let go: a CI failure)."""
+    from tbo.afd.handshake import recv_frame, send_frame
+
+    server = _Server()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as first:
+        deadline = time.monotonic() + 10
+        recv_frame(first, deadline, "hello")
+        send_frame(first, {"nonce": "ab" * 16, "proof": ""}, deadline)
+        assert recv_frame(first, deadline, "verdict")["ok"] is True  # accepted: its join is awaited
+        joined = []
+        second = threading.Thread(target=lambda: joined.append(_engine(server.address)), daemon=True)
+        second.start()
+        second.join(0.5)
+        assert second.is_alive() and not joined  # it waits while the first's join is awaited
+        send_frame(first, {"join": False, "error": "a test declines"}, deadline)
+        second.join(10)
+    assert joined, server.refusals
+    group, engine = joined[0]
+    assert any("did not join: a test declines" in r for r in server.refusals), server.refusals
+    engine.send_attn_output(torch.ones(1, 16), AFDMeta(0, 0, 1, 1, 16))
+    assert torch.equal(engine.recv_ffn_output(AFDMeta(0, 0, 1, 1, 16)), torch.full((1, 16), 2.0))
+    engine.shutdown()
+    server.join()
+    assert not server.failure
+    group.close()
+
+
 def _claim(port, claim):
     """A stranger's claim on a raw connection: the server's answer frame."""
     from tbo.afd.handshake import recv_frame, send_frame

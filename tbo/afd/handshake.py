@@ -47,6 +47,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from tbo.afd.peer import TOKEN_ENV, AFDPeerError, parse_json
+
 __all__ = ["HandshakeError", "INTEGRITY", "MAX_FRAME", "MAX_PENDING", "PROTOCOL", "accept_engine", "claim_server",
            "proof", "session_keys"]
 
@@ -143,8 +145,6 @@ def send_frame(sock: socket.socket, message: dict[str, Any], deadline: float) ->
 
 def recv_frame(sock: socket.socket, deadline: float, what: str, max_bytes: int = MAX_FRAME) -> dict[str, Any]:
     """One frame: its length first (over ``max_bytes``: refused before reading it), then JSON, an object."""
-    from tbo.afd.group import parse_json
-
     (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, deadline, what))
     if length > max_bytes:
         raise HandshakeError(f"{what} announces {length} bytes, more than the {max_bytes} accepted: not a tbo AFD "
@@ -215,6 +215,9 @@ class _Pending:
         self.conns: list[socket.socket] = []
         self.winner: socket.socket | None = None
         self.serving = False  # a claim was accepted and its join is awaited
+        #: notified when a claim settles (its engine joined, declined or dropped), so that a claim arriving while
+        #: another's join is awaited waits for the outcome instead of being refused for a join that may not come
+        self.settled = threading.Condition(self.lock)
         self.done = threading.Event()
         self.listener: socket.socket | None = None
         self.joined: dict[str, Any] = {}  #: what the winner's join asked (``link``), and its ``session``
@@ -275,6 +278,9 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
         elif token and not hmac.compare_digest(given, proof(token, "engine", ours, theirs)):
             problem = "it did not prove it knows the shared secret"
         with pending.lock:
+            if problem is None:
+                pending.settled.wait_for(lambda: not pending.serving or pending.done.is_set(),
+                                         max(0.0, deadline - time.monotonic()))
             if problem is None and (pending.serving or pending.done.is_set()):
                 problem = "this server is already serving an engine: one engine per server"
             if problem is None:
@@ -313,6 +319,7 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
             pending.winner = conn
             pending.joined = {"link": link, "session": session}
             pending.done.set()
+            pending.settled.notify_all()
         if pending.listener is not None:  # wakes the accept loop at once (accept fails on a shut-down listener)
             try:
                 pending.listener.shutdown(socket.SHUT_RDWR)
@@ -326,6 +333,7 @@ def _serve_one(conn: socket.socket, peer: str, pending: _Pending, token: str | N
             if accepted:
                 with pending.lock:
                     pending.serving = False
+                    pending.settled.notify_all()
             pending.remove(conn)
             _drop(conn)
 
@@ -338,8 +346,6 @@ def accept_engine(listener: socket.socket, token: str | None, info: dict[str, An
     ``link``, and ``session``, (engine-to-server key, server-to-engine key, integrity) with a secret, else None)
     or ``timeout_s`` passed; the listener is closed either way. Each connection has ``handshake_s`` to finish.
     ``integrity``: the least MAC coverage this server accepts after the join (`INTEGRITY`)."""
-    from tbo.afd.group import AFDPeerError
-
     pending = _Pending()
     pending.listener = listener
     pending.integrity = integrity
@@ -386,8 +392,6 @@ def claim_server(host: str, port: int, token: str | None, timeout_s: float,
     secret, the stronger of ``integrity`` and the server's); the connected socket, the description and the session
     (engine-to-server key, server-to-engine key, integrity; None without a secret). Everything is bounded by ``timeout_s``; on any failure the connection is
     closed (so it claims nothing)."""
-    from tbo.afd.group import TOKEN_ENV, AFDPeerError
-
     deadline = time.monotonic() + timeout_s
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
