@@ -10,7 +10,8 @@ adaptive driver, the step counters, their file and the shutdown summary, undoabl
   `examples/integrating.py` (docs/integrating.md walks that layer into ops).
 * `TinyTbo` (the glue, under 90 lines): parses the settings with the kit's schema and refuses what this engine cannot
   run, by name; puts tbo in ``run_layers`` with the kit's undo stack; gathers each step's facts into the kit's
-  `StepFacts` and lets the kit decide; runs the layers in microbatches; counts and closes with the kit's summary.
+  `StepFacts` and lets the kit decide; runs, times and counts the layers with the kit's `EngineLayerLoop`; closes
+  with the kit's summary.
 
     python examples/tiny_engine.py                                   # tbo off, then on: the same tokens
     python examples/tiny_engine.py --config '{"split": "adaptive", "adaptive": {"microbatches": [2, 3]}, "link": "500,0.2"}'
@@ -40,6 +41,7 @@ from tbo.comm.emulated import EmulatedLink  # noqa: E402
 from tbo.integrations.engine.adaptive import AdaptiveSteps  # noqa: E402
 from tbo.integrations.engine.config import StrategyNames, TboConfig, describe_error  # noqa: E402
 from tbo.integrations.engine.errors import TboEngineError  # noqa: E402
+from tbo.integrations.engine.loop import EngineLayerLoop  # noqa: E402
 from tbo.integrations.engine.stats import StatsFile, StatsRegistry, StepStats, summary_line  # noqa: E402
 from tbo.integrations.engine.step import StepFacts, decide_facts  # noqa: E402
 from tbo.integrations.engine.undo import UndoStack  # noqa: E402
@@ -152,7 +154,8 @@ class TinyTbo:
         for name in self.adaptive.extra_strategies() if self.adaptive else ():  # adaptive.strategies: checked now
             self.bound[name] = tbo.strategies.bind_layers(layers, tbo.strategies.get(name))
         self.policy = self.adaptive.policy if self.adaptive else config.split_policy()
-        self.file = StatsFile(config.stats_file) if config.stats_file else None
+        self.loop = EngineLayerLoop(layers, self.bound, layers[0].backend, stats=self.stats, op_times=config.op_times,
+                                    stats_file=StatsFile(config.stats_file) if config.stats_file else None)
         self.undo.push("the registry's entry", REGISTRY.register(self.stats, self._report))
         self.undo.set_attr(engine, "run_layers", self.run_layers)
         self.undo.set_attr(engine, "step", self._measured(engine.step))
@@ -179,16 +182,9 @@ class TinyTbo:
         def pinned(mb: Any) -> dict:
             return {"meta": parts[0 if mb is None else mb.microbatch_idx], "kv": kv}
 
-        out = tbo.model_forward_maybe_tbo(self.engine.model.layers, {"hidden_states": x},
-                                          self.bound[step.strategy_name or step.slot], step.plan,
-                                          pinned=pinned,
-                                          backend=self.engine.model.layers[0].backend)["hidden_states"]
-        plan = step.plan
-        self.stats.record(step.kind, step.num_tokens, 1 if plan is None else plan.num_microbatches,
-                          plan is not None and plan.two_chunk, step.unsplit_reason)
-        if self.file:
-            self.file.write(self.stats)
-        return out
+        run = self.loop.run(step, x, pinned=pinned, counted=True)  # the kit's: strategy, executor, op times
+        self.loop.count(run)  # the kit's counters and stats_file
+        return run.out["hidden_states"]
 
     def close(self) -> str:
         """Take tbo out of the engine (its seams as they were) and say what it did."""

@@ -101,3 +101,64 @@ def test_a_step_the_adaptive_choice_runs_whole_says_so():
     assert planned.plan is not None
     step = steps.decide(planned, lambda policy: _decode(policy, 64))
     assert step.plan is None and step.unsplit_reason == "adaptive"
+
+
+def test_the_kits_layer_loop_runs_times_traces_and_counts_a_step(tmp_path, caplog):
+    """`EngineLayerLoop`, the loop both engines' (and the small engine's) build on, over the reference model's
+    layers: a split prefill step runs the adaptive split's candidate where one is named (tokens equal unsplit, bit
+    for bit), is counted with its strategy, op times, the live trace an armed request asked for and the engine's own
+    counting; an unsplit step counts its reason; a ``stats_file`` that cannot be written is logged, counted, never
+    raised."""
+    import time
+
+    import torch
+
+    import tbo.strategies as S
+    from tbo.integrations.engine.live_trace import LiveTrace, TraceRequest, read_trace_files, write_request
+    from tbo.integrations.engine.loop import EngineLayerLoop
+    from tbo.integrations.engine.stats import StatsFile
+    from tbo.models import AttentionMetadata, KVCache, ModelConfig, ReferenceModel
+    from tbo.split import SplitPolicy
+    from tbo.split.kinds import Slot
+
+    model = ReferenceModel(ModelConfig.qwen3_moe_tiny(num_layers=3))
+    bound = {slot: S.bind_layers(model.layers, "qwen3_moe_decode") for slot in Slot}
+    bound["qwen3_moe_prefill"] = S.bind_layers(model.layers, "qwen3_moe_prefill")
+    ran: list = []
+
+    class Loop(EngineLayerLoop):
+        def count_more(self, run):
+            ran.append((run.step.kind, run.microbatches, run.strategy))
+
+    (tmp_path / "a_dir").mkdir()
+    loop = Loop(model.layers, bound, None, op_times=True, stats_file=StatsFile(str(tmp_path / "a_dir")))
+    loop.live_trace = live = LiveTrace(tmp_path, {"rank": 0})
+    write_request(tmp_path, TraceRequest(id="ab" * 8, steps=1, deadline=time.time() + 60))
+    live.poll()
+    assert live.armed
+    lens = [3, 1, 5]
+    ids = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.build(range(len(lens)), lens, [0] * len(lens))
+    hidden = model.embed(ids)
+    plan = SplitPolicy(prefill_token_threshold=2).plan(ForwardMode.EXTEND, sum(lens), lens)
+
+    def pinned_for(cache):
+        return lambda mb: {"attn": meta if mb is None else meta.for_microbatch(mb), "cache": cache}
+
+    split = Step("prefill", ForwardMode.EXTEND, sum(lens), plan, strategy_name="qwen3_moe_prefill")
+    run = loop.run(split, hidden, pinned=pinned_for(KVCache()), counted=True)
+    whole = Step("prefill", ForwardMode.EXTEND, sum(lens), None, unsplit_reason="below_threshold")
+    ref = loop.run(whole, hidden, pinned=pinned_for(KVCache()), counted=False)
+    assert torch.equal(run.out["hidden_states"], ref.out["hidden_states"])
+    assert run.microbatches == 2 and run.strategy == "qwen3_moe_prefill" and ref.strategy == "qwen3_moe_decode"
+    loop.count(run)
+    loop.count(ref)
+    s = loop.stats
+    assert s.split_steps_by_mode["prefill"] == 1 and s.steps_by_mode["prefill"] == 2, s.as_dict()
+    assert s.split_steps_by_strategy == {"qwen3_moe_prefill": 1} and s.unsplit_steps_by_reason["below_threshold"] == 1
+    assert s.op_calls["dispatch_a"] == 2 * 3, s.op_calls  # 2 microbatches, 3 layers; the uncounted run untimed
+    assert ran == [("prefill", 2, "qwen3_moe_prefill"), ("prefill", 1, "qwen3_moe_decode")]
+    assert loop.stats_file_failures == 2 and "stats_file" in caplog.text
+    live.poll()
+    [doc] = read_trace_files(tmp_path, "ab" * 8, 1 << 20)
+    assert [x["label"] for x in doc["steps"]] == ["prefill step, split"] and doc["steps"][0]["tokens"] == [4, 5]

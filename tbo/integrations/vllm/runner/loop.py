@@ -9,29 +9,28 @@ and the outputs are merged back in token order.
 A split decode step runs inside `tbo.comm.devices.no_host_reads`: tbo's routes, checks and statistics take their
 fixed-shape forms there (docs/vllm.md, "Compiled mode and host reads").
 
-Diagnostics never fail a step: a ``stats_file`` that cannot be written (a directory, a full disk, a missing folder)
-is logged, once per distinct error, and the step's result is returned as if it had been written
-(`LayerLoop.write_stats`).
+Choosing the strategy, running, timing, tracing and counting the step are the kit's
+(`tbo.integrations.engine.loop.EngineLayerLoop`); this loop adds vLLM's ends around the layers, its forward contexts,
+data parallelism's agreed rows and idle steps, the step clock and what vLLM counts beyond the kit (rows sent to peers,
+verified drafts). Diagnostics never fail a step: a ``stats_file`` that cannot be written (a directory, a full disk, a
+missing folder) is logged, once per distinct error, and the step's result is returned as if it had been written.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import torch
 
 from tbo.comm.devices import no_host_reads
-from tbo.core.observer import as_observer
+from tbo.integrations.engine.loop import EngineLayerLoop, LayerRun
+from tbo.integrations.engine.stats import StatsFile, StepClock, StepStats
 from tbo.integrations.vllm.comm.backend import select_backend
 from tbo.integrations.vllm.model.compute import EAGER, Compute
+from tbo.integrations.vllm.model.structure import model_ends
 from tbo.integrations.vllm.runner.contexts import ContextSwitcher, microbatch_contexts
 from tbo.integrations.vllm.step.decider import StepDecider
-from tbo.integrations.engine.stats import StatsFile, StepClock, StepStats
-from tbo.integrations.vllm.model.structure import model_ends
-from tbo.runtime.forward import model_forward_maybe_tbo
-from tbo.runtime.op_times import OpTimes
 from tbo.split.kinds import Slot, StepKind
 from tbo.split.plan import MicrobatchSlice
 
@@ -46,16 +45,16 @@ def _split_decode(step: Any) -> bool:
     return step is not None and step.plan is not None and step.slot == Slot.DECODE
 
 
-logger = logging.getLogger("vllm.tbo")
-
-
-class LayerLoop:
+class LayerLoop(EngineLayerLoop):
     """Callable in place of the inner model's ``forward`` (same arguments, same result)."""
+
+    logger = logging.getLogger("vllm.tbo")
 
     def __init__(self, model: Any, layers: list[Any], strategies: dict[str, Any], backend: Any,
                  decider: StepDecider, vllm_config: Any, *, stats: StepStats | None = None,
                  stats_file: StatsFile | None = None, op_times: bool = False, agreed_rows: bool = True) -> None:
-        self.model, self.layers, self.strategies, self.backend = model, layers, strategies, backend
+        super().__init__(layers, strategies, backend, stats=stats, stats_file=stats_file, op_times=op_times)
+        self.model = model
         #: the engine's step decisions: the step being run is its `StepDecider.step`
         self.decider, self.vllm_config = decider, vllm_config
         #: the model's own start and end around the layers (its embedding, its final norm; Granite's multipliers)
@@ -63,22 +62,17 @@ class LayerLoop:
         #: the functions the final norm runs through, as the layers' ops do (`tbo.integrations.vllm.model.compute`): the
         #: modules as they are, or a compiled engine's compiled functions (set by the engine)
         self.compute: Compute = EAGER
-        self.stats = StepStats() if stats is None else stats
         #: each counted step's time for ``stats()``' histogram: started here, stopped where the runner's
         #: ``sample_tokens`` returns (`tbo.integrations.vllm.runner.patches.timed_sample`)
         self.clock = StepClock(self.stats)
         self.traffic: Any = None  #: data parallel: the backend counting ``remote_rows`` (set by `tbo.integrations.vllm.runner.dp`)
-        self.stats_file = stats_file  #: ``stats_file``, written during the run
-        self.op_times = op_times  #: ``op_times``: time every op of the counted steps
         #: ``agreed_rows``: data parallel dispatches send by the step's agreed rows
         self.agreed_rows = agreed_rows
-        #: the live trace a request arms (`tbo.integrations.engine.live_trace`; set with the metrics publisher): a
-        #: step reads its ``armed`` flag and nothing else while nobody traces
-        self.live_trace: Any = None
         #: a split step's microbatch forward contexts, given its plan: None reads them from the step's own context,
         #: as V1's runner builds it (`microbatch_contexts`); Model Runner V2's are the ones tbo's microbatch runner
         #: prepared (`tbo.integrations.vllm.runner.v2.TboUBatchRunner.microbatch_contexts`)
         self.contexts_for: Callable[[Any], list[Any]] | None = None
+        self._traffic_before = (0, 0)
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -100,10 +94,6 @@ class LayerLoop:
                             if self.contexts_for is None else self.contexts_for(plan))
                 hooks = ContextSwitcher(contexts)
         counted = step is not None and step.kind != StepKind.WARMUP
-        timer = OpTimes() if self.op_times and counted else None
-        live = self.live_trace
-        recorder = live.recorder() if live is not None and live.armed and counted else None
-        traffic_before = self._traffic()
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             values = {"positions": positions if mb is None else positions[mb.tokens_start:mb.tokens_end]}
@@ -111,40 +101,27 @@ class LayerLoop:
                 values["rows_per_rank"] = dp.rows[0 if mb is None else mb.microbatch_idx]
             return values
 
-        slot = step.slot if step is not None else Slot.PREFILL
-        # the adaptive split's candidate where it chose one (bound at the engine's start), else the slot's own
-        name = step.strategy_name if step is not None and step.plan is not None else None
-        strategy, backend = self.strategies[name or slot], select_backend(self.backend, slot)  # DeepEP: the slot's
         if counted and step.kind.samples:  # a dummy step samples nothing; a draft is not a step
             self.clock.start(step.kind, plan is not None)
-        t0 = time.perf_counter() if timer is not None else 0.0
-        with no_host_reads(_split_decode(step)):  # tbo's part of a split decode step reads nothing on the host
-            out = model_forward_maybe_tbo(self.layers, {"hidden_states": hidden}, strategy, plan, pinned=pinned,
-                                          output_key=self.ends.outputs, backend=backend,
-                                          observer=as_observer([timer, recorder]), stage_hooks=hooks)
-        layers_s = time.perf_counter() - t0 if timer is not None else 0.0
-        hidden = self.ends.end(out, self.compute)
+        self._traffic_before = self._traffic()
+        slot = step.slot if step is not None else Slot.PREFILL
+        # tbo's part of a split decode step reads nothing on the host; DeepEP: the slot's backend
+        run = self.run(step, hidden, pinned=pinned, counted=counted, stage_hooks=hooks,
+                       backend=select_backend(self.backend, slot), output_key=self.ends.outputs,
+                       guard=no_host_reads(_split_decode(step)))
+        hidden = self.ends.end(run.out, self.compute)
         if counted:
-            parts = 1 if plan is None else plan.num_microbatches
-            cut = plan is not None and plan.two_chunk
-            rows, exchanges = (a - b for a, b in zip(self._traffic(), traffic_before))
-            s = self.stats
-            s.record(step.kind, 0 if step.kind == StepKind.IDLE else step.num_tokens, parts, cut,  # dummy: no tokens
-                     step.counted_reason)
-            if parts > 1:
-                s.record_strategy(name or strategy.name or slot)
-            s.remote_rows += rows
-            s.count_exchanges += exchanges
-            s.peer_strategy_steps += int(step.kind != StepKind.IDLE and step.slot != step.own_slot)
-            if step.draft_tokens:
-                s.record_verify(step.draft_tokens, parts > 1, step.varying_drafts)
-            if timer is not None:
-                s.add_op_times(timer.seconds, timer.calls, layers_s)
-            if recorder is not None:
-                tokens = [step.num_tokens] if plan is None else [m.tokens_unpadded_len for m in plan.microbatches]
-                live.record(recorder, f"{step.kind} step, {'split' if plan else 'unsplit'}", tokens)
-            self.write_stats()
+            self.count(run)
         return hidden
+
+    def count_more(self, run: LayerRun) -> None:
+        step, s = run.step, self.stats
+        rows, exchanges = (a - b for a, b in zip(self._traffic(), self._traffic_before))
+        s.remote_rows += rows
+        s.count_exchanges += exchanges
+        s.peer_strategy_steps += int(step.kind != StepKind.IDLE and step.slot != step.own_slot)
+        if step.draft_tokens:
+            s.record_verify(step.draft_tokens, run.microbatches > 1, step.varying_drafts)
 
     def _skip_idle(self, hidden: torch.Tensor) -> torch.Tensor:
         """A dummy step every DP rank runs at once (vLLM's steps between a wave's last request and its engine-loop
@@ -155,17 +132,6 @@ class LayerLoop:
         self.stats.idle_skipped += 1
         self.write_stats()
         return hidden
-
-    def write_stats(self) -> None:
-        """Write ``stats_file`` (if set): a diagnostic, logged and counted where it fails, never raised
-        (`tbo.integrations.engine.stats.StatsFile.write_or_log`)."""
-        if self.stats_file is not None:
-            self.stats_file.write_or_log(self.stats, logger)
-
-    @property
-    def stats_file_failures(self) -> int:
-        """``stats_file`` writes that failed."""
-        return 0 if self.stats_file is None else self.stats_file.failures
 
     def _traffic(self) -> tuple[int, int]:
         """The data-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zero where it counts none)."""
