@@ -278,7 +278,7 @@ def _guard_split_decode_steps(monkeypatch) -> tuple[list, list]:
     (`tbo.testing.host_reads`), vLLM's own kernels let through (``allow=("vllm",)``). Returns the lists that collect
     the guarded steps' token counts and the reads the guard caught."""
     from tbo.comm.devices import host_reads_forbidden
-    from tbo.integrations.vllm.runner import loop as forward
+    from tbo.integrations.engine import loop as forward  # the kit's layer loop runs the executor for vLLM's
     from tbo.testing.host_reads import forbid_host_reads
 
     real, guarded, reads = forward.model_forward_maybe_tbo, [], []
