@@ -10,7 +10,9 @@ mode makes that run's communication equal its compute (``--link`` sets one for b
 
 A tiny random Qwen3-MoE (``--hidden``, ``--layers``, ``--experts``) is saved in a temporary directory; nothing is
 downloaded. Each engine is started alone (one at a time), warmed up, timed over ``--repeats`` runs (the minimum is
-reported), and shut down. The decode figure is a batch of ``--batch`` requests generating ``--new`` tokens (its
+reported), and shut down. SGLang and SGLang + tbo unsplit are measured in ``--rounds`` rounds in alternating order
+(SGLang first in even rounds, tbo first in odd ones), so that neither always runs on a machine the other just warmed
+or slowed; the overhead is the median over the rounds. The decode figure is a batch of ``--batch`` requests generating ``--new`` tokens (its
 prefill included, a small share); the prefill figure is the same batch with long prompts generating one token. On 2
 shared cores timing is noisy: run it several times and report the range.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -93,6 +96,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of SGLang and tbo unsplit, in alternating order")
     p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: per mode, comm ~= compute")
     args = p.parse_args()
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -103,7 +107,13 @@ def main() -> None:
         model = save_model(Path(tmp) / "qwen3_moe", args)
         never = {"decode_token_threshold": 10**6, "prefill_token_threshold": 10**6}
         always = {"decode_token_threshold": 2, "prefill_token_threshold": 2, "strategy": "qwen3_moe_prefill"}
-        runs = {"sglang": measure(model, None, args), "tbo unsplit": measure(model, never, args)}
+        rounds: dict[str, list[dict[str, float]]] = {"sglang": [], "tbo unsplit": []}
+        for k in range(args.rounds):  # alternating order: neither engine always runs first
+            for name in (("sglang", "tbo unsplit") if k % 2 == 0 else ("tbo unsplit", "sglang")):
+                rounds[name].append(measure(model, None if name == "sglang" else never, args))
+        runs = {name: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for name, rs in rounds.items()}
+        overheads = {m: sorted(t[m] / s[m] - 1 for s, t in zip(rounds["sglang"], rounds["tbo unsplit"]))
+                     for m in tokens}
         links = {m: args.link or bench.link_for(runs["tbo unsplit"][m],
                                                 bench.moe_bytes_per_step(tokens[m], args.hidden, 2, args.layers))
                  for m in tokens}
@@ -113,7 +123,8 @@ def main() -> None:
     for name, r in runs.items():
         print(f"{name:28s}" + "   ".join(f"{m} {r[m] * 1e3:8.1f} ms" for m in r))
     for mode in ("decode", "prefill"):
-        overhead = runs["tbo unsplit"][mode] / runs["sglang"][mode] - 1
+        overhead = statistics.median(overheads[mode])
+        print(f"{mode}: tbo unsplit overhead per round " + ", ".join(f"{x * 100:+.1f}%" for x in overheads[mode]))
         speedup = runs[f"{mode}: tbo unsplit, link"][mode] / runs[f"{mode}: tbo split, link"][mode]
         print(f"{mode}: tbo unsplit overhead {overhead * 100:+.1f}% (target <= 3%); split over the link "
               f"{links[mode]} {speedup:.2f}x unsplit (target >= 1.3x)")

@@ -32,7 +32,7 @@ def server(cmd: list[str], env: dict[str, str], log_path: Path, *, start_s: floa
     """Run ``cmd`` (which names its ``--port``) in its own process group, output to ``log_path``; yield its base URL
     once ``/health`` answers. A port another process took first is replaced by a free one. On leaving, the group gets
     SIGTERM (graceful: workers write their stats files at shutdown), then SIGKILL after ``stop_s``, whatever
-    happened."""
+    happened. A test may stop it earlier, the same way, with `stop_server` (its process is ``SERVERS[base]``)."""
     cmd = list(cmd)
     at = cmd.index("--port") + 1
     log = log_path.open("w")
@@ -53,16 +53,41 @@ def server(cmd: list[str], env: dict[str, str], log_path: Path, *, start_s: floa
                         break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(1)
-        yield f"http://127.0.0.1:{cmd[at]}"
+        base = f"http://127.0.0.1:{cmd[at]}"
+        SERVERS[base] = proc
+        yield base
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=stop_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        SERVERS.pop(f"http://127.0.0.1:{cmd[at]}", None)
+        _stop(proc, stop_s)
         log.close()
+
+
+#: the servers `server` runs, by base URL
+SERVERS: dict[str, subprocess.Popen] = {}
+
+
+def _stop(proc: subprocess.Popen, stop_s: float, group: bool = True) -> bool:
+    """SIGTERM to ``proc``'s group (``group``) or to ``proc`` alone, SIGKILL to the group after ``stop_s``; whether it
+    exited on the SIGTERM."""
+    if proc.poll() is not None:
+        return True
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=stop_s)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
+
+
+def stop_server(base: str, stop_s: float = 60) -> bool:
+    """Stop the server at ``base`` as an operator does (``kill PID``, a container's stop): SIGTERM to its process alone,
+    which then stops its own children; SIGKILL to the group after ``stop_s``. Whether it exited on the SIGTERM."""
+    return _stop(SERVERS[base], stop_s, group=False)
 
 
 def scrape(base: str) -> dict:

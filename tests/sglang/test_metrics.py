@@ -1,7 +1,9 @@
 """tbo's figures in SGLang's own ``/metrics``: a real ``python -m sglang.launch_server --enable-metrics`` started
 with tbo (``TBO_SGLANG_CONFIG``), scraped while clients run, parsed by prometheus_client's parser, labelled as
 SGLang's scheduler labels its own, and equal to the ``stats_file`` of the same run; and the live trace route on the
-same server (``SGLANG_PLUGINS`` names ``tbo_trace``). One server for the module (start-up dominates its time).
+same server (``SGLANG_PLUGINS`` names ``tbo_trace``); then 16 concurrent clients get plain SGLang's offline tokens,
+and the server, stopped as an operator stops it (SIGTERM), leaves tbo's summary. One server for the module (start-up
+dominates its time); the last test stops it.
 
 The server loads tbo through the venv's entry point (``tbo = tbo.integrations.sglang.plugin:register``, unchanged by
 this feature) and imports tbo from this checkout (``PYTHONPATH``).
@@ -24,8 +26,8 @@ from typing import Any, Iterator
 import pytest
 
 from ..served import (assert_stats_equal, dashboard_metrics, free_port, get_json, scrape, server, settled, stats_file,
-                      value)
-from .helpers import save_qwen3_moe
+                      stop_server, value)
+from .helpers import engine, greedy, save_qwen3_moe
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the families every tbo engine shows in SGLang (the link's: this server runs an emulated link)
@@ -183,3 +185,34 @@ def test_the_trace_route_records_the_next_steps_with_both_microbatches(served):
     folder = re.search(r"its metrics join /metrics from (\S+)", log.read_text())
     assert folder and any(Path(folder.group(1)).glob("*.slot")), log.read_text()[-3000:]
     assert not [f.name for f in Path(folder.group(1)).iterdir() if f.name.startswith(("trace", ".trace"))]
+
+
+# ---- 16 concurrent clients, then the operator's stop (the module's last test: it stops the server) -----------------
+
+#: 16 prompts of 2 to 10 tokens, all different
+SIXTEEN = [[(7 * i + 3 * j) % 199 + 1 for j in range(2 + i % 9)] for i in range(16)]
+
+
+def test_sixteen_concurrent_clients_get_plain_sglangs_offline_tokens_and_the_stop_leaves_tbos_summary(served):
+    """16 clients at once on ``/generate``: each gets the greedy tokens plain SGLang (no tbo) gives the same prompts
+    offline, while the server split steps of theirs. SIGTERM, as an operator stops a server: SGLang drains and sends
+    its schedulers ``ShutdownReq``, tbo closes there first (`tbo.integrations.sglang.plugin`), the server exits on the
+    SIGTERM alone, and its log and ``stats_file`` end with tbo's summary of the run."""
+    base, stats_path, model, log = served
+    before = stats_file(stats_path)
+    with ThreadPoolExecutor(len(SIXTEEN)) as pool:
+        answers = list(pool.map(lambda p: _generate(base, p), SIXTEEN))
+    got = [a["output_ids"] for a in answers]
+    during = stats_file(stats_path)
+    assert during["split_steps"] > before["split_steps"], (before, during)  # tbo split steps of these clients
+    assert "summary" not in during
+    assert stop_server(base), log.read_text()[-3000:]  # exited on the SIGTERM, within its 60 s
+    closed = stats_file(stats_path)
+    assert closed["summary"][0].startswith(f"tbo: {closed['split_steps']} of {closed['steps']} forward steps "
+                                           "overlapped"), closed.get("summary")
+    assert closed["steps"] >= during["steps"] and closed["split_steps"] >= during["split_steps"]
+    assert closed["summary"][0] in log.read_text(), log.read_text()[-3000:]
+    with engine(model) as plain:
+        want = greedy(plain, SIXTEEN, NEW_TOKENS, ignore_eos=True)
+    assert got == want
+    assert all(len(t) == NEW_TOKENS for t in got), got

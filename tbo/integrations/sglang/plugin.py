@@ -13,7 +13,10 @@ process therefore asks them first: where the engine started with ``TBO_SGLANG_CO
 request (`CLOSE_RPC`), answered by ``Scheduler.handle_rpc_request`` (AROUND: that method name only, every other RPC
 is SGLang's): each closes its `SglangEngine` (tbo comes off the runner, the summary is logged and written to
 ``stats_file``) and replies with the summary lines, which the engine's process logs too. The wait is bounded
-(`CLOSE_TIMEOUT_S`) and nothing there raises: a dead scheduler costs the summary, never the shutdown.
+(`CLOSE_TIMEOUT_S`) and nothing there raises: a dead scheduler costs the summary, never the shutdown. A served
+engine (``python -m sglang.launch_server``) shuts down another way: on SIGTERM its ``TokenizerManager`` drains the
+requests and sends each scheduler SGLang's ``ShutdownReq``, whose handler (``Scheduler.handle_shutdown``, BEFORE)
+closes tbo there first, so the server's log ends with tbo's summary and ``stats_file`` holds it.
 
 Metrics: with ``--enable-metrics``, SGLang's ``add_prometheus_middleware`` (AROUND, hooked late, from the
 ``TokenizerManager`` hook, and only in a process that serves HTTP) gets tbo's collector into the registry its
@@ -28,7 +31,7 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["CLOSE_RPC", "CLOSE_TIMEOUT_S", "PROMETHEUS", "TARGET", "engine_of", "register"]
+__all__ = ["CLOSE_RPC", "CLOSE_TIMEOUT_S", "PROMETHEUS", "SERVED_SHUTDOWN", "TARGET", "engine_of", "register"]
 
 logger = logging.getLogger("sglang.tbo")
 
@@ -38,6 +41,8 @@ TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 STARTED = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
 #: before the schedulers are killed, each is asked to close tbo
 SHUTDOWN = "sglang.srt.entrypoints.engine.Engine.shutdown"
+#: a served engine's scheduler, told to stop (SIGTERM to the server: SGLang drains, then sends ``ShutdownReq``)
+SERVED_SHUTDOWN = "sglang.srt.managers.scheduler.Scheduler.handle_shutdown"
 #: the scheduler's RPC handler, which answers `CLOSE_RPC`
 RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
 #: SGLang's function that mounts /metrics on the HTTP server's app: tbo's collector joins its registry there
@@ -58,6 +63,7 @@ def register() -> None:
     HookRegistry.register(STARTED, _after_tokenizer_manager, HookType.AFTER)
     HookRegistry.register(SHUTDOWN, _before_shutdown, HookType.BEFORE)
     HookRegistry.register(RPC, _around_rpc, HookType.AROUND)
+    HookRegistry.register(SERVED_SHUTDOWN, _before_served_shutdown, HookType.BEFORE)
 
 
 def _around_prometheus(original: Any, app: Any, *args: Any, **kwargs: Any) -> Any:
@@ -146,6 +152,18 @@ def close_schedulers(engine: Any, timeout_s: float) -> list[str]:
         logger.warning("tbo: closing tbo in a scheduler failed: %s", reply.message)
         return []
     return reply.message.splitlines()
+
+
+def _before_served_shutdown(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """A scheduler told to stop (``ShutdownReq``): close tbo on its runner (the summary is logged and written to
+    ``stats_file``) before SGLang's loop ends. Nothing raises: SGLang's shutdown goes on."""
+    try:
+        engine = engine_of(scheduler.tp_worker.model_runner)
+        if engine is not None:
+            engine.close()
+    except Exception:  # noqa: BLE001 - a diagnostic
+        logger.exception("tbo: closing tbo at the server's shutdown failed")
+    return None
 
 
 def _around_rpc(original: Any, scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
