@@ -197,3 +197,23 @@ def test_adaptive_engine_shutdown_logs_its_summary_in_the_engines_process(adapti
     assert adaptive_run["logged_before"] == [] and lines == closed["summary"], (lines, closed.get("summary"))
     assert lines[0].startswith(f"tbo: {last['split_steps']} of {last['steps']} forward steps overlapped")
     assert [line.removeprefix("tbo adaptive: ") for line in lines[1:]] == last["adaptive"][0]["summary"]
+
+
+def test_unsplit_steps_run_sglangs_own_forward_and_split_ones_tbos_with_plain_sglangs_tokens(model, tmp_path_factory):
+    """Without a link or ``op_times`` (`sglang_runs_unsplit`), a step tbo does not split runs SGLang's own forward (what
+    it costs without tbo), counted as tbo's; the split ones run tbo's layers. Decode steps (4 tokens) stay under
+    their threshold here, prefills split: the tokens equal plain SGLang's, and every unsplit step was SGLang's."""
+    name, path, reference = model
+    if name != "qwen3_moe":
+        pytest.skip("one engine, on Qwen3-MoE: the path does not depend on the family")
+    stats_file = tmp_path_factory.mktemp("stats") / "own.json"
+    config = {"num_microbatches": 2, "decode_token_threshold": 100, "prefill_token_threshold": 2,
+              "stats_file": str(stats_file)}
+    with engine(path, config) as e:
+        tokens = {"prefill": greedy(e, BATCH, 1), "decode": greedy(e, BATCH, DECODE_TOKENS)}
+        stats = read_stats(stats_file)
+    assert tokens == {k: reference[k] for k in tokens}
+    assert stats["split_steps_by_mode"].get("prefill", 0) >= 1 and stats["split_steps_by_mode"].get("decode", 0) == 0
+    unsplit = stats["steps"] - stats["split_steps"]
+    assert stats["own_forward_steps"] == unsplit >= DECODE_TOKENS - 1, stats
+    assert stats["unsplit_steps_by_reason"]["below_threshold"] == unsplit, stats

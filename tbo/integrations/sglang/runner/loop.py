@@ -17,6 +17,7 @@ the step-time histogram and the adaptive split's measurement. Diagnostics never 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -44,17 +45,25 @@ class LayerLoop(EngineLayerLoop):
         #: what a failed step drains before it raises: the expert backend and the TP reducer (transfers in flight)
         self.drain = tuple(x for x in (backend, reducer) if x is not None)
         self.policy, self.adaptive = policy, adaptive
+        #: SGLang's own forward of the inner model, for the unsplit steps it computes exactly as tbo's layers would
+        #: (set by the engine: `tbo.integrations.sglang.runner.engine.sglang_runs_unsplit`); None: tbo's layers run
+        #: every step
+        self.own_forward: Any = None
+        self.own_steps = 0  #: unsplit steps SGLang's own forward ran
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 
         self._residual = residual_batch
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any,
                  input_embeds: torch.Tensor | None = None, pp_proxy_tensors: Any = None, **kwargs: Any) -> Any:
-        hidden = self.inner.embed_tokens(input_ids) if input_embeds is None else input_embeds
         step = decide_batch(self.policy if self.adaptive is None else self.adaptive.policy, forward_batch)
         if step is not None and self.adaptive is not None:  # the measured choice's, planned again for its count
             step = self.adaptive.decide(step, lambda policy: decide_batch(policy, forward_batch))
         plan = step.plan if step is not None else None
+        if plan is None and self.own_forward is not None and not (self.live_trace is not None and
+                                                                  self.live_trace.armed):
+            return self._own(step, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+        hidden = self.inner.embed_tokens(input_ids) if input_embeds is None else input_embeds
         if plan is None:
             batches, hooks = [forward_batch], None
             self._residual.start(forward_batch)
@@ -74,6 +83,18 @@ class LayerLoop(EngineLayerLoop):
         if step is not None:
             self.count(run)
         return run.out["hidden_states"]
+
+    def _own(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """An unsplit step through SGLang's own forward (what it costs without tbo, plus the decision), counted as
+        tbo's would be; an armed live trace runs tbo's layers instead, so that the step is on the trace."""
+        input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors = args
+        t0 = time.perf_counter()
+        out = self.own_forward(input_ids, positions, forward_batch, input_embeds=input_embeds,
+                               pp_proxy_tensors=pp_proxy_tensors, **kwargs)
+        if step is not None:
+            self.own_steps += 1
+            self.count(LayerRun({}, step, str(step.slot), time.perf_counter() - t0, None, None))
+        return out
 
     def count_more(self, run: LayerRun) -> None:
         # the step-time histogram: the layer loop's wall time (SGLang offers tbo no later seat it waits at; on a GPU
