@@ -86,8 +86,8 @@ class EngineLayerLoop:
             guard: ContextManager[Any] | None = None) -> LayerRun:
         """Run the step's layers (split by ``step.plan``, or whole) and say what ran. ``counted``: time its ops when
         ``op_times`` is on, and record it where a live trace is armed. ``backend``: the expert backend this step uses
-        (default: the loop's); ``drain``: what a failed step drains before it raises (default: that backend); ``guard``: a context the
-        executor runs inside (vLLM: no host reads on a split decode step)."""
+        (default: the loop's); ``drain``: what a failed step drains before it raises (default: that backend);
+        ``guard``: a context the executor runs inside (vLLM: no host reads on a split decode step)."""
         strategy, name = self.strategy_of(step)
         plan = None if step is None else step.plan
         timer = OpTimes() if self.op_times and counted else None
@@ -108,7 +108,8 @@ class EngineLayerLoop:
         """Count a step that ran (`run`): its kind, tokens, microbatches, cut request and unsplit reason; its strategy
         where split; its op times; its live trace; then `count_more` (the engine's), then the ``stats_file``."""
         step, s = run.step, self.stats
-        assert step is not None, "a step tbo did not decide is not counted"
+        if step is None:
+            raise ValueError("a step tbo did not decide (profiling, warm-up) is not counted: count only decided steps")
         plan = step.plan
         # a dummy step (DP idle) carries no tokens of its own
         s.record(step.kind, 0 if step.kind == StepKind.IDLE else step.num_tokens, run.microbatches,
