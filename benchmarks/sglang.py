@@ -12,7 +12,8 @@ A tiny random Qwen3-MoE (``--hidden``, ``--layers``, ``--experts``) is saved in 
 downloaded. Each engine is started alone (one at a time), warmed up, timed over ``--repeats`` runs (the minimum is
 reported), and shut down. SGLang and SGLang + tbo unsplit are measured in ``--rounds`` rounds in alternating order
 (SGLang first in even rounds, tbo first in odd ones), so that neither always runs on a machine the other just warmed
-or slowed; the overhead is the median over the rounds. The decode figure is a batch of ``--batch`` requests generating ``--new`` tokens (its
+or slowed; the overhead is the median over the rounds. ``--control`` times a second plain SGLang engine in each round
+too: SGLang against itself, the spread an overhead inside it cannot be told from. The decode figure is a batch of ``--batch`` requests generating ``--new`` tokens (its
 prefill included, a small share); the prefill figure is the same batch with long prompts generating one token. On 2
 shared cores timing is noisy: run it several times and report the range.
 
@@ -97,6 +98,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="rounds of SGLang and tbo unsplit, in alternating order")
+    p.add_argument("--control", action="store_true",
+                   help="each round also times a second plain SGLang engine: the spread of SGLang against itself, "
+                        "which an overhead inside it cannot be told from")
     p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: per mode, comm ~= compute")
     args = p.parse_args()
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -108,12 +112,17 @@ def main() -> None:
         never = {"decode_token_threshold": 10**6, "prefill_token_threshold": 10**6}
         always = {"decode_token_threshold": 2, "prefill_token_threshold": 2, "strategy": "qwen3_moe_prefill"}
         rounds: dict[str, list[dict[str, float]]] = {"sglang": [], "tbo unsplit": []}
-        for k in range(args.rounds):  # alternating order: neither engine always runs first
-            for name in (("sglang", "tbo unsplit") if k % 2 == 0 else ("tbo unsplit", "sglang")):
-                rounds[name].append(measure(model, None if name == "sglang" else never, args))
+        order = ["sglang", "tbo unsplit"] + (["sglang again"] if args.control else [])
+        if args.control:
+            rounds["sglang again"] = []
+        for k in range(args.rounds):  # alternating order: no engine always runs first
+            for name in (order if k % 2 == 0 else order[::-1]):
+                rounds[name].append(measure(model, never if name == "tbo unsplit" else None, args))
         runs = {name: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for name, rs in rounds.items()}
         overheads = {m: sorted(t[m] / s[m] - 1 for s, t in zip(rounds["sglang"], rounds["tbo unsplit"]))
                      for m in tokens}
+        control = {m: sorted(a[m] / s[m] - 1 for s, a in zip(rounds["sglang"], rounds["sglang again"]))
+                   for m in tokens} if args.control else None
         links = {m: args.link or bench.link_for(runs["tbo unsplit"][m],
                                                 bench.moe_bytes_per_step(tokens[m], args.hidden, 2, args.layers))
                  for m in tokens}
@@ -125,6 +134,9 @@ def main() -> None:
     for mode in ("decode", "prefill"):
         overhead = statistics.median(overheads[mode])
         print(f"{mode}: tbo unsplit overhead per round " + ", ".join(f"{x * 100:+.1f}%" for x in overheads[mode]))
+        if control:
+            print(f"{mode}: SGLang against itself per round (the noise) " +
+                  ", ".join(f"{x * 100:+.1f}%" for x in control[mode]))
         speedup = runs[f"{mode}: tbo unsplit, link"][mode] / runs[f"{mode}: tbo split, link"][mode]
         print(f"{mode}: tbo unsplit overhead {overhead * 100:+.1f}% (target <= 3%); split over the link "
               f"{links[mode]} {speedup:.2f}x unsplit (target >= 1.3x)")
