@@ -32,7 +32,7 @@ def server(cmd: list[str], env: dict[str, str], log_path: Path, *, start_s: floa
     """Run ``cmd`` (which names its ``--port``) in its own process group, output to ``log_path``; yield its base URL
     once ``/health`` answers. A port another process took first is replaced by a free one. On leaving, the group gets
     SIGTERM (graceful: workers write their stats files at shutdown), then SIGKILL after ``stop_s``, whatever
-    happened. A test may stop it earlier, the same way, with `stop_server` (its process is ``SERVERS[base]``)."""
+    happened. A test may stop it earlier as an operator does, with `stop_server` (its process is ``SERVERS[base]``)."""
     cmd = list(cmd)
     at = cmd.index("--port") + 1
     log = log_path.open("w")

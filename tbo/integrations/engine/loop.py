@@ -73,12 +73,14 @@ class EngineLayerLoop:
         #: step reads its ``armed`` flag and nothing else while nobody traces
         self.live_trace: Any = None
 
-    def strategy_of(self, step: Step | None) -> tuple[Any, str | None]:
-        """The bound strategy a step runs, and the adaptive split's candidate name where it chose one (bound at the
-        engine's start), else None (the slot's own). Steps tbo did not decide (profiling, warm-up) run prefill's."""
+    def strategy_of(self, step: Step | None) -> tuple[Any, str]:
+        """The bound strategy a step runs, and the name a split step is counted under: the adaptive split's candidate
+        where it chose one (bound at the engine's start), else the slot's own strategy's name (or the slot). Steps tbo
+        did not decide (profiling, warm-up) run prefill's."""
         slot = step.slot if step is not None else Slot.PREFILL
         name = step.strategy_name if step is not None and step.plan is not None else None
-        return self.strategies[name or slot], name
+        strategy = self.strategies[name or slot]
+        return strategy, name or strategy.name or str(slot)
 
     def run(self, step: Step | None, hidden: Any, *, pinned: Callable[[MicrobatchSlice | None], dict[str, Any]],
             counted: bool, stage_hooks: Any = None, backend: Any = None, drain: Sequence[Any] | None = None,
@@ -100,9 +102,7 @@ class EngineLayerLoop:
                                           output_key=output_key,
                                           backend=self.backend if backend is None else backend,
                                           observer=as_observer([timer, recorder]), stage_hooks=stage_hooks, **extra)
-        seconds = time.perf_counter() - t0
-        slot = step.slot if step is not None else Slot.PREFILL
-        return LayerRun(out, step, name or strategy.name or str(slot), seconds, timer, recorder)
+        return LayerRun(out, step, name, time.perf_counter() - t0, timer, recorder)
 
     def count(self, run: LayerRun) -> None:
         """Count a step that ran (`run`): its kind, tokens, microbatches, cut request and unsplit reason; its strategy

@@ -91,6 +91,11 @@ def engine_of(runner: Any) -> Any:
     return getattr(runner, _ATTR, None)
 
 
+def _engine_of_scheduler(scheduler: Any) -> Any:
+    """The `SglangEngine` on ``scheduler``'s model runner (None: tbo is off there)."""
+    return engine_of(scheduler.tp_worker.model_runner)
+
+
 def _after_tokenizer_manager(result: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
     """The engine's process: remember whether this engine started with tbo asked for (its schedulers read the same
     variable as they load the model), so that only such an engine's shutdown asks them to close tbo."""
@@ -158,7 +163,7 @@ def _before_served_shutdown(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """A scheduler told to stop (``ShutdownReq``): close tbo on its runner (the summary is logged and written to
     ``stats_file``) before SGLang's loop ends. Nothing raises: SGLang's shutdown goes on."""
     try:
-        engine = engine_of(scheduler.tp_worker.model_runner)
+        engine = _engine_of_scheduler(scheduler)
         if engine is not None:
             engine.close()
     except Exception:  # noqa: BLE001 - a diagnostic
@@ -174,7 +179,7 @@ def _around_rpc(original: Any, scheduler: Any, request: Any, *args: Any, **kwarg
     from sglang.srt.managers.io_struct import RpcReqOutput
 
     try:
-        engine = engine_of(scheduler.tp_worker.model_runner)
+        engine = _engine_of_scheduler(scheduler)
         lines = [] if engine is None else engine.close()
         return RpcReqOutput(success=True, message="\n".join(lines))
     except Exception as e:  # noqa: BLE001 - replied, so the engine's process does not wait out its timeout

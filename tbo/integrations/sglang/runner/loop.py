@@ -62,7 +62,8 @@ class LayerLoop(EngineLayerLoop):
         plan = step.plan if step is not None else None
         if plan is None and self.own_forward is not None and not (self.live_trace is not None and
                                                                   self.live_trace.armed):
-            return self._own(step, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+            return self._own(step, input_ids, positions, forward_batch, input_embeds=input_embeds,
+                             pp_proxy_tensors=pp_proxy_tensors, **kwargs)
         hidden = self.inner.embed_tokens(input_ids) if input_embeds is None else input_embeds
         if plan is None:
             batches, hooks = [forward_batch], None
@@ -87,10 +88,8 @@ class LayerLoop(EngineLayerLoop):
     def _own(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         """An unsplit step through SGLang's own forward (what it costs without tbo, plus the decision), counted as
         tbo's would be; an armed live trace runs tbo's layers instead, so that the step is on the trace."""
-        input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors = args
         t0 = time.perf_counter()
-        out = self.own_forward(input_ids, positions, forward_batch, input_embeds=input_embeds,
-                               pp_proxy_tensors=pp_proxy_tensors, **kwargs)
+        out = self.own_forward(*args, **kwargs)
         if step is not None:
             self.own_steps += 1
             self.count(LayerRun({}, step, str(step.slot), time.perf_counter() - t0, None, None))
