@@ -147,7 +147,8 @@ def test_strategy_stage_structure():
 
 def test_registry():
     assert S.names() == ["afd_attention_dbo", "deepseek_decode", "deepseek_prefill", "dense_tp_decode",
-                         "dense_tp_prefill", "moe_tp_decode", "moe_tp_prefill", "qwen3_moe_decode",
+                         "dense_tp_prefill", "moe_tp_decode", "moe_tp_ep_decode", "moe_tp_ep_prefill",
+                         "moe_tp_prefill", "qwen3_moe_decode",
                          "qwen3_moe_prefill"]
     mine = OperationsStrategy(operations=["a", Yield, "b"], delta_stages=1)
     S.register("mine", mine)

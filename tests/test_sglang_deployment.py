@@ -1,5 +1,5 @@
-"""The SGLang plugin's deployment check without SGLang: tensor parallelism is admitted (tests/sglang/test_tp.py runs
-it in real engines), what tbo does not drive inside SGLang is refused by name, the TP-only refusals (the adaptive
+"""The SGLang plugin's deployment check without SGLang: tensor parallelism, and expert parallelism over the TP ranks,
+are admitted (tests/sglang/test_tp.py runs both in real engines), what tbo does not drive inside SGLang is refused by name, the TP-only refusals (the adaptive
 split, quantised all-reduces) included, and a strategy's deferred reductions are read off its op list."""
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ def test_tensor_parallelism_is_admitted(tp):
 
 
 @pytest.mark.parametrize("args, parallel, config, named", [
-    ({}, {"tp_size": 2, "moe_ep_size": 2}, {}, "moe_ep_size=2"),
+    ({}, {"tp_size": 4, "moe_ep_size": 2}, {}, "moe_ep_size=2 with tp_size=4"),
+    ({"moe_a2a_backend": "deepep"}, {"tp_size": 2, "moe_ep_size": 2}, {}, "moe_a2a_backend='deepep'"),
+    ({"ep_num_redundant_experts": 2}, {"tp_size": 2, "moe_ep_size": 2}, {}, "ep_num_redundant_experts=2"),
+    ({"enable_eplb": True}, {"tp_size": 2, "moe_ep_size": 2}, {}, "enable_eplb"),
     ({}, {"attn_dp_size": 2, "tp_size": 2}, {}, "attn_dp_size=2"),
     ({}, {"pp_size": 2}, {}, "pp_size=2"),
     ({}, {"tp_size": 2}, {"split": "adaptive"}, "split='adaptive' at SGLang's tp_size=2"),
@@ -45,6 +48,17 @@ def test_what_tbo_does_not_drive_is_refused_by_name(args, parallel, config, name
     assert named in str(info.value) and "accepted" in str(info.value)
 
 
+@pytest.mark.parametrize("tp", [2, 8])
+def test_expert_parallelism_over_the_tp_ranks_is_admitted(tp):
+    """``--ep-size`` equal to ``--tp-size`` (tests/sglang/test_tp.py runs it at 2), without SGLang's all-to-all
+    backends: tbo's all-to-all carries the rows."""
+    from tbo.integrations.sglang.config import parse_config
+    from tbo.integrations.sglang.runner.engine import check_deployment
+
+    check_deployment(_args(moe_a2a_backend="none", ep_num_redundant_experts=0, enable_eplb=False),
+                     _parallel(tp_size=tp, moe_ep_size=tp), parse_config({}))
+
+
 def test_the_adaptive_split_and_quantised_sums_run_at_one_rank():
     from tbo.integrations.sglang.config import parse_config
     from tbo.integrations.sglang.runner.engine import check_deployment
@@ -56,6 +70,7 @@ def test_the_adaptive_split_and_quantised_sums_run_at_one_rank():
 @pytest.mark.parametrize("name, deferred", [
     ("moe_tp_decode", {"attn", "moe"}), ("moe_tp_prefill", {"attn", "moe"}),
     ("dense_tp_decode", {"attn", "mlp"}), ("qwen3_moe_decode", set()), ("deepseek_prefill", set()),
+    ("moe_tp_ep_decode", {"attn", "moe"}), ("moe_tp_ep_prefill", {"attn", "moe"}),
 ])
 def test_the_reductions_a_strategy_defers_are_read_off_its_ops(name, deferred):
     from tbo import strategies

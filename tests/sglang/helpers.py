@@ -26,14 +26,15 @@ BATCH = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 27)), [200, 201]]
 LONG = [list(range(30, 75))]
 
 
-def save_qwen3_moe(path: Path) -> Path:
-    """Qwen3-MoE: SGLang's model calls ``model_forward_stages`` under SGLang's own TBO; attention in two ops."""
+def save_qwen3_moe(path: Path, top_k: int = 2) -> Path:
+    """Qwen3-MoE: SGLang's model calls ``model_forward_stages`` under SGLang's own TBO; attention in two ops. Four
+    experts, ``top_k`` of them per token."""
     import torch
     import transformers
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=top_k,
         max_position_embeddings=512, initializer_range=0.2)
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)

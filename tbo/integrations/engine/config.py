@@ -215,11 +215,12 @@ class TboConfig(BaseModel):
                            token_distribution_threshold=self.token_distribution_threshold,
                            pad_to_multiple=self.pad_to_multiple, allow_cut_sequences=self.allow_cut_sequences)
 
-    def strategy_names(self, shared_experts: bool, *, dense: bool = False,
-                       tensor_parallel: bool = False) -> StrategyNames:
+    def strategy_names(self, shared_experts: bool, *, dense: bool = False, tensor_parallel: bool = False,
+                       expert_parallel: bool = False) -> StrategyNames:
         """The registry names to run. ``"auto"`` follows the layers' structure (`tbo.strategies.auto_names`): under
         tensor parallelism (``tensor_parallel``: the engine runs the layers' all-reduces as transfers) the TP
-        strategies, ``dense_tp_*`` for a model with no MoE layer (``dense``) and ``moe_tp_*`` for one with; otherwise,
+        strategies, ``dense_tp_*`` for a model with no MoE layer (``dense``) and ``moe_tp_*`` for one with
+        (``moe_tp_ep_*`` where its experts are spread whole over the TP ranks, ``expert_parallel``); otherwise,
         with a shared expert (in any MoE layer) the strategies that overlap it with the dispatch (``deepseek_decode``,
         ``deepseek_prefill``), without one the same shapes less that op (``qwen3_moe_decode``,
         ``qwen3_moe_prefill``)."""
@@ -227,7 +228,7 @@ class TboConfig(BaseModel):
             return self.strategy
         if self.strategy == "auto":
             names = strategies.auto_names(moe=not dense, shared_experts=shared_experts,
-                                          tensor_parallel=tensor_parallel)
+                                          tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
             return StrategyNames(decode=names.decode, prefill=names.prefill)
         return StrategyNames(decode=self.strategy, prefill=self.strategy)
 

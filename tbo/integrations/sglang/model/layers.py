@@ -11,6 +11,13 @@ block has one, its shared expert as its own op (``shared_experts``: the block's 
 flight. What tbo changes is where the tokens go between routing and the experts: through an `EPBackend` (dispatch, combine), in the
 NORMAL layout SGLang's experts take (each token once with its top-k ids and weights).
 
+Under SGLang's expert parallelism at TP (``--ep-size`` = ``--tp-size``: each rank holds whole experts, a share of
+them, and the same tokens after attention's sum), the backend is tbo's all-to-all over SGLang's expert-parallel
+group, and each rank dispatches only its slice of the microbatch's rows (`ep_rows`). SGLang's experts module gets
+the rows it receives as (row, expert) pairs naming this rank's experts by SGLang's global ids (see
+`_run_local_experts`). Combined back, the routed output is the rank's slice and zeros elsewhere: a
+partial sum over the TP group, as when each rank holds every expert's slice, completed by the same reduction.
+
 Each microbatch carries its own ForwardBatch (pinned in its State as ``forward_batch``, with its ``positions``): the
 attention reads that microbatch's requests and KV slots, and the residual stream lives on it. The last layer ends
 the stack as SGLang's model does (``residual_batch.final_norm``), per microbatch: the final RMSNorm is per token, so
@@ -39,9 +46,16 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
     #: the engine's `StepStats` (counts local_ffn_calls); None: not counted
     stats: Any = None
 
+    #: rows this rank dispatched (its slices), and rows its experts received from other ranks (expert parallelism)
+    ep_rows_sent = 0
+    ep_rows_from_peers = 0
+
     def __init__(self, layer: Any, structure: LayerStructure, backend: Any, layer_idx: int,
-                 final_norm: Any = None) -> None:
+                 final_norm: Any = None, ep: tuple[int, int] | None = None) -> None:
         self.layer, self.backend, self.layer_idx, self.structure = layer, backend, layer_idx, structure
+        #: ``(rank, size)`` of SGLang's expert-parallel group where its experts are spread whole over the TP ranks
+        #: (each rank dispatches its slice of the rows); None: every rank's backend holds every expert it computes
+        self.ep = ep if structure.kind == "moe" else None
         self.attn, self.ffn, self.kind = structure.attn, structure.ffn, structure.kind
         self.split_attention = structure.split_attention
         #: the model's final norm, on the last layer only: it ends each microbatch's stack as SGLang's model does
@@ -115,12 +129,49 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
         self._ids_dtype = out.topk_ids.dtype  # the experts take them back in their own dtype
         state.topk = (out.topk_ids, out.topk_weights)
 
+    def ep_rows(self, rows: int) -> tuple[int, int]:
+        """``(start, stop)``: the rows of a microbatch of ``rows`` this rank dispatches: all of them, or under expert
+        parallelism at TP (`ep`) the rank's slice of near-equal slices in rank order (one row: the last rank's)."""
+        if self.ep is None:
+            return 0, rows
+        rank, size = self.ep
+        return rows * rank // size, rows * (rank + 1) // size
+
+    def _dispatch_a(self, x: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        """Launch the dispatch of this rank's rows of ``x`` (``[..., H]``) with their top-k ids and weights."""
+        flat = x.view(-1, x.shape[-1])
+        start, stop = self.ep_rows(flat.shape[0])
+        ids, weights = topk
+        if self.ep is not None:
+            flat, ids, weights = flat[start:stop], ids[start:stop], weights[start:stop]
+            self.ep_rows_sent += stop - start
+        return self.backend.dispatch_a(flat, ids, weights)
+
+    def _routed(self, out: torch.Tensor, shape: Any) -> torch.Tensor:
+        """The combined rows as the microbatch's routed output: under expert parallelism at TP this rank's slice in
+        zeros, a partial sum its TP group completes (its other rows are other ranks' slices)."""
+        if self.ep is None:
+            return out
+        rows = 1
+        for n in shape[:-1]:
+            rows *= n
+        start, stop = self.ep_rows(rows)
+        full = out.new_zeros((rows, out.shape[-1]))
+        full[start:stop] = out
+        return full
+
     @declares(lambda layer: OpFlow(reads="mlp_in", takes="topk", writes=("dispatch", "mlp_shape"))
               if layer.has_shared_experts else OpFlow(takes=("mlp_in", "topk"), writes=("dispatch", "mlp_shape")))
     def op_dispatch_a(self, state: State) -> None:
         x = state.mlp_in if self.has_shared_experts else state.pop("mlp_in")  # the shared expert reads it later
         state.mlp_shape = x.shape
-        state.dispatch = self.backend.dispatch_a(x.view(-1, x.shape[-1]), *state.pop("topk"))
+        state.dispatch = self._dispatch_a(x, state.pop("topk"))
+
+    @declares(lambda layer: OpFlow(takes="combine", reads="mlp_shape", writes="routed_out") if layer.ep is not None
+              else OpFlow(takes="combine", writes="routed_out"))
+    def op_combine_b(self, state: State) -> None:
+        out = self.backend.combine_b(state.pop("combine"))
+        state.routed_out = self._routed(out, state.mlp_shape) if self.ep is not None else out
 
     @declares(lambda layer: OpFlow(takes="mlp_in", writes="shared_out") if layer.has_shared_experts else OpFlow())
     def op_shared_experts(self, state: State) -> None:
@@ -148,9 +199,11 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
     def run_experts(self, d: Any, mlp_in: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """``(output, combine handle)`` of SGLang's experts module on the dispatched rows ``d``. ``mlp_in``: the
         microbatch's MLP input while its shared expert has yet to read it."""
+        x = d.hidden
+        if self.ep is not None:
+            return self._run_local_experts(d), d.handle
         self._count_ffn()
         ids = d.topk_idx.to(self._ids_dtype)
-        x = d.hidden
         if mlp_in is not None and x.numel() and x.data_ptr() == mlp_in.data_ptr():
             # the shared expert has not run yet and reads the same storage (the local backend dispatches the MLP
             # input itself): the experts get a copy, so that a runner writing its input in place cannot change it
@@ -158,6 +211,30 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
         logits = x.new_empty((x.shape[0], 0))  # the runner reads ids and weights, not the logits
         out = self.ffn.experts(x, self._topk_output(d.topk_weights.to(torch.float32), ids, logits))
         return out, d.handle
+
+    def _run_local_experts(self, d: Any) -> torch.Tensor:
+        """Expert parallelism: SGLang's experts module on the rows this rank received, one (row, expert) pair per row
+        of its input. The backend names this rank's experts by local id, -1 for a slot whose expert another rank
+        holds; SGLang's module takes global ids and maps them itself, and its CPU path takes neither a -1 nor an
+        expert twice in a row (it counts a row's experts with a scatter), so a stand-in expert in that slot cannot
+        work either when a rank holds fewer experts than the top-k. So each pair is its own row with top-1 (its id,
+        its weight), and a row's output is the sum of its pairs' outputs in slot order. No rows: nothing to run
+        (SGLang's CPU path fails on none)."""
+        x = d.hidden
+        counts = getattr(d.handle, "recv_counts", None)  # rows from each rank, on the host already
+        if counts is not None:
+            self.ep_rows_from_peers += int(counts.sum()) - int(counts[self.ep[0]])
+        out = x.new_zeros((x.shape[0], x.shape[-1]))
+        row, slot = (d.topk_idx >= 0).nonzero(as_tuple=True)
+        if row.numel() == 0:
+            return out
+        self._count_ffn()
+        base = self.ep[0] * self.backend.num_local_experts
+        ids = (d.topk_idx[row, slot].to(torch.int64) + base).to(self._ids_dtype).view(-1, 1)
+        weights = d.topk_weights[row, slot].to(torch.float32).view(-1, 1)
+        pairs = x[row]
+        logits = pairs.new_empty((pairs.shape[0], 0))
+        return out.index_add_(0, row, self.ffn.experts(pairs, self._topk_output(weights, ids, logits)))
 
     # ---- output ------------------------------------------------------------------------------------------------
     @declares(lambda layer: OpFlow(takes="mlp_out" if layer.kind == "dense" else

@@ -126,7 +126,7 @@ class TensorParallelOps(LibraryTensorParallelOps):
     """The reduction ops of an SGLang layer: the library's pairs (an FFN output summed in place), the attention's
     pair on a copy of the partial sum (see the module docstring), and ``routed_experts``: dispatch, SGLang's experts
     and combine in one op, for experts sharded over the TP ranks (each computes every expert's slice: no row crosses
-    ranks, nothing to overlap there). The engine sets `reducer`, `deferred` and `coordinators` before it binds the
+    ranks, nothing to overlap there; under expert parallelism the rows do cross, without overlap). The engine sets `reducer`, `deferred` and `coordinators` before it binds the
     strategies (the ops' flows read `deferred`)."""
 
     #: the reductions this layer's strategy runs as transfers (`deferred_by`); the others stay SGLang's
@@ -185,6 +185,7 @@ class TensorParallelOps(LibraryTensorParallelOps):
         x = state.pop("mlp_in")
         state.mlp_shape = x.shape
         backend = self.backend  # type: ignore[attr-defined]
-        dispatched = backend.dispatch_b(backend.dispatch_a(x.view(-1, x.shape[-1]), *state.pop("topk")))
+        dispatched = backend.dispatch_b(self._dispatch_a(x, state.pop("topk")))  # type: ignore[attr-defined]
         out, handle = self.run_experts(dispatched)  # type: ignore[attr-defined]
-        state.routed_out = backend.combine_b(backend.combine_a(out, handle))
+        state.routed_out = self._routed(backend.combine_b(backend.combine_a(out, handle)),  # type: ignore
+                                        x.shape)

@@ -21,6 +21,7 @@ from tbo.comm.emulated import EmulatedLink
 from tbo.comm.types import DispatchFormat
 from tbo.core.errors import StrategyError
 from tbo.integrations.engine.adaptive import AdaptiveSteps
+from tbo.integrations.engine.ep import EpBackend
 from tbo.integrations.engine.stats import StatsFile, StepStats, link_report, summary_line
 from tbo.integrations.engine.undo import UndoStack
 from tbo.integrations.sglang.config import TboSglangConfig
@@ -32,7 +33,7 @@ from tbo.integrations.sglang.runner.metrics import publish_metrics
 from tbo.integrations.sglang.stats import ENGINES
 from tbo.split.kinds import Slot
 
-__all__ = ["SglangEngine", "check_deployment", "sglang_runs_unsplit"]
+__all__ = ["SglangEngine", "check_deployment", "check_expert_parallel", "sglang_runs_unsplit"]
 
 logger = logging.getLogger("sglang.tbo")
 
@@ -46,13 +47,13 @@ def check_deployment(server_args: Any, parallel: Any, config: TboSglangConfig | 
     if getattr(server_args, "enable_two_batch_overlap", False):
         refuse("SGLang's --enable-two-batch-overlap", "tbo's split instead of SGLang's (one owner of the layer loop)",
                "two owners of the layer loop")
-    for name, value in (("pp_size", parallel.pp_size), ("moe_ep_size", parallel.moe_ep_size),
-                        ("attn_dp_size", getattr(parallel, "attn_dp_size", 1))):
+    for name, value in (("pp_size", parallel.pp_size), ("attn_dp_size", getattr(parallel, "attn_dp_size", 1))):
         if value != 1:
             refuse(f"SGLang's {name}={value}", f"{name}=1 (tensor parallelism, tp_size >= 1, runs)",
-                   "pipeline, expert and attention data parallelism inside SGLang are not wired to tbo yet "
+                   "pipeline and attention data parallelism inside SGLang are not wired to tbo yet "
                    "(docs/sglang.md, 'Not yet')")
     tp = int(parallel.tp_size)
+    check_expert_parallel(server_args, int(parallel.moe_ep_size), tp)
     if tp > 1 and getattr(server_args, "enable_quant_communications", False):
         refuse("SGLang's --enable-quant-communications", "full-precision all-reduces",
                "tbo's tensor-parallel all-reduce sums the partial sums as they are; SGLang's quantised one would "
@@ -67,6 +68,35 @@ def check_deployment(server_args: Any, parallel: Any, config: TboSglangConfig | 
     if backend not in ATTENTION_BACKENDS:
         refuse(f"SGLang's attention_backend={backend!r}", ", ".join(map(repr, ATTENTION_BACKENDS)),
                "this backend plans its metadata per batch: each microbatch would need its own backend instance")
+
+
+def check_expert_parallel(server_args: Any, ep: int, tp: int) -> None:
+    """SGLang's expert parallelism as tbo runs it: experts spread whole over the TP ranks (``moe_ep_size`` equal to
+    ``tp_size``), their rows carried by tbo's all-to-all over SGLang's expert-parallel group; refused by name
+    otherwise."""
+    if ep == 1:
+        return
+    if ep != tp:
+        refuse(f"SGLang's moe_ep_size={ep} with tp_size={tp}", f"moe_ep_size=1 or moe_ep_size={tp} (the tp_size)",
+               "tbo carries expert parallelism over the TP ranks whole: experts tensor-parallel inside an "
+               "expert-parallel group are not wired")
+    a2a = getattr(server_args, "moe_a2a_backend", "none")
+    if a2a not in (None, "none"):
+        refuse(f"SGLang's moe_a2a_backend={a2a!r}", "'none' (tbo's all-to-all carries the experts' rows)",
+               "SGLang's all-to-all backends (DeepEP, ...) are not driven by tbo yet; tbo's own dispatch and combine "
+               "run over SGLang's expert-parallel group instead")
+    redundant = getattr(server_args, "ep_num_redundant_experts", 0) or 0
+    if redundant or getattr(server_args, "enable_eplb", False):
+        refuse(f"SGLang's ep_num_redundant_experts={redundant} / enable_eplb", "no redundant experts, no EPLB",
+               "tbo routes each expert id to the rank that holds it in SGLang's static layout (rank r the r-th "
+               "share); redundant or rebalanced experts would move")
+
+
+def _backend_of(group: Any) -> str:
+    """The torch.distributed backend of ``group`` (``gloo``, ``nccl``)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group))
 
 
 def sglang_runs_unsplit(backend: Any, reducer: Any, op_times: bool) -> bool:
@@ -86,32 +116,39 @@ class SglangEngine:
 
         self.config, self.undo = config, UndoStack()
         self.stats, self.loop, self.adaptive = StepStats(), None, None
-        self.tp, self.rank, self.reducer, self.raw_reducer = 1, 0, None, None
+        self.tp, self.ep, self.rank, self.reducer, self.raw_reducer, self.raw_backend = 1, 1, 0, None, None, None
         #: the lines `close` logged (None: still open); ``stats_file`` carries them from then on
         self.summary: list[str] | None = None
         try:
             parallel = get_parallel()
             check_deployment(runner.server_args, parallel, config)
-            self._build(runner, config, int(parallel.tp_rank), int(parallel.tp_size))
+            self._build(runner, config, int(parallel.tp_rank), int(parallel.tp_size), int(parallel.moe_ep_size))
         except BaseException:
             self.undo.close()
             raise
 
-    def _build(self, runner: Any, config: TboSglangConfig, rank: int, tp: int) -> None:
+    def _build(self, runner: Any, config: TboSglangConfig, rank: int, tp: int, ep: int) -> None:
         structure = model_structure(runner.model, tensor_parallel=tp > 1)
         self.architecture, self.tp, self.rank = structure.architecture, tp, rank
         moe = any(s.kind == "moe" for s in structure.structures)
-        backend: Any = LocalBackend(structure.num_experts, DispatchFormat.NORMAL) if moe else None
-        if config.link is not None and tp == 1:  # at TP >= 2 the link carries the all-reduces (`_defer_reductions`)
+        self.ep = ep if moe else 1
+        backend: Any = None
+        if moe:
+            backend = (self._ep_backend(structure.num_experts) if self.ep > 1 else
+                       LocalBackend(structure.num_experts, DispatchFormat.NORMAL))
+        self.raw_backend = backend
+        if config.link is not None and (tp == 1 or self.ep > 1):  # TP: the link carries the all-reduces too
             backend = EmulatedLink.from_spec(backend, config.link)
         self.backend, self.reducer, self.raw_reducer = backend, None, None
         last = len(structure.layers) - 1
-        self.layers = [SglangDecoderLayer(layer, s, backend, i, structure.inner.norm if i == last else None)
+        ep_rows = (self.raw_backend.rank, self.ep) if self.ep > 1 else None
+        self.layers = [SglangDecoderLayer(layer, s, backend, i, structure.inner.norm if i == last else None, ep_rows)
                        for i, (layer, s) in enumerate(zip(structure.layers, structure.structures))]
         for layer in self.layers:
             layer.stats = self.stats
         names = self.names = config.strategy_names(any(layer.has_shared_experts for layer in self.layers),
-                                                   dense=not moe, tensor_parallel=tp > 1)
+                                                   dense=not moe, tensor_parallel=tp > 1,
+                                                   expert_parallel=self.ep > 1)
         if tp > 1:
             self._defer_reductions(moe)  # before binding: the ops' flows read which reductions are deferred
         else:
@@ -133,6 +170,8 @@ class SglangEngine:
         self.loop = LayerLoop(structure.inner, self.layers, bound, backend, config.split_policy(), adaptive=adaptive,
                               stats=self.stats, stats_file=None if path is None else StatsFile(path, self.extra),
                               op_times=config.op_times, reducer=self.reducer)
+        if self.ep > 1:
+            self.stats.ep_size, self.loop.traffic = self.ep, self.raw_backend
         self.undo.push("the engine's stats in the process registry",
                        ENGINES.register(self.stats, None if adaptive is None else adaptive.report))
         if sglang_runs_unsplit(backend, self.reducer, config.op_times):
@@ -141,9 +180,29 @@ class SglangEngine:
         publisher = publish_metrics(self)  # the scheduler's slot for SGLang's /metrics (--enable-metrics)
         if publisher is not None:
             self.undo.push("the metrics publisher", publisher.close)
-        logger.info("tbo: %s runs its %d layers through tbo (strategies %s / %s, %d microbatches, TP rank %d of %d)",
-                    self.architecture, len(self.layers), names.decode, names.prefill, config.num_microbatches,
-                    rank, tp)
+        logger.info("tbo: %s runs its %d layers through tbo (strategies %s / %s, %d microbatches, TP rank %d of %d, "
+                    "EP %d)", self.architecture, len(self.layers), names.decode, names.prefill,
+                    config.num_microbatches, rank, tp, self.ep)
+
+    def _ep_backend(self, num_experts: int) -> Any:
+        """tbo's all-to-all over SGLang's expert-parallel group (its device group: gloo on a CPU, NCCL on GPUs), in
+        the NORMAL layout SGLang's experts take. Its experts' partition must be SGLang's (rank r holds the r-th
+        share of the expert ids), or rows would reach a rank that does not hold their expert."""
+        from sglang.srt.runtime_context import get_parallel
+
+
+        parallel = get_parallel()
+        group = parallel.moe_ep_group
+        if num_experts % self.ep:
+            raise TboSglangError(f"TBO_SGLANG_CONFIG at moe_ep_size={self.ep}: {self.architecture} has {num_experts} "
+                                 f"experts, not a multiple of the expert-parallel ranks; accepted: a moe_ep_size "
+                                 f"that divides {num_experts}")
+        backend = EpBackend(num_experts, group.device_group, self.config.comm_timeout_s)
+        if (backend.rank, backend.num_ranks) != (int(parallel.moe_ep_rank), self.ep):
+            raise TboSglangError(f"TBO_SGLANG_CONFIG at moe_ep_size={self.ep}: SGLang's expert-parallel rank "
+                                 f"{parallel.moe_ep_rank} of {self.ep} is rank {backend.rank} of "
+                                 f"{backend.num_ranks} in its group; tbo's experts would not be SGLang's")
+        return backend
 
     def _defer_reductions(self, moe: bool) -> None:
         """TP >= 2: have each layer run, as tbo's transfers, the all-reduces its strategies name (`model.tp`); the
@@ -183,6 +242,11 @@ class SglangEngine:
         link = link_report([x for x in (self.backend, self.reducer) if isinstance(x, EmulatedLink)])
         if link is not None:
             out["link"] = link
+        if self.ep > 1:
+            out["ep"] = {"size": self.ep, "rank": self.raw_backend.rank,
+                         "group": _backend_of(self.raw_backend.transport.group),
+                         "rows_dispatched": sum(layer.ep_rows_sent for layer in self.layers),
+                         "rows_from_peers": sum(layer.ep_rows_from_peers for layer in self.layers)}
         if self.tp > 1:
             out["tp"] = {"size": self.tp, "rank": self.rank,
                          "group": None if self.raw_reducer is None else self.raw_reducer.backend,

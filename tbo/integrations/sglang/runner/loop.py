@@ -11,7 +11,7 @@ order.
 
 Choosing the strategy, running, timing, tracing and counting the step are the kit's
 (`tbo.integrations.engine.loop.EngineLayerLoop`); this loop adds SGLang's batch per microbatch, its residual stream,
-the step-time histogram and the adaptive split's measurement. Diagnostics never fail a step.
+the step-time histogram, the adaptive split's measurement and, under expert parallelism, the rows that crossed ranks. Diagnostics never fail a step.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class LayerLoop(EngineLayerLoop):
         #: every step
         self.own_forward: Any = None
         self.own_steps = 0  #: unsplit steps SGLang's own forward ran
+        #: the expert-parallel backend whose ``remote_rows`` and ``count_exchanges`` the steps count (set by the
+        #: engine under expert parallelism); None: no rows cross ranks
+        self.traffic: Any = None
+        self._step_traffic = (0, 0)
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 
         self._residual = residual_batch
@@ -80,8 +84,10 @@ class LayerLoop(EngineLayerLoop):
             fb = batches[0 if mb is None else mb.microbatch_idx]
             return {"positions": positions if mb is None else fb.positions, "forward_batch": fb}
 
+        before = self._traffic()
         run = self.run(step, hidden, pinned=pinned, counted=step is not None, stage_hooks=hooks, drain=self.drain)
         if step is not None:
+            self._step_traffic = tuple(a - b for a, b in zip(self._traffic(), before))
             self.count(run)
         return run.out["hidden_states"]
 
@@ -95,7 +101,15 @@ class LayerLoop(EngineLayerLoop):
             self.count(LayerRun({}, step, str(step.slot), time.perf_counter() - t0, None, None))
         return out
 
+    def _traffic(self) -> tuple[int, int]:
+        """The expert-parallel backend's ``remote_rows`` and ``count_exchanges`` so far (zero without one)."""
+        return getattr(self.traffic, "remote_rows", 0), getattr(self.traffic, "count_exchanges", 0)
+
     def count_more(self, run: LayerRun) -> None:
+        rows, exchanges = self._step_traffic
+        self._step_traffic = (0, 0)
+        self.stats.remote_rows += rows
+        self.stats.count_exchanges += exchanges
         # the step-time histogram: the layer loop's wall time (SGLang offers tbo no later seat it waits at; on a GPU
         # kernels the loop launched may still run, as in the adaptive split's measurement)
         self.stats.observe_step(run.step.kind, run.microbatches > 1, run.seconds)

@@ -1,16 +1,13 @@
-"""Expert parallelism's transport under DP attention: tbo's all-to-all over vLLM's expert-parallel group
-(`EpBackend`, `ep_group`). The layer that hands its experts the rows this rank received:
+"""Expert parallelism's transport under DP attention: tbo's all-to-all (the kit's `EpBackend`) over vLLM's
+expert-parallel group (`ep_group`). The layer that hands its experts the rows this rank received:
 `tbo.integrations.vllm.model.ep_layer.EpDecoderLayer`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
-import torch
-
-from tbo.comm.alltoall import TorchDistributedBackend
-from tbo.comm.types import DispatchFormat
+from tbo.integrations.engine.ep import EpBackend
 
 __all__ = ["EpBackend", "ep_group", "expert_parallel_size"]
 
@@ -29,27 +26,3 @@ def ep_group(platform: str) -> Any:
 
     group = get_ep_group()
     return group.cpu_group if platform == "cpu" else group.device_group
-
-
-class EpBackend(TorchDistributedBackend):
-    """tbo's all-to-all over vLLM's expert-parallel group, NORMAL layout, counting the token rows it sends to other
-    ranks (``remote_rows``: the traffic a run with every expert local would not have)."""
-
-    def __init__(self, num_experts: int, group: Any, timeout_s: float) -> None:
-        super().__init__(num_experts, DispatchFormat.NORMAL, group=group, timeout_s=timeout_s)
-        #: the rows sent to other ranks, summed on the device by each dispatch (never read inside a step)
-        self._remote: torch.Tensor | None = None
-
-    @property
-    def remote_rows(self) -> int:
-        """Token rows this backend's dispatches sent to other ranks so far: one host read, here, of what the
-        dispatches counted on the device (a dispatch inside a step that must not read the host reads nothing)."""
-        return 0 if self._remote is None else int(self._remote)
-
-    def dispatch_a(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-                   rows_per_rank: Sequence[int] | None = None) -> Any:
-        state = super().dispatch_a(hidden, topk_idx, topk_weights, rows_per_rank=rows_per_rank)
-        sent = state.info["route"].send_counts
-        remote = sent.sum() - sent[self.rank]
-        self._remote = remote if self._remote is None else self._remote + remote
-        return state
