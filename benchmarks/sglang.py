@@ -4,6 +4,11 @@ link, tbo unsplit against tbo split. Prints each engine's decode and prefill wal
 Targets (reported, not asserted): tbo's unsplit overhead is at most 3% of SGLang's time; over a link whose transfers
 take about as long as the layers' compute, tbo split is at least 1.3x tbo unsplit over that link.
 
+``--tp 2`` runs every engine at tensor parallel 2 (one scheduler process per rank, each bound to its core) and
+measures only the split over a link, which then carries each layer's two all-reduces (attention's and the MoE's,
+``moe_tp_*``; target >= 1.15x, as in vLLM); ``--ep`` adds SGLang's expert parallelism over those ranks, whose rows
+tbo's all-to-all carries over a link of its own (``moe_tp_ep_*``), each link sized from all the bytes.
+
 How the link is set, as in benchmarks/vllm.py (its helpers, loaded by path): tbo unsplit without a link measures the
 compute of the decode and of the prefill run; from the bytes those runs' MoE layers send, a bandwidth-bound link per
 mode makes that run's communication equal its compute (``--link`` sets one for both).
@@ -67,7 +72,11 @@ def measure(model: Path, tbo: dict | None, args: argparse.Namespace,
     os.environ.pop("TBO_SGLANG_CONFIG", None)
     if tbo is not None:
         os.environ["TBO_SGLANG_CONFIG"] = json.dumps(tbo)
-    e = sgl.Engine(model_path=str(model), **ENGINE_ARGS)
+    parallel = {}
+    if args.tp > 1:  # one core per rank's scheduler process (SGLang's CPU engine needs it at TP >= 2)
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(args.tp)))
+        parallel = {"tp_size": args.tp, "ep_size": args.tp if args.ep else 1}
+    e = sgl.Engine(model_path=str(model), **ENGINE_ARGS, **parallel)
     os.environ.pop("TBO_SGLANG_CONFIG", None)
     try:
         short = [[(7 * i + j) % 250 + 1 for j in range(4)] for i in range(args.batch)]
@@ -102,11 +111,17 @@ def main() -> None:
                    help="each round also times a second plain SGLang engine: the spread of SGLang against itself, "
                         "which an overhead inside it cannot be told from")
     p.add_argument("--link", default=None, help="'LATENCY_US,GBPS'; default: per mode, comm ~= compute")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks: only the split over a link is measured")
+    p.add_argument("--ep", action="store_true", help="with --tp: SGLang's expert parallelism over the TP ranks")
     args = p.parse_args()
+    if args.ep and args.tp < 2:
+        p.error("--ep needs --tp 2 or more (expert parallelism over the TP ranks)")
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     bench = _bench_vllm()
     #: tokens each mode's run sends through the MoE layers: the decode steps' (its prefill a small share), the prompts
     tokens = {"decode": args.batch * args.new, "prefill": args.batch * args.prompt}
+    if args.tp > 1:
+        return main_tp(args, bench, tokens)
     with tempfile.TemporaryDirectory() as tmp:
         model = save_model(Path(tmp) / "qwen3_moe", args)
         never = {"decode_token_threshold": 10**6, "prefill_token_threshold": 10**6}
@@ -140,6 +155,32 @@ def main() -> None:
         speedup = runs[f"{mode}: tbo unsplit, link"][mode] / runs[f"{mode}: tbo split, link"][mode]
         print(f"{mode}: tbo unsplit overhead {overhead * 100:+.1f}% (target <= 3%); split over the link "
               f"{links[mode]} {speedup:.2f}x unsplit (target >= 1.3x)")
+
+
+def main_tp(args: argparse.Namespace, bench: object, tokens: dict[str, int]) -> None:
+    """``--tp``: tbo unsplit without a link (each mode's compute), then tbo unsplit and tbo split over a link per
+    mode whose bytes take about that long: per layer and microbatch row, the two all-reduces of fp32 rows, and with
+    ``--ep`` the rows each rank dispatches and gets back (a 1/tp slice of the rows, the whole NORMAL record)."""
+    never = {"decode_token_threshold": 10**6, "prefill_token_threshold": 10**6}
+    always = {"decode_token_threshold": 2, "prefill_token_threshold": 2}  # strategy "auto": moe_tp_* / moe_tp_ep_*
+    runs: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(Path(tmp) / "qwen3_moe", args)
+        runs["tbo unsplit"] = compute = measure(model, never, args)
+        for m in tokens:
+            nbytes = 2 * tokens[m] * args.hidden * 4 * args.layers
+            if args.ep:
+                nbytes += bench.moe_bytes_per_step(tokens[m] // args.tp, args.hidden, 2, args.layers)
+            link = args.link or bench.link_for(compute[m], nbytes)
+            runs[f"{m}: tbo unsplit, link"] = measure(model, {**never, "link": link}, args, (m,))
+            runs[f"{m}: tbo split, link"] = split = measure(model, {**always, "link": link}, args, (m,))
+            speedup = runs[f"{m}: tbo unsplit, link"][m] / split[m]
+            runs[f"{m}: speedup"] = {m: speedup}
+            print(f"{m}: TP {args.tp}{', EP' if args.ep else ''}: split over the link {link} {speedup:.2f}x unsplit "
+                  "(target >= 1.15x)", flush=True)
+    for name, r in runs.items():
+        if not name.endswith("speedup"):
+            print(f"{name:28s}" + "   ".join(f"{m} {r[m] * 1e3:8.1f} ms" for m in r))
 
 
 if __name__ == "__main__":

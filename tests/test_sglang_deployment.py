@@ -77,3 +77,28 @@ def test_the_reductions_a_strategy_defers_are_read_off_its_ops(name, deferred):
     from tbo.integrations.sglang.model.tp import deferred_by
 
     assert deferred_by(strategies.get(name)) == deferred
+
+
+def test_an_experts_module_that_sums_its_own_output_is_refused_by_name():
+    """An experts module built with ``reduce_results=True`` would all-reduce inside tbo's experts op (and under
+    expert parallelism a rank with no rows to run skips the call, so the ranks' collectives would not match)."""
+    from tbo.integrations.sglang.errors import TboSglangError
+    from tbo.integrations.sglang.model.structure import _moe_checks
+
+    block = SimpleNamespace(experts=SimpleNamespace(reduce_results=True))
+    with pytest.raises(TboSglangError, match=r"layer 3.*reduce_results=True"):
+        _moe_checks("layer 3", block)
+    assert _moe_checks("layer 3", SimpleNamespace(experts=SimpleNamespace(reduce_results=False))) == (None, None)
+
+
+def test_a_strategy_must_sum_the_shared_expert_where_it_sums_the_routed_output():
+    """At TP >= 2 a shared expert's output is a partial sum like the routed one: a strategy sums both as tbo's
+    all-reduces or leaves both to SGLang; one of each is refused at start (`SglangEngine._defer_reductions`)."""
+    from tbo import strategies
+    from tbo.integrations.sglang.runner.engine import sums_shared_as_routed
+
+    for name in ("moe_tp_decode", "moe_tp_prefill", "moe_tp_ep_decode", "moe_tp_ep_prefill", "deepseek_decode",
+                 "deepseek_prefill"):
+        assert sums_shared_as_routed(strategies.get(name)), name
+    routed_only = strategies.get("moe_tp_decode").without(["shared_reduce_a", "shared_reduce_b"], name="routed_only")
+    assert not sums_shared_as_routed(routed_only)

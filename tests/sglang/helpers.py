@@ -58,13 +58,14 @@ def save_mixtral(path: Path) -> Path:
 
 def save_qwen2_moe(path: Path) -> Path:
     """Qwen2-MoE: every MoE block has a shared expert gated by the sigmoid of its ``shared_expert_gate``; its
-    attention is one op (no ``forward_prepare``)."""
+    attention is one op (no ``forward_prepare``). Two KV heads: with one, plain SGLang 0.5.23 at TP = 2 on a CPU
+    writes half-width keys into its KV cache and fails (in ``set_kv_buffer``), with or without tbo."""
     import torch
     import transformers
 
     config = transformers.Qwen2MoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=512, initializer_range=0.2)
     torch.manual_seed(0)
     transformers.Qwen2MoeForCausalLM(config).save_pretrained(path)

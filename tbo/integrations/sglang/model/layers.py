@@ -171,7 +171,7 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
               else OpFlow(takes="combine", writes="routed_out"))
     def op_combine_b(self, state: State) -> None:
         out = self.backend.combine_b(state.pop("combine"))
-        state.routed_out = self._routed(out, state.mlp_shape) if self.ep is not None else out
+        state.routed_out = out if self.ep is None else self._routed(out, state.mlp_shape)
 
     @declares(lambda layer: OpFlow(takes="mlp_in", writes="shared_out") if layer.has_shared_experts else OpFlow())
     def op_shared_experts(self, state: State) -> None:

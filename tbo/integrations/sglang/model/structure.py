@@ -126,6 +126,10 @@ def _moe_checks(where: str, ffn: Any) -> tuple[Any, Any]:
     if getattr(ffn, "num_fused_shared_experts", 0) or getattr(ffn, "enable_shared_expert_fusion", False):
         raise _refuse(where, "a shared expert fused into the routed experts' kernel (SGLang's shared-expert "
                              "fusion): tbo runs the shared expert as its own op")
+    if getattr(getattr(ffn, "experts", None), "reduce_results", False):
+        raise _refuse(where, "an experts module that all-reduces its own output (reduce_results=True): tbo's ops "
+                             "sum the routed output as the block does, and a rank whose experts have no rows to run "
+                             "does not call the module")
     scaling = getattr(ffn, "routed_scaling_factor", None)
     if scaling is not None and float(scaling) != 1.0:
         raise _refuse(where, f"routed_scaling_factor={scaling} (DeepSeek's routed scaling, applied inside SGLang's "

@@ -126,8 +126,8 @@ class TensorParallelOps(LibraryTensorParallelOps):
     """The reduction ops of an SGLang layer: the library's pairs (an FFN output summed in place), the attention's
     pair on a copy of the partial sum (see the module docstring), and ``routed_experts``: dispatch, SGLang's experts
     and combine in one op, for experts sharded over the TP ranks (each computes every expert's slice: no row crosses
-    ranks, nothing to overlap there; under expert parallelism the rows do cross, without overlap). The engine sets `reducer`, `deferred` and `coordinators` before it binds the
-    strategies (the ops' flows read `deferred`)."""
+    ranks, nothing to overlap there; under expert parallelism the rows do cross, without overlap). The engine sets
+    `reducer`, `deferred` and `coordinators` before it binds the strategies (the ops' flows read `deferred`)."""
 
     #: the reductions this layer's strategy runs as transfers (`deferred_by`); the others stay SGLang's
     deferred: frozenset[str] = frozenset()
@@ -177,15 +177,18 @@ class TensorParallelOps(LibraryTensorParallelOps):
             return boundary.complete_now(out, fb, already_reduced=True)
         return boundary.finish(out, fb)
 
-    @declares(lambda layer: OpFlow(takes=("mlp_in", "topk"), writes=("routed_out", "mlp_shape"))
-              if layer.kind == "moe" else OpFlow())
+    @declares(lambda layer: OpFlow() if layer.kind != "moe" else
+              OpFlow(reads="mlp_in", takes="topk", writes=("routed_out", "mlp_shape")) if layer.has_shared_experts
+              else OpFlow(takes=("mlp_in", "topk"), writes=("routed_out", "mlp_shape")))
     def op_routed_experts(self, state: State) -> None:
         """Dispatch, the experts and combine, nothing yielded between: each TP rank computes every expert's slice,
-        so the routed output is a partial sum (``moe_reduce_a``/``_b`` sum it)."""
-        x = state.pop("mlp_in")
+        so the routed output is a partial sum (``moe_reduce_a``/``_b`` sum it). A layer's shared expert reads the
+        MLP input after it."""
+        shared = self.has_shared_experts
+        x = state.mlp_in if shared else state.pop("mlp_in")
         state.mlp_shape = x.shape
         backend = self.backend  # type: ignore[attr-defined]
         dispatched = backend.dispatch_b(self._dispatch_a(x, state.pop("topk")))  # type: ignore[attr-defined]
-        out, handle = self.run_experts(dispatched)  # type: ignore[attr-defined]
+        out, handle = self.run_experts(dispatched, x if shared else None)  # type: ignore[attr-defined]
         state.routed_out = self._routed(backend.combine_b(backend.combine_a(out, handle)),  # type: ignore
                                         x.shape)

@@ -33,7 +33,7 @@ from tbo.integrations.sglang.runner.metrics import publish_metrics
 from tbo.integrations.sglang.stats import ENGINES
 from tbo.split.kinds import Slot
 
-__all__ = ["SglangEngine", "check_deployment", "check_expert_parallel", "sglang_runs_unsplit"]
+__all__ = ["SglangEngine", "check_deployment", "check_expert_parallel", "sglang_runs_unsplit", "sums_shared_as_routed"]
 
 logger = logging.getLogger("sglang.tbo")
 
@@ -90,6 +90,15 @@ def check_expert_parallel(server_args: Any, ep: int, tp: int) -> None:
         refuse(f"SGLang's ep_num_redundant_experts={redundant} / enable_eplb", "no redundant experts, no EPLB",
                "tbo routes each expert id to the rank that holds it in SGLang's static layout (rank r the r-th "
                "share); redundant or rebalanced experts would move")
+
+
+def sums_shared_as_routed(strategy: Any) -> bool:
+    """Whether ``strategy`` sums a shared expert's output (a partial sum at TP >= 2) where it sums the routed one:
+    both as tbo's all-reduces (``moe_reduce_a`` and ``shared_reduce_a``), or neither (SGLang's boundary sums their
+    total). One of each would leave a part unsummed or sum it twice."""
+    from tbo.integrations.sglang.model.tp import deferred_by
+
+    return ("moe" in deferred_by(strategy)) == ("shared_reduce_a" in strategy.operations)
 
 
 def _backend_of(group: Any) -> str:
@@ -211,11 +220,15 @@ class SglangEngine:
 
         per_layer = []
         for layer in self.layers:
-            if layer.has_shared_experts:
-                raise TboSglangError(f"TBO_SGLANG_CONFIG at tp_size={self.tp}: {layer!r} has a shared expert: not "
-                                     "supported (SGLang sums its output with the routed experts' in one all-reduce, "
-                                     "which tbo's TP ops do not make yet); accepted: tp_size=1")
             modes = {slot: deferred_by(strategies.get(self.names.of(slot))) for slot in Slot}
+            if layer.has_shared_experts:  # the shared expert's output is a partial sum too
+                for slot in Slot:
+                    name = self.names.of(slot)
+                    if not sums_shared_as_routed(strategies.get(name)):
+                        refuse({"strategy": name}, "'auto' (moe_tp_*) or a strategy that reduces the routed and "
+                               "the shared output alike (moe_reduce_a/_b and shared_reduce_a/_b, or neither)",
+                               f"{layer!r} has a shared expert whose output, like the routed one, is a partial sum "
+                               "at tp_size>1, and this strategy sums one of the two itself and not the other")
             if modes[Slot.DECODE] != modes[Slot.PREFILL]:
                 raise TboSglangError(f"TBO_SGLANG_CONFIG strategies {self.names.decode!r} and {self.names.prefill!r} "
                                      f"disagree on which tensor-parallel all-reduces of {layer!r} they run as "

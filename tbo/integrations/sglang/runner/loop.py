@@ -11,7 +11,8 @@ order.
 
 Choosing the strategy, running, timing, tracing and counting the step are the kit's
 (`tbo.integrations.engine.loop.EngineLayerLoop`); this loop adds SGLang's batch per microbatch, its residual stream,
-the step-time histogram, the adaptive split's measurement and, under expert parallelism, the rows that crossed ranks. Diagnostics never fail a step.
+the step-time histogram, the adaptive split's measurement and, under expert parallelism, the rows that crossed
+ranks. Diagnostics never fail a step.
 """
 
 from __future__ import annotations
