@@ -1,6 +1,7 @@
 """The SGLang plugin's deployment check without SGLang: tensor parallelism, and expert parallelism over the TP ranks,
-are admitted (tests/sglang/test_tp.py runs both in real engines), what tbo does not drive inside SGLang is refused by name, the TP-only refusals (the adaptive
-split, quantised all-reduces) included, and a strategy's deferred reductions are read off its op list."""
+are admitted (tests/sglang/test_tp.py runs both in real engines); what tbo does not drive inside SGLang is refused
+by name, the TP-only refusals (the adaptive split, quantised all-reduces) included; a strategy's deferred
+reductions are read off its op list."""
 
 from __future__ import annotations
 

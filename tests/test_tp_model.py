@@ -117,6 +117,12 @@ def test_strategies_by_structure_and_refusals():
     assert ReferenceModel(CONFIGS["deepseek"]).auto_strategy(meta) == "deepseek_decode"
     assert S.auto_names(moe=True, shared_experts=False) == ("qwen3_moe_decode", "qwen3_moe_prefill")
     assert S.auto_names(moe=False, tensor_parallel=True) == ("dense_tp_decode", "dense_tp_prefill")
+    assert S.auto_names(moe=True, tensor_parallel=True) == ("moe_tp_decode", "moe_tp_prefill")
+    # experts spread whole over the TP ranks (SGLang's --ep-size = --tp-size): the rows travel too
+    assert S.auto_names(moe=True, tensor_parallel=True, expert_parallel=True) == ("moe_tp_ep_decode",
+                                                                                  "moe_tp_ep_prefill")
+    assert S.auto_names(moe=False, tensor_parallel=True, expert_parallel=True) == ("dense_tp_decode",
+                                                                                   "dense_tp_prefill")
     # a one-rank model has no reducer: a TP strategy says which op needs one
     ids, meta = _steps([3])[0][1:]
     with pytest.raises(Exception, match="attn_reduce_a needs the layer's tensor-parallel reducer"):
