@@ -149,6 +149,8 @@ def test_expert_parallel_tokens_equal_plain_sglang_at_tp2_and_rows_cross_ranks(r
                 "split_steps_by_strategy", "tp_reductions", "count_exchanges"):
         assert closed[0][key] == closed[1][key], (key, closed[0][key], closed[1][key])
     assert set(closed[0]["split_steps_by_strategy"]) == {"moe_tp_ep_decode", "moe_tp_ep_prefill"}, closed[0]
+    # every rank knows every rank's slice: the dispatches sent them as agreed rows, no row counts exchanged
+    assert closed[0]["count_exchanges"] == 0, closed[0]
     for rank, stats in enumerate(closed):
         assert stats["ep_size"] == TP and stats["ep"]["size"] == TP and stats["ep"]["rank"] == rank, stats
         assert stats["ep"]["group"] == "gloo", stats["ep"]

@@ -13,7 +13,8 @@ NORMAL layout SGLang's experts take (each token once with its top-k ids and weig
 
 Under SGLang's expert parallelism at TP (``--ep-size`` = ``--tp-size``: each rank holds whole experts, a share of
 them, and the same tokens after attention's sum), the backend is tbo's all-to-all over SGLang's expert-parallel
-group, and each rank dispatches only its slice of the microbatch's rows (`ep_rows`). SGLang's experts module gets
+group, and each rank dispatches only its slice of the microbatch's rows (`ep_rows`; every rank knows every slice,
+so no row counts are exchanged: the agreed rows of a NORMAL dispatch). SGLang's experts module gets
 the rows it receives as (row, expert) pairs naming this rank's experts by SGLang's global ids (see
 `_run_local_experts`). Combined back, the routed output is the rank's slice and zeros elsewhere: a
 partial sum over the TP group, as when each rank holds every expert's slice, completed by the same reduction.
@@ -137,15 +138,22 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
         rank, size = self.ep
         return rows * rank // size, rows * (rank + 1) // size
 
+    def ep_slices(self, rows: int) -> list[int]:
+        """Every rank's slice of a microbatch of ``rows`` (`ep_rows`), by rank: known to each rank, since each holds
+        the same rows, so the dispatch needs no exchange of row counts (its agreed ``rows_per_rank``)."""
+        rank, size = self.ep  # type: ignore[misc]
+        return [rows * (r + 1) // size - rows * r // size for r in range(size)]
+
     def _dispatch_a(self, x: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor]) -> Any:
         """Launch the dispatch of this rank's rows of ``x`` (``[..., H]``) with their top-k ids and weights."""
         flat = x.view(-1, x.shape[-1])
-        start, stop = self.ep_rows(flat.shape[0])
         ids, weights = topk
-        if self.ep is not None:
-            flat, ids, weights = flat[start:stop], ids[start:stop], weights[start:stop]
-            self.ep_rows_sent += stop - start
-        return self.backend.dispatch_a(flat, ids, weights)
+        if self.ep is None:
+            return self.backend.dispatch_a(flat, ids, weights)
+        start, stop = self.ep_rows(flat.shape[0])
+        self.ep_rows_sent += stop - start
+        return self.backend.dispatch_a(flat[start:stop], ids[start:stop], weights[start:stop],
+                                       rows_per_rank=self.ep_slices(flat.shape[0]))
 
     def _routed(self, out: torch.Tensor, shape: Any) -> torch.Tensor:
         """The combined rows as the microbatch's routed output: under expert parallelism at TP this rank's slice in
