@@ -27,6 +27,7 @@ merging normed microbatches equals norming the merged step.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -141,7 +142,7 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
     def ep_slices(self, rows: int) -> list[int]:
         """Every rank's slice of a microbatch of ``rows`` (`ep_rows`), by rank: known to each rank, since each holds
         the same rows, so the dispatch needs no exchange of row counts (its agreed ``rows_per_rank``)."""
-        rank, size = self.ep  # type: ignore[misc]
+        size = self.ep[1]  # type: ignore[index]
         return [rows * (r + 1) // size - rows * r // size for r in range(size)]
 
     def _dispatch_a(self, x: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor]) -> Any:
@@ -160,9 +161,7 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
         zeros, a partial sum its TP group completes (its other rows are other ranks' slices)."""
         if self.ep is None:
             return out
-        rows = 1
-        for n in shape[:-1]:
-            rows *= n
+        rows = math.prod(shape[:-1])
         start, stop = self.ep_rows(rows)
         full = out.new_zeros((rows, out.shape[-1]))
         full[start:stop] = out
