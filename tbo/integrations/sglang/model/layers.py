@@ -136,14 +136,17 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
         parallelism at TP (`ep`) the rank's slice of near-equal slices in rank order (one row: the last rank's)."""
         if self.ep is None:
             return 0, rows
-        rank, size = self.ep
+        return self._slice(rows, self.ep[0])
+
+    def _slice(self, rows: int, rank: int) -> tuple[int, int]:
+        """``(start, stop)`` of rank ``rank``'s slice of ``rows`` in the expert-parallel group."""
+        size = self.ep[1]  # type: ignore[index]
         return rows * rank // size, rows * (rank + 1) // size
 
     def ep_slices(self, rows: int) -> list[int]:
         """Every rank's slice of a microbatch of ``rows`` (`ep_rows`), by rank: known to each rank, since each holds
         the same rows, so the dispatch needs no exchange of row counts (its agreed ``rows_per_rank``)."""
-        size = self.ep[1]  # type: ignore[index]
-        return [rows * (r + 1) // size - rows * r // size for r in range(size)]
+        return [stop - start for start, stop in (self._slice(rows, r) for r in range(self.ep[1]))]  # type: ignore
 
     def _dispatch_a(self, x: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor]) -> Any:
         """Launch the dispatch of this rank's rows of ``x`` (``[..., H]``) with their top-k ids and weights."""
