@@ -1,7 +1,7 @@
 """The SGLang plugin's deployment check without SGLang: tensor parallelism, and expert parallelism over the TP ranks,
 are admitted (tests/sglang/test_tp.py runs both in real engines); what tbo does not drive inside SGLang is refused
-by name, the TP-only refusals (the adaptive split, quantised all-reduces) included; a strategy's deferred
-reductions are read off its op list."""
+by name, the TP-only refusals (the adaptive split, quantised all-reduces) included, and so are attention backends
+tbo does not plan per microbatch and SGLang's graphs; a strategy's deferred reductions are read off its op list."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_tensor_parallelism_is_admitted(tp):
     ({}, {"pp_size": 2}, {}, "pp_size=2"),
     ({}, {"tp_size": 2}, {"split": "adaptive"}, "split='adaptive' at SGLang's tp_size=2"),
     ({"enable_quant_communications": True}, {"tp_size": 2}, {}, "--enable-quant-communications"),
-    ({"attention_backend": "flashinfer"}, {"tp_size": 2}, {}, "attention_backend='flashinfer'"),
+    ({"attention_backend": "flashmla"}, {"tp_size": 2}, {}, "attention_backend='flashmla'"),
+    ({"attention_backend": None}, {}, {}, "attention_backend=None"),
     ({"enable_two_batch_overlap": True}, {}, {}, "--enable-two-batch-overlap"),
 ])
 def test_what_tbo_does_not_drive_is_refused_by_name(args, parallel, config, named):
@@ -47,6 +48,42 @@ def test_what_tbo_does_not_drive_is_refused_by_name(args, parallel, config, name
     with pytest.raises(TboSglangError, match="TBO_SGLANG_CONFIG") as info:
         check_deployment(_args(**args), _parallel(**parallel), parse_config(config))
     assert named in str(info.value) and "accepted" in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton", "intel_amx", "fa3", "flashinfer"])
+def test_attention_backends_planned_per_microbatch_are_admitted(backend):
+    from tbo.integrations.sglang.config import parse_config
+    from tbo.integrations.sglang.runner.engine import check_deployment
+
+    check_deployment(_args(attention_backend=backend), _parallel(), parse_config({}))
+
+
+@pytest.mark.parametrize("prefill, decode, named", [
+    ("triton", "flashmla", "decode attention backend='flashmla'"),
+    ("torch_flex", "triton", "prefill attention backend='torch_flex'"),
+])
+def test_the_runners_resolved_prefill_and_decode_backends_are_checked(prefill, decode, named):
+    """``--prefill-attention-backend`` / ``--decode-attention-backend`` may name others than
+    ``--attention-backend``: what the runner resolved is checked, once it has."""
+    from tbo.integrations.sglang.errors import TboSglangError
+    from tbo.integrations.sglang.runner.attention import check_attention
+
+    runner = SimpleNamespace(prefill_attention_backend_str=prefill, decode_attention_backend_str=decode)
+    with pytest.raises(TboSglangError, match="accepted") as info:
+        check_attention(_args(attention_backend="triton"), runner)
+    assert named in str(info.value)
+    check_attention(_args(), SimpleNamespace(prefill_attention_backend_str="triton",
+                                             decode_attention_backend_str="torch_native"))  # no refusal
+
+
+def test_graphs_sglang_would_capture_are_refused_by_name():
+    from tbo.integrations.sglang.errors import TboSglangError
+    from tbo.integrations.sglang.runner.engine import check_graphs
+
+    with pytest.raises(TboSglangError, match="CUDA graphs") as info:
+        check_graphs(graphs_disabled=False)
+    assert "--disable-cuda-graph" in str(info.value)
+    check_graphs(graphs_disabled=True)  # no refusal
 
 
 @pytest.mark.parametrize("tp", [2, 8])

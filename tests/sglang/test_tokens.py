@@ -121,6 +121,14 @@ def test_a_prompt_cut_across_microbatches_gives_plain_sglangs_tokens(tbo_run):
     assert _split(before, after, "prefill") >= 1
 
 
+def test_each_microbatch_attends_on_a_torch_native_backend_of_its_own(tbo_run):
+    """Every microbatch of every split step was planned on its own attention backend, of the runner's class
+    (tests/sglang/test_attention.py: the Triton backend, whose plans matter)."""
+    attention = tbo_run["last"]["attention"]
+    assert attention["backend"] == "TorchNativeAttnBackend" and attention["microbatch_backends"] == tbo_run["n"]
+    assert attention["planned"] == tbo_run["last"]["microbatches"] > 0
+
+
 def test_shutdown_closes_tbo_and_leaves_its_summary(tbo_run):
     """SGLang's shutdown kills the scheduler; tbo closed there first: its last ``stats_file`` write carries the
     summary line, whose counts are the engine's."""

@@ -5,7 +5,10 @@ what a plugin raises there, so `register` does nothing that can fail and reads n
 SGLang's own `HookRegistry`. When a runner has loaded its model (``ModelRunner.initialize``, AFTER), in the process
 that runs it, the hook reads ``TBO_SGLANG_CONFIG``: unset or empty, it returns at once and SGLang runs as without
 tbo; set, tbo is built on that runner (`SglangEngine`), and a bad key, a refused deployment or a model tbo cannot
-serve fails the runner's start, naming the culprit: never a silent run without TBO.
+serve fails the runner's start, naming the culprit: never a silent run without TBO. Two more of the runner's start
+methods follow: when it has made its attention backend (``init_attention_backends``, AFTER) tbo makes each
+microbatch's own (`tbo.integrations.sglang.runner.attention`), and before it captures graphs of the model
+(``init_cuda_graphs``, BEFORE) tbo refuses them unless they are disabled (`check_graphs`).
 
 Shutdown: ``Engine.shutdown`` SIGKILLs the scheduler processes, so nothing in them runs at exit. The engine's own
 process therefore asks them first: where the engine started with ``TBO_SGLANG_CONFIG`` set (recorded when its
@@ -37,6 +40,10 @@ logger = logging.getLogger("sglang.tbo")
 
 #: the method whose end builds tbo on a runner
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
+#: the method whose end gives tbo the runner's attention backend (made after ``initialize``): each microbatch's own
+ATTENTION = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
+#: the method that captures SGLang's graphs of the model (after the attention backends): refused before it captures
+GRAPHS = "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs"
 #: where the engine's process records that tbo was asked for (the variable is set while the engine starts)
 STARTED = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
 #: before the schedulers are killed, each is asked to close tbo
@@ -60,6 +67,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _after_initialize, HookType.AFTER)
+    HookRegistry.register(ATTENTION, _after_attention_backends, HookType.AFTER)
+    HookRegistry.register(GRAPHS, _before_graphs, HookType.BEFORE)
     HookRegistry.register(STARTED, _after_tokenizer_manager, HookType.AFTER)
     HookRegistry.register(SHUTDOWN, _before_shutdown, HookType.BEFORE)
     HookRegistry.register(RPC, _around_rpc, HookType.AROUND)
@@ -84,6 +93,22 @@ def _after_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> An
 
     setattr(runner, _ATTR, SglangEngine(runner, config))
     return result
+
+
+def _after_attention_backends(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    engine = engine_of(runner)
+    if engine is not None:
+        engine.bind_attention(runner)
+    return result
+
+
+def _before_graphs(runner: Any, *args: Any, **kwargs: Any) -> None:
+    if engine_of(runner) is not None:
+        from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
+
+        from tbo.integrations.sglang.runner.engine import check_graphs
+
+        check_graphs(cuda_graph_fully_disabled())
 
 
 def engine_of(runner: Any) -> Any:

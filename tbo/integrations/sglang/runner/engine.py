@@ -28,19 +28,16 @@ from tbo.integrations.sglang.config import TboSglangConfig
 from tbo.integrations.sglang.errors import TboSglangError, refuse
 from tbo.integrations.sglang.model.layers import SglangDecoderLayer
 from tbo.integrations.sglang.model.structure import model_structure
+from tbo.integrations.sglang.runner.attention import MicrobatchAttention, check_attention
 from tbo.integrations.sglang.runner.loop import LayerLoop
 from tbo.integrations.sglang.runner.metrics import publish_metrics
 from tbo.integrations.sglang.stats import ENGINES
 from tbo.split.kinds import Slot
 
-__all__ = ["SglangEngine", "check_deployment", "check_expert_parallel", "sglang_runs_unsplit", "sums_shared_as_routed"]
+__all__ = ["SglangEngine", "check_deployment", "check_expert_parallel", "check_graphs", "sglang_runs_unsplit",
+           "sums_shared_as_routed"]
 
 logger = logging.getLogger("sglang.tbo")
-
-#: attention backends that take every per-batch value from the ForwardBatch they are handed, so that one backend
-#: serves every microbatch; the others plan metadata per batch and would need one backend per microbatch
-ATTENTION_BACKENDS = ("torch_native",)
-
 
 def check_deployment(server_args: Any, parallel: Any, config: TboSglangConfig | None = None) -> None:
     """Refuse, by name, what tbo does not run inside SGLang (yet)."""
@@ -64,10 +61,20 @@ def check_deployment(server_args: Any, parallel: Any, config: TboSglangConfig | 
     spec = getattr(server_args, "speculative_algorithm", None)
     if spec not in (None, "", "NONE"):
         refuse(f"SGLang's speculative_algorithm={spec!r}", "none", "speculative decoding is not wired to tbo yet")
-    backend = getattr(server_args, "attention_backend", None)
-    if backend not in ATTENTION_BACKENDS:
-        refuse(f"SGLang's attention_backend={backend!r}", ", ".join(map(repr, ATTENTION_BACKENDS)),
-               "this backend plans its metadata per batch: each microbatch would need its own backend instance")
+    check_attention(server_args)
+
+
+def check_graphs(graphs_disabled: bool) -> None:
+    """Refuse SGLang's graphs of the model (CUDA graphs, piecewise prefill graphs), checked as the runner is about to
+    capture them (``graphs_disabled``: SGLang's resolved ``cuda_graph_config`` disables them for decode and prefill):
+    captured through tbo's layer loop, a replay would rerun the capture's split and attention plans on every later
+    batch of its size, with no decision and no per-microbatch planning. CUDA graphs of split steps are issue 59,
+    item 7. On a CPU SGLang resolves them disabled."""
+    if not graphs_disabled:
+        refuse("SGLang's CUDA graphs (decode or prefill)",
+               "--disable-cuda-graph (or --cuda-graph-backend-decode=disabled --cuda-graph-backend-prefill=disabled)",
+               "a graph captured through tbo's layer loop would replay the capture's split and attention plans "
+               "without deciding or planning the step it replays")
 
 
 def check_expert_parallel(server_args: Any, ep: int, tp: int) -> None:
@@ -124,7 +131,7 @@ class SglangEngine:
         from sglang.srt.runtime_context import get_parallel
 
         self.config, self.undo = config, UndoStack()
-        self.stats, self.loop, self.adaptive = StepStats(), None, None
+        self.stats, self.loop, self.adaptive, self.attention = StepStats(), None, None, None
         self.tp, self.ep, self.rank, self.reducer, self.raw_reducer, self.raw_backend = 1, 1, 0, None, None, None
         #: the lines `close` logged (None: still open); ``stats_file`` carries them from then on
         self.summary: list[str] | None = None
@@ -193,6 +200,18 @@ class SglangEngine:
                     "EP %d)", self.architecture, len(self.layers), names.decode, names.prefill,
                     config.num_microbatches, rank, tp, self.ep)
 
+    def bind_attention(self, runner: Any) -> None:
+        """Once the runner made its attention backend (after ``initialize``, where tbo is built): check the prefill
+        and decode backends it resolved, and make each microbatch's own (`MicrobatchAttention`), for the most
+        microbatches a step can have. A refusal takes tbo off the runner again before it raises."""
+        try:
+            check_attention(runner.server_args, runner)
+            most = max(self.adaptive.policies) if self.adaptive is not None else self.config.num_microbatches
+            self.attention = self.loop.attention = MicrobatchAttention(runner, most)
+        except BaseException:
+            self.undo.close()
+            raise
+
     def _ep_backend(self, num_experts: int) -> Any:
         """tbo's all-to-all over SGLang's expert-parallel group (its device group: gloo on a CPU, NCCL on GPUs), in
         the NORMAL layout SGLang's experts take. Its experts' partition must be SGLang's (rank r holds the r-th
@@ -252,6 +271,8 @@ class SglangEngine:
         that the link ran), ``adaptive`` (``split: "adaptive"``: the buckets, as `stats()` reports them) and, once the
         engine closed, ``summary`` (the lines it logged)."""
         out: dict[str, Any] = {}
+        if self.attention is not None:
+            out["attention"] = self.attention.report()
         link = link_report([x for x in (self.backend, self.reducer) if isinstance(x, EmulatedLink)])
         if link is not None:
             out["link"] = link

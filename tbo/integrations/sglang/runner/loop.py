@@ -5,9 +5,9 @@ which Qwen3-MoE inherits and whose loop calls SGLang's ``model_forward_stages`` 
 The embedding stays SGLang's (``embed_tokens``), the layers run through `model_forward_maybe_tbo` as
 `SglangDecoderLayer` ops with the step's strategy, and the final norm is SGLang's ``residual_batch.final_norm``,
 applied per microbatch by the last layer. On a step tbo splits, each microbatch gets its own ForwardBatch (SGLang's
-``filter_batch``: `tbo.integrations.sglang.step.batch.children`) with its own residual stream, and its stages run in
-its own forward context (`MicrobatchContexts`, the executor's stage hooks); the outputs are merged back in token
-order.
+``filter_batch``: `tbo.integrations.sglang.step.batch.children`) with its own residual stream and its own attention
+backend planned for it (`MicrobatchAttention`), and its stages run in its own forward context (`MicrobatchContexts`,
+the executor's stage hooks); the outputs are merged back in token order.
 
 Choosing the strategy, running, timing, tracing and counting the step are the kit's
 (`tbo.integrations.engine.loop.EngineLayerLoop`); this loop adds SGLang's batch per microbatch, its residual stream,
@@ -25,6 +25,7 @@ import torch
 
 from tbo.integrations.engine.loop import EngineLayerLoop, LayerRun
 from tbo.integrations.engine.stats import StatsFile, StepStats
+from tbo.integrations.sglang.runner.attention import MicrobatchAttention
 from tbo.integrations.sglang.runner.contexts import MicrobatchContexts
 from tbo.integrations.sglang.step.batch import children, decide_batch
 from tbo.split import SplitPolicy
@@ -46,6 +47,9 @@ class LayerLoop(EngineLayerLoop):
         #: what a failed step drains before it raises: the expert backend and the TP reducer (transfers in flight)
         self.drain = tuple(x for x in (backend, reducer) if x is not None)
         self.policy, self.adaptive = policy, adaptive
+        #: each microbatch's own attention backend, set once the runner made its own (`SglangEngine.bind_attention`);
+        #: a split step before that is an error, never a step attending on the whole batch's plan
+        self.attention: MicrobatchAttention | None = None
         #: SGLang's own forward of the inner model, for the unsplit steps it computes exactly as tbo's layers would
         #: (set by the engine: `tbo.integrations.sglang.runner.engine.sglang_runs_unsplit`); None: tbo's layers run
         #: every step
@@ -79,7 +83,10 @@ class LayerLoop(EngineLayerLoop):
             batches = children(forward_batch, plan)
             for child in batches:
                 self._residual.start(child)
-            hooks = MicrobatchContexts(batches)
+            if self.attention is None:
+                raise RuntimeError("tbo split a step before SGLang's runner made its attention backend: no "
+                                   "microbatch has a backend of its own to attend on")
+            hooks = MicrobatchContexts(batches, self.attention.plan(batches))
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             fb = batches[0 if mb is None else mb.microbatch_idx]

@@ -46,9 +46,11 @@ def scheduler_labels() -> dict[str, str]:
 
 def stats_document(engine: Any) -> dict[str, Any]:
     """What ``stats_file`` holds for ``engine`` (an `SglangEngine`): its stats and its extra report (the link's
-    figures, the adaptive buckets)."""
+    figures, the adaptive buckets), less the summary lines and the attention report (the per-microbatch backends'
+    class and count, and child batches planned: every split step's microbatches, which ``tbo:microbatches`` counts
+    already)."""
     extra = engine.extra()
-    return {**engine.stats.as_dict(), **{k: v for k, v in extra.items() if k != "summary"}}
+    return {**engine.stats.as_dict(), **{k: v for k, v in extra.items() if k not in ("summary", "attention")}}
 
 
 def engine_info(engine: Any) -> dict[str, str]:
