@@ -140,3 +140,46 @@ def test_a_strategy_must_sum_the_shared_expert_where_it_sums_the_routed_output()
         assert sums_shared_as_routed(strategies.get(name)), name
     routed_only = strategies.get("moe_tp_decode").without(["shared_reduce_a", "shared_reduce_b"], name="routed_only")
     assert not sums_shared_as_routed(routed_only)
+
+
+#: the platform flags SGLang's DeepSeek block reads from its own module, here as this module's (`_routed_scale` reads
+#: them from the module of the block's class)
+_is_cuda = _is_musa = _is_xpu = _use_aiter = False
+
+
+class _Block:
+    """A DeepSeek-style MoE block as `_routed_scale` reads it: its factor, where its top-k applies it, its experts'
+    quant method."""
+
+    def __init__(self, factor: float, fused_in_topk: bool = False, method: object = None) -> None:
+        self.routed_scaling_factor, self.routed_scaling_factor_fused_in_topk = factor, fused_in_topk
+        self.experts = SimpleNamespace(quant_method=method)
+
+
+def test_the_routed_scaling_is_applied_where_sglangs_block_applies_it(monkeypatch):
+    """DeepSeek's ``routed_scaling_factor``: off CUDA/MUSA/XPU SGLang's block scales the routed output after the
+    experts, and so does tbo (tests/sglang/test_deepseek.py runs it); on CUDA the experts' kernel or the top-k apply
+    it, inside the modules tbo calls (1.0: tbo adds nothing); a quant method that folds it into the shared add is
+    refused by name."""
+    import sys
+
+    from tbo.integrations.sglang.errors import TboSglangError
+    from tbo.integrations.sglang.model.structure import _routed_scale
+
+    assert _routed_scale("layer 1", _Block(2.5)) == 2.5
+    assert _routed_scale("layer 1", _Block(1.0)) == 1.0
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "_is_cuda", True)
+    assert _routed_scale("layer 1", _Block(2.5)) == 1.0
+    monkeypatch.setattr(module, "_is_cuda", False)
+    monkeypatch.setattr(module, "_use_aiter", True)
+    assert _routed_scale("layer 1", _Block(2.5, fused_in_topk=True)) == 1.0  # AITER fused it into the top-k
+    assert _routed_scale("layer 1", _Block(2.5, fused_in_topk=False)) == 2.5
+
+    class Mxfp4MarlinMoEMethod:
+        pass
+
+    with pytest.raises(TboSglangError, match=r"layer 1.*routed_scaling_factor=2.5 with Mxfp4MarlinMoEMethod"):
+        _routed_scale("layer 1", _Block(2.5, method=Mxfp4MarlinMoEMethod()))
+    with pytest.raises(TboSglangError, match="does not say where SGLang applies it"):
+        _routed_scale("layer 1", SimpleNamespace(routed_scaling_factor=2.5, experts=SimpleNamespace()))

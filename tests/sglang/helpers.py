@@ -73,9 +73,12 @@ def save_qwen2_moe(path: Path) -> Path:
 
 
 def save_deepseek_v3(path: Path) -> Path:
-    """A tiny DeepSeek-V3 (MLA, a shared expert, routed scaling) that SGLang 0.5.23 loads on a CPU: its CPU rotary
-    takes only ``deepseek_yarn`` from ``rope_scaling`` (transformers 5 writes ``rope_parameters``), and its config
-    reader wants ``topk_method``, ``scoring_func`` and ``moe_layer_freq``: added to the saved config."""
+    """A tiny DeepSeek-V3 (MLA, a shared expert, routed scaling 2.5, a dense first layer) that SGLang 0.5.23 runs on a
+    CPU with its Triton attention backend in Triton's interpreter: its CPU rotary takes only ``deepseek_yarn`` from
+    ``rope_scaling`` (transformers 5 writes ``rope_parameters``; at factor 1 it is plain rotary, which transformers
+    computes for `hf_copy`), its config reader wants ``topk_method``, ``scoring_func`` and ``moe_layer_freq``: added
+    to the saved config. ``kv_lora_rank`` 256 with a rotary width of 32: the latent cache's width, 288, is one SGLang's
+    MLA decode kernel has tiles for (at other widths the kernel fails in Triton's interpreter)."""
     import json
     import torch
     import transformers
@@ -83,7 +86,7 @@ def save_deepseek_v3(path: Path) -> Path:
     config = transformers.DeepseekV3Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=32,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=256, q_lora_rank=None, qk_rope_head_dim=32,
         qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512, initializer_range=0.2)
     torch.manual_seed(0)
     transformers.DeepseekV3ForCausalLM(config).save_pretrained(path)
@@ -93,6 +96,33 @@ def save_deepseek_v3(path: Path) -> Path:
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     (path / "config.json").write_text(json.dumps(saved))
     return path
+
+
+def hf_copy(path: Path, to: Path) -> Path:
+    """``path``'s checkpoint as transformers reads it: the ``rope_scaling`` added for SGLang removed (transformers has
+    no ``deepseek_yarn``; at factor 1 it is the plain rotary transformers computes without it)."""
+    import json
+    import shutil
+
+    shutil.copytree(path, to)
+    saved = json.loads((to / "config.json").read_text())
+    saved.pop("rope_scaling", None)
+    (to / "config.json").write_text(json.dumps(saved))
+    return to
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone, in fp32 (the oracle where plain SGLang needs a check)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
 
 
 def save_qwen3_dense(path: Path, num_layers: int = 1, initializer_range: float = 0.02) -> Path:

@@ -80,20 +80,26 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
     def op_comm_prepare_attn(self, state: State, hidden_states: torch.Tensor) -> None:
         state.attn_in = self.layer.attn_boundary.prepare(hidden_states, state.forward_batch)
 
-    @declares(lambda layer: OpFlow(takes="attn_in", writes="qkv", pinned=("positions", "forward_batch"))
-              if layer.split_attention else OpFlow())
+    @declares(lambda layer: OpFlow(takes="attn_in", writes="qkv", pinned=(
+        ("positions", "forward_batch", "zero_allocator") if layer.structure.attn_takes_allocator else
+        ("positions", "forward_batch"))) if layer.split_attention else OpFlow())
     def op_attn_prepare(self, state: State) -> None:
-        """Qwen3-MoE: projections, q/k norms and rotary (``forward_prepare``), so that the other microbatch's
-        dispatch has that compute to hide behind; other attention modules are one call in ``attn_core``."""
+        """Qwen3-MoE, DeepSeek's MLA: projections, norms and rotary (``forward_prepare``), so that the other
+        microbatch's dispatch has that compute to hide behind; other attention modules are one call in
+        ``attn_core``. MLA takes the microbatch's own ``zero_allocator`` too, as under SGLang's two-batch overlap."""
         if self.split_attention:
+            extra = {"zero_allocator": state.zero_allocator} if self.structure.attn_takes_allocator else {}
             state.qkv = self.attn.forward_prepare(positions=state.positions, hidden_states=state.pop("attn_in"),
-                                                  forward_batch=state.forward_batch)
+                                                  forward_batch=state.forward_batch, **extra)
 
     @declares(lambda layer: OpFlow(takes="qkv" if layer.split_attention else "attn_in", writes="attn_out",
                                    pinned=() if layer.split_attention else ("positions", "forward_batch")))
     def op_attn_core(self, state: State) -> None:
         if self.split_attention:
-            state.attn_out = self.attn.forward_core(state.pop("qkv"))
+            out = self.attn.forward_core(state.pop("qkv"))
+            # DeepSeek's sparse attention may also return its top-k indices, which only its next layer reads;
+            # SGLang's two-batch overlap drops them too
+            state.attn_out = out[0] if isinstance(out, tuple) else out
             return
         x = state.pop("attn_in")
         state.attn_out = x if x.shape[0] == 0 else self.attn(positions=state.positions, hidden_states=x,
@@ -255,6 +261,8 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
             state.layer_out = state.pop("mlp_out")
             return
         out = state.pop("routed_out")
+        if self.structure.routed_scale != 1.0:  # DeepSeek's routed scaling, where SGLang's block applies it here
+            out = out * self.structure.routed_scale
         if self.has_shared_experts:  # the shared part added to the routed one, as SGLang's block adds it
             out = out + state.pop("shared_out").view(out.shape)
         state.layer_out = out.view(state.pop("mlp_shape"))

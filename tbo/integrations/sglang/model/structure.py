@@ -5,7 +5,9 @@ tbo runs the layer loop of a model whose inner model (``model.model``) has SGLan
 layer-boundary stages (``attn_boundary``, ``ffn_boundary``: the residual adds and norms), a ``self_attn`` module and
 an MLP: a MoE block with a router ``gate``, a ``topk`` and ``experts`` (Qwen3-MoE's ``mlp``, Mixtral's
 ``block_sparse_moe``), optionally a shared expert beside them (Qwen2-MoE's ``shared_expert`` with its sigmoid
-``shared_expert_gate``, DeepSeek's ungated ``shared_experts``), or a dense MLP. The shared expert is found by
+``shared_expert_gate``, DeepSeek's ungated ``shared_experts``), or a dense MLP. DeepSeek's multi-head latent
+attention runs as SGLang's own two-batch overlap runs it (``forward_prepare`` with a per-microbatch
+``zero_allocator``, ``forward_core``), and its ``routed_scaling_factor`` where SGLang's block applies it. The shared expert is found by
 structure and run as its own op (``shared_experts``), so that a strategy can overlap it with the dispatch. That covers the models that call SGLang's ``model_forward_stages``
 (Qwen2/3-MoE, ...) and those that do not (Mixtral): admission reads the structure, never the class name. A model
 tbo cannot reproduce is refused at load, naming the layer and the missing feature.
@@ -14,6 +16,7 @@ tbo cannot reproduce is refused at load, naming the layer and the missing featur
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,12 @@ class LayerStructure:
     #: the shared expert's gate (Qwen2-MoE's ``shared_expert_gate``: one logit a token, its sigmoid scales the shared
     #: expert's output), or None: an ungated shared expert (DeepSeek's)
     shared_gate: Any = None
+    #: the factor the routed output is scaled by after the experts, where SGLang's block scales it there (DeepSeek's
+    #: ``routed_scaling_factor`` off CUDA); 1.0 where it has none or SGLang applies it inside its top-k or experts
+    routed_scale: float = 1.0
+    #: the attention's ``forward_prepare`` takes a ``zero_allocator`` (DeepSeek's MLA: SGLang's ``BumpAllocator``
+    #: of per-layer scratch zeros, one per forward and, under two-batch overlap, per microbatch)
+    attn_takes_allocator: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ def _refuse(where: str, feature: str) -> TboSglangError:
     return TboSglangError(f"TBO_SGLANG_CONFIG: {where}: not supported ({feature}); tbo runs SGLang MoE models whose "
                           "decoder layers have SGLang's layer-boundary stages, an attention module and a MoE block "
                           "of gate, topk and experts, with or without a shared expert (Qwen3-MoE, Mixtral, "
-                          "Qwen2-MoE, ...)")
+                          "Qwen2-MoE, DeepSeek-V3, ...)")
 
 
 def model_structure(model: Any, *, tensor_parallel: bool = False) -> ModelStructure:
@@ -101,21 +110,21 @@ def layer_structure(layer: Any, index: int) -> LayerStructure:
         raise _refuse(where, f"no MLP module (looked for {', '.join(_MLP_NAMES)})")
     ffn = getattr(layer, ffn_name)
     attn = layer.self_attn
-    if getattr(attn, "kv_lora_rank", None) is not None:
-        raise _refuse(f"{where}, self_attn ({type(attn).__name__})",
-                      "multi-head latent attention (DeepSeek-V2/V3's MLA): tbo's ops are not judged on it yet, "
-                      "SGLang's torch_native MLA failing on a CPU at DeepSeek-V3's shapes (docs/sglang.md, 'Shared "
-                      "experts and DeepSeek')")
     split = callable(getattr(attn, "forward_prepare", None)) and callable(getattr(attn, "forward_core", None))
+    allocator = split and "zero_allocator" in inspect.signature(attn.forward_prepare).parameters
     moe = all(hasattr(ffn, n) for n in ("gate", "topk", "experts"))
     shared = shared_gate = None
+    scale = 1.0
     if moe:
-        shared, shared_gate = _moe_checks(f"{where}, {ffn_name} ({type(ffn).__name__})", ffn)
+        block = f"{where}, {ffn_name} ({type(ffn).__name__})"
+        shared, shared_gate = _moe_checks(block, ffn)
+        scale = _routed_scale(block, ffn)
         takes_batch = False
     else:
         params = list(inspect.signature(ffn.forward).parameters)
         takes_batch = "forward_batch" in params
-    return LayerStructure(attn, ffn, ffn_name, "moe" if moe else "dense", split, takes_batch, shared, shared_gate)
+    return LayerStructure(attn, ffn, ffn_name, "moe" if moe else "dense", split, takes_batch, shared, shared_gate,
+                          scale, allocator)
 
 
 def _moe_checks(where: str, ffn: Any) -> tuple[Any, Any]:
@@ -130,10 +139,9 @@ def _moe_checks(where: str, ffn: Any) -> tuple[Any, Any]:
         raise _refuse(where, "an experts module that all-reduces its own output (reduce_results=True): tbo's ops "
                              "sum the routed output as the block does, and a rank whose experts have no rows to run "
                              "does not call the module")
-    scaling = getattr(ffn, "routed_scaling_factor", None)
-    if scaling is not None and float(scaling) != 1.0:
-        raise _refuse(where, f"routed_scaling_factor={scaling} (DeepSeek's routed scaling, applied inside SGLang's "
-                             "top-k or experts by backend: not reproduced by tbo's SGLang ops yet)")
+    if getattr(ffn, "_shared_expert_tp1", False):
+        raise _refuse(where, "a shared expert replicated over the TP ranks (added after the block's all-reduce, on "
+                             "one rank): tbo sums the shared expert's output as a partial sum")
     found = [(n, getattr(ffn, n)) for n in _SHARED_NAMES if getattr(ffn, n, None) is not None]
     if len(found) > 1:
         raise _refuse(where, f"two shared-expert modules ({', '.join(n for n, _ in found)})")
@@ -144,3 +152,34 @@ def _moe_checks(where: str, ffn: Any) -> tuple[Any, Any]:
         raise _refuse(where, f"its {name} is not a module tbo can call")
     gate = getattr(ffn, "shared_expert_gate", None)  # Qwen2-MoE's; built even where no shared expert is
     return shared, gate
+
+
+#: the quant methods whose experts fold DeepSeek's routed scaling into the shared expert's add (SGLang's
+#: ``maybe_fuse_routed_scale_and_shared_add``): not reproduced
+_FUSED_SCALE_METHODS = ("Mxfp4FlashinferTrtllmMoEMethod", "Mxfp4FlashinferCutlassMoEMethod", "Mxfp4MarlinMoEMethod",
+                        "ExpertPackMoEMethod")
+
+
+def _routed_scale(where: str, ffn: Any) -> float:
+    """The factor tbo scales the routed output by after the experts, as SGLang's DeepSeek block does
+    (``DeepseekV2MoE.forward_normal``): its ``routed_scaling_factor`` off CUDA, MUSA and XPU (where the experts'
+    kernel or the top-k apply it instead), unless AITER fused it into the top-k; or with KTransformers' experts. The
+    platform is read from the block's own module, as the block reads it. 1.0: no scaling, or SGLang's top-k or
+    experts apply it (and tbo runs those)."""
+    factor = getattr(ffn, "routed_scaling_factor", None)
+    if factor is None or float(factor) == 1.0:
+        return 1.0
+    method = type(getattr(ffn.experts, "quant_method", None)).__name__
+    if method in _FUSED_SCALE_METHODS:
+        raise _refuse(where, f"routed_scaling_factor={factor} with {method}, which folds it into the shared "
+                             "expert's add")
+    module = sys.modules.get(type(ffn).__module__)
+    flags = [getattr(module, name, None) for name in ("_is_cuda", "_is_musa", "_is_xpu", "_use_aiter")]
+    if None in flags or not hasattr(ffn, "routed_scaling_factor_fused_in_topk"):
+        raise _refuse(where, f"routed_scaling_factor={factor} in a block whose module does not say where SGLang "
+                             "applies it (its _is_cuda, _is_musa, _is_xpu, _use_aiter and the block's "
+                             "routed_scaling_factor_fused_in_topk)")
+    cuda, musa, xpu, aiter = flags
+    after = (not cuda and not musa and not xpu and not (aiter and ffn.routed_scaling_factor_fused_in_topk)
+             or method == "KTEPWrapperMethod")
+    return float(factor) if after else 1.0

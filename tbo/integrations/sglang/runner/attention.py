@@ -43,7 +43,7 @@ def check_attention(server_args: Any, runner: Any = None) -> None:
         if backend not in ATTENTION_BACKENDS:
             refuse(f"SGLang's {what}={backend!r}", ", ".join(map(repr, ATTENTION_BACKENDS)),
                    "tbo gives each microbatch its own attention backend planned for its batch, and this backend "
-                   "is not wired to that yet (MLA backends come with DeepSeek in SGLang: docs/sglang.md, 'Not yet')")
+                   "is not wired to that yet (DeepSeek's MLA runs on 'triton': docs/sglang.md, 'Attention backends')")
 
 
 class MicrobatchAttention:

@@ -60,8 +60,11 @@ class LayerLoop(EngineLayerLoop):
         self.traffic: Any = None
         self._step_traffic = (0, 0)
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+        from sglang.srt.utils.common import BumpAllocator
 
         self._residual = residual_batch
+        #: SGLang's ``BumpAllocator`` where a layer's attention takes one (DeepSeek's MLA), else None
+        self.allocator = BumpAllocator if any(layer.structure.attn_takes_allocator for layer in layers) else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any,
                  input_embeds: torch.Tensor | None = None, pp_proxy_tensors: Any = None, **kwargs: Any) -> Any:
@@ -90,7 +93,11 @@ class LayerLoop(EngineLayerLoop):
 
         def pinned(mb: MicrobatchSlice | None) -> dict[str, Any]:
             fb = batches[0 if mb is None else mb.microbatch_idx]
-            return {"positions": positions if mb is None else fb.positions, "forward_batch": fb}
+            out = {"positions": positions if mb is None else fb.positions, "forward_batch": fb}
+            if self.allocator is not None:  # MLA's scratch zeros, two a layer, one allocator a microbatch
+                out["zero_allocator"] = self.allocator(buffer_size=2 * len(self.layers), dtype=torch.float32,
+                                                       device=hidden.device)
+            return out
 
         before = self._traffic()
         run = self.run(step, hidden, pinned=pinned, counted=step is not None, stage_hooks=hooks, drain=self.drain)
