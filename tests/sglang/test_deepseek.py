@@ -8,8 +8,10 @@ microbatches. Greedy tokens are equal over a prefill of four requests, their dec
 microbatches; tbo's counters show those steps split with the DeepSeek strategies, every microbatch planned on an MLA
 attention backend of its own, and the shared expert run once per MoE layer and microbatch of every split step. A tbo
 that left out the routed scaling (2.5 here) gives other tokens for one of the four requests (tried by hand). A third
-tbo engine runs at TP = 2 (``moe_tp_*``: attention's, the routed and the shared expert's sums as tbo's all-reduces),
-judged by the same transformers tokens (plain SGLang at TP = 2 gives them too, tried by hand).
+tbo engine runs at TP = 2 with expert parallelism (``--ep-size 2``: each rank holds two of the four experts, their
+rows carried by tbo's all-to-all, ``moe_tp_ep_*``; attention's, the routed and the shared expert's sums tbo's
+all-reduces), judged by the same transformers tokens (plain SGLang at TP = 2 gives them too, and tbo at TP = 2
+without expert parallelism, ``moe_tp_*``: tried by hand).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def deepseek_runs(tmp_path_factory) -> dict[str, Any]:
     closed = read_stats(stats_file)
     tp_file = root / "tp_stats_{rank}.json"
     with engine(path, {**config, "op_times": False, "stats_file": str(tp_file)}, env=ENV, attention_backend="triton",
-                tp_size=2) as e:
+                tp_size=2, ep_size=2) as e:
         tp = {kind: greedy(e, prompts, new) for kind, (prompts, new) in RUNS.items()}
     ranks = [read_stats(root / f"tp_stats_{rank}.json") for rank in (0, 1)]
     return {"oracle": oracle, "plain": plain, "runs": runs, "closed": closed, "tp": tp, "tp_ranks": ranks}
@@ -82,10 +84,11 @@ def test_each_microbatch_attends_on_its_own_mla_backend_and_runs_the_shared_expe
 
 
 @pytest.mark.parametrize("kind", sorted(RUNS))
-def test_at_tp2_tokens_equal_transformers_and_both_ranks_split_with_tbos_sums(deepseek_runs, kind):
+def test_at_ep2_tokens_equal_transformers_and_both_ranks_split_with_tbos_transfers(deepseek_runs, kind):
     assert deepseek_runs["tp"][kind] == deepseek_runs["oracle"][kind]
     first, second = deepseek_runs["tp_ranks"]
     assert first["split_steps_by_strategy"] == second["split_steps_by_strategy"] and first["split_steps"] > 0
-    assert set(first["split_steps_by_strategy"]) == {"moe_tp_decode", "moe_tp_prefill"}
+    assert set(first["split_steps_by_strategy"]) == {"moe_tp_ep_decode", "moe_tp_ep_prefill"}
     for rank in (first, second):
         assert rank["tp"]["launched"] == rank["tp_reductions"] > 0 and rank["tp"]["attn_sums_by_sglang"] == 0
+        assert rank["ep"]["size"] == 2 and rank["ep"]["rows_from_peers"] > 0 and rank["remote_rows"] > 0
