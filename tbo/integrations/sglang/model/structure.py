@@ -5,11 +5,12 @@ tbo runs the layer loop of a model whose inner model (``model.model``) has SGLan
 layer-boundary stages (``attn_boundary``, ``ffn_boundary``: the residual adds and norms), a ``self_attn`` module and
 an MLP: a MoE block with a router ``gate``, a ``topk`` and ``experts`` (Qwen3-MoE's ``mlp``, Mixtral's
 ``block_sparse_moe``), optionally a shared expert beside them (Qwen2-MoE's ``shared_expert`` with its sigmoid
-``shared_expert_gate``, DeepSeek's ungated ``shared_experts``), or a dense MLP. DeepSeek's multi-head latent
-attention runs as SGLang's own two-batch overlap runs it (``forward_prepare`` with a per-microbatch
-``zero_allocator``, ``forward_core``), and its ``routed_scaling_factor`` where SGLang's block applies it. The shared expert is found by
-structure and run as its own op (``shared_experts``), so that a strategy can overlap it with the dispatch. That covers the models that call SGLang's ``model_forward_stages``
-(Qwen2/3-MoE, ...) and those that do not (Mixtral): admission reads the structure, never the class name. A model
+``shared_expert_gate``, DeepSeek's ungated ``shared_experts``), or a dense MLP. The shared expert is found by
+structure and run as its own op (``shared_experts``), so that a strategy can overlap it with the dispatch.
+DeepSeek's multi-head latent attention runs as SGLang's own two-batch overlap runs it (``forward_prepare`` with a
+per-microbatch ``zero_allocator``, then ``forward_core``), and its ``routed_scaling_factor`` is applied where
+SGLang's block applies it. That covers the models that call SGLang's ``model_forward_stages`` (Qwen2/3-MoE,
+DeepSeek, ...) and those that do not (Mixtral): admission reads the structure, never the class name. A model
 tbo cannot reproduce is refused at load, naming the layer and the missing feature.
 """
 

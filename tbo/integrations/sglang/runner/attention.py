@@ -21,14 +21,12 @@ from typing import Any, Sequence
 
 from tbo.integrations.sglang.errors import refuse
 
-__all__ = ["ATTENTION_BACKENDS", "GPU_ONLY", "MicrobatchAttention", "check_attention"]
+__all__ = ["ATTENTION_BACKENDS", "MicrobatchAttention", "check_attention"]
 
-#: SGLang attention backends tbo runs, each microbatch on its own backend planned for its batch. ``torch_native``,
-#: ``triton`` (its kernels in Triton's interpreter) and ``intel_amx`` run on this CPU in the tests; the others
-#: (`GPU_ONLY`) plan and read their metadata by the same contract, on CUDA only
+#: SGLang attention backends tbo runs, each microbatch on its own backend planned for its batch: ``torch_native`` and
+#: ``triton`` (its kernels in Triton's interpreter) run in this project's tests on a CPU; ``intel_amx`` (CPUs with
+#: AMX), ``fa3`` and ``flashinfer`` (CUDA) plan and read their metadata by the same contract and are not run there
 ATTENTION_BACKENDS = ("torch_native", "triton", "intel_amx", "fa3", "flashinfer")
-#: of `ATTENTION_BACKENDS`, those that need a CUDA device (not run by this project's CI)
-GPU_ONLY = ("fa3", "flashinfer")
 
 
 def check_attention(server_args: Any, runner: Any = None) -> None:

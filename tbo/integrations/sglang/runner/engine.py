@@ -39,6 +39,7 @@ __all__ = ["SglangEngine", "check_deployment", "check_expert_parallel", "check_g
 
 logger = logging.getLogger("sglang.tbo")
 
+
 def check_deployment(server_args: Any, parallel: Any, config: TboSglangConfig | None = None) -> None:
     """Refuse, by name, what tbo does not run inside SGLang (yet)."""
     if getattr(server_args, "enable_two_batch_overlap", False):
