@@ -5,7 +5,8 @@ after the other from one V2 process (tests/vllm/v2_engine.py, the Triton shims o
 tests here through the module-scoped `v2_tp` fixture: plain V2 and tbo on a dense model (Qwen2) and on a MoE one
 (Qwen3-MoE), and tbo's adaptive split on the dense one. Every prompt of a run goes in one ``generate`` call, so that
 the scheduler makes the same steps with and without tbo: a prefill step cut between requests, a long prompt chunked
-beside decodes (mixed steps, cut inside it), decode steps. Greedy tokens must equal plain V2 TP = 2's exactly (fp32);
+beside decodes (mixed steps, cut inside it), decode steps. The MoE engine's tbo runs over an emulated ``link``,
+which under TP carries the all-reduces (each worker's link booked). Greedy tokens must equal plain V2 TP = 2's exactly (fp32);
 each worker's counters must show split steps, the same on both workers (on V2 each worker's runner decides its own
 steps: the same batch, the same decision, or their all-reduces would not pair), and every reduction of those steps
 through tbo's transfers. The interpreter costs about 0.15 s a step, so the runs are short.
@@ -27,6 +28,8 @@ PROMPTS = [_prompt(9, 1), _prompt(8, 2), _prompt(7, 3), _prompt(70, 11)]
 TOKENS = 6
 #: tbo's thresholds: a decode step of four requests splits, so does every prefill chunk of 12 tokens or more
 TP_TBO = {"decode_token_threshold": 2, "prefill_token_threshold": 12}
+#: the MoE engine's tbo runs over an emulated link (5 us, 50 GB/s), which under TP carries the all-reduces too
+MOE_TBO = {**TP_TBO, "link": "5,50"}
 #: eight requests decoding long enough for the adaptive policy to measure every choice of their bucket, at 2 and 3
 #: microbatches (every strategy at every count)
 ADAPTIVE_PROMPTS = [_prompt(5 + i, 30 + i) for i in range(8)]
@@ -50,7 +53,7 @@ def v2_tp(qwen3_moe: Path, tmp_path_factory) -> dict[str, dict]:
              "dense_tbo": {"engine": dense, "tbo": TP_TBO, "runs": [run]},
              "dense_adaptive": {"engine": dense, "tbo": ADAPTIVE, "runs": [adaptive_run]},
              "moe": {"engine": moe, "tbo": None, "runs": [run]},
-             "moe_tbo": {"engine": moe, "tbo": TP_TBO, "runs": [run]}}
+             "moe_tbo": {"engine": moe, "tbo": MOE_TBO, "runs": [run]}}
     return dict(zip(items, run_v2(root, list(items.values()), timeout_s=1500)))
 
 
@@ -82,15 +85,20 @@ def test_v2_tp_2_splits_on_both_workers_alike_with_tokens_equal_plain_v2(v2_tp, 
         assert split["prefill"] > 0 and split["mixed"] > 0 and split["decode"] > 0, s
         assert s["cut_requests"] > 0, s
         layers = len(tbo["workers"][0]["deferred"])
-        # two reductions per layer and microbatch of every step (op_times off: the unsplit steps ran vLLM's own
-        # forward, whose projections reduce as ever)
-        assert s["tp_reductions"] == 2 * layers * s["microbatches"] > 0, s
+        # two reductions per layer and microbatch of every split step; the dense engine's unsplit steps ran vLLM's
+        # own forward (op_times off, no link), whose projections reduce as ever; over the MoE engine's link they ran
+        # tbo's layers, one microbatch each, so that their all-reduces cross the link too
+        unsplit = s["steps"] - s["split_steps"] if model == "moe" else 0
+        assert s["tp_reductions"] == 2 * layers * (s["microbatches"] + unsplit) > 0, s
     keys = ("steps", "split_steps", "microbatches", "split_steps_by_mode", "cut_requests", "tp_reductions")
     assert [{k: s[k] for k in keys} for s in per_worker][0] == {k: per_worker[1][k] for k in keys}, per_worker
     for w in tbo["workers"]:  # every layer's reductions are tbo's; the MoE model's MoE layers reduce once, as tbo's
         kinds = {kind for kind, _ in w["deferred"]}
         assert kinds == ({"dense"} if model == "dense" else {"moe", "dense"}), w["deferred"]
         assert all(d == (["attn", "moe"] if kind == "moe" else ["attn", "mlp"]) for kind, d in w["deferred"]), w
+    if model == "moe":  # over the link: each worker's reducer booked its all-reduces on it
+        for w in tbo["workers"]:
+            assert "EmulatedLink" in w["links"] and w["booked_s"] > 0, w
 
 
 def test_v2_adaptive_at_tp_2_makes_every_choice_alike_on_both_workers(v2_tp):

@@ -58,7 +58,9 @@ def _worker_report(worker: Any) -> dict[str, Any]:
     return {"runner": f"{type(runner).__module__}.{type(runner).__qualname__}", "tbo": engine is not None,
             "stats": stats(),
             "deferred": [] if engine is None else [[layer.kind, sorted(layer.deferred)] for layer in engine.layers],
-            "adaptive": None if engine is None or engine.adaptive is None else engine.adaptive.report()}
+            "adaptive": None if engine is None or engine.adaptive is None else engine.adaptive.report(),
+            "links": [] if engine is None else [type(link).__name__ for link in engine._links()],
+            "booked_s": 0.0 if engine is None else sum(link.booked_s for link in engine._links())}
 
 
 def _tp_engine(llm: Any, item: dict[str, Any]) -> dict[str, Any]:

@@ -59,9 +59,9 @@ def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_ver
     of a MoE model on one rank, or of a dense or MoE model under tensor parallelism (every TP worker decides the same
     step alike from the same batch, its all-reduces tbo's transfers as on V1), split at any microbatch count by the
     config's thresholds or by the adaptive choice (``split: "adaptive"``, the TP workers exchanging their step times
-    before each choice), over tbo's local backend, on one rank also over an emulated ``link``. Everything else (data
-    parallelism with expert parallelism, AFD, compiled mode and CUDA graphs, speculative decoding, DeepEP, a link
-    under TP) runs on the V1 runner only. ``runner_cls``: the runner's class, as the refusal names it."""
+    before each choice), over tbo's local backend, also over an emulated ``link`` (under TP it carries the
+    all-reduces too). Everything else (data parallelism with expert parallelism, AFD, compiled mode and CUDA graphs,
+    speculative decoding, DeepEP) runs on the V1 runner only. ``runner_cls``: the runner's class, as the refusal names it."""
     where = f"vLLM {vllm_version}'s Model Runner V2 ({_name(runner_cls)})"
 
     def no(setting: dict[str, Any], what: str) -> None:
@@ -78,9 +78,6 @@ def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_ver
     if vllm_config.speculative_config is not None:
         no({"speculative_config": getattr(vllm_config.speculative_config, "method", "ON")},
            "speculative decoding (ngram, MTP)")
-    if config.link is not None and par.tensor_parallel_size != 1:
-        no({"link": ON, "tensor_parallel_size": par.tensor_parallel_size},
-           "an emulated link under tensor parallelism (the TP reducer over the link)")
     if config.backend != "local":
         no({"backend": config.backend}, f"the {config.backend!r} backend")
 
