@@ -49,7 +49,7 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
     stats: Any = None
 
     #: rows this rank dispatched (its slices), and rows its experts received from other ranks (expert parallelism)
-    ep_rows_sent = 0
+    ep_rows_dispatched = 0
     ep_rows_from_peers = 0
 
     def __init__(self, layer: Any, structure: LayerStructure, backend: Any, layer_idx: int,
@@ -161,7 +161,7 @@ class SglangDecoderLayer(TensorParallelOps, ExpertParallelOps):
         if self.ep is None:
             return self.backend.dispatch_a(flat, ids, weights)
         start, stop = self.ep_rows(flat.shape[0])
-        self.ep_rows_sent += stop - start
+        self.ep_rows_dispatched += stop - start
         return self.backend.dispatch_a(flat[start:stop], ids[start:stop], weights[start:stop],
                                        rows_per_rank=self.ep_slices(flat.shape[0]))
 

@@ -280,7 +280,7 @@ class SglangEngine:
         if self.ep > 1:
             out["ep"] = {"size": self.ep, "rank": self.raw_backend.rank,
                          "group": _backend_of(self.raw_backend.transport.group),
-                         "rows_dispatched": sum(layer.ep_rows_sent for layer in self.layers),
+                         "rows_dispatched": sum(layer.ep_rows_dispatched for layer in self.layers),
                          "rows_from_peers": sum(layer.ep_rows_from_peers for layer in self.layers)}
         if self.tp > 1:
             out["tp"] = {"size": self.tp, "rank": self.rank,
