@@ -56,6 +56,9 @@ class MicrobatchAttention:
         if made != {type(primary).__name__}:  # SGLang's builder resolved other options than the runner's
             raise RuntimeError(f"tbo made attention backends {sorted(made)} for the microbatches, but the runner "
                                f"runs {type(primary).__name__}")
+        translator = getattr(runner, "kv_index_translator", None)
+        if translator is not None:  # as the runner binds its own: layers read the translator off the current backend
+            translator.bind_and_verify_backends(self.backends)
         self.name = type(primary).__name__
         self.planned = 0  #: child batches planned (proof that split steps used their own backends)
 
