@@ -20,6 +20,11 @@ ENGINE_DEADLINE_S = 240  #: an engine that has not started by then fails its tes
 ENGINE_ARGS = dict(device="cpu", skip_tokenizer_init=True, attention_backend="torch_native", disable_cuda_graph=True,
                    max_total_tokens=2048, mem_fraction_static=0.05, dtype="float32", log_level="error")
 
+#: more variables for an engine whose processes run SGLang's Triton kernels (its Triton attention backend, Qwen2-MoE's
+#: gated shared-expert add) in Triton's interpreter: tests/triton_site on their path (see its sitecustomize)
+TRITON_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1] / "triton_site"),
+                                                        os.environ.get("PYTHONPATH")) if p)}
+
 #: the requests every token test runs: a batch of four prompts of different lengths (prefill split between
 #: requests, then decode steps of four tokens), and one long prompt alone (its prefill cut inside the request)
 BATCH = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 27)), [200, 201]]
@@ -187,6 +192,16 @@ def greedy(e: Any, prompts: list[list[int]], max_new_tokens: int, **sampling: An
     out = e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens,
                                                          **sampling})
     return [o["output_ids"] for o in out]
+
+
+def counted_runs(e: Any, runs: dict[str, tuple[list[list[int]], int]], stats_file: Path) -> dict[str, tuple]:
+    """Each run of ``runs`` (name: prompts and tokens to generate) on engine ``e``: its greedy tokens, and tbo's
+    counters from ``stats_file`` before and after it."""
+    out = {}
+    for kind, (prompts, new) in runs.items():
+        before = read_stats(stats_file)
+        out[kind] = (greedy(e, prompts, new), before, read_stats(stats_file))
+    return out
 
 
 @contextlib.contextmanager

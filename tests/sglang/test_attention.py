@@ -12,16 +12,12 @@ tests/sglang/test_tokens.py.)
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import BATCH, LONG, engine, greedy, read_stats, save_qwen3_moe
+from .helpers import BATCH, LONG, TRITON_ENV, counted_runs, engine, greedy, read_stats, save_qwen3_moe
 
-SITE = str(Path(__file__).resolve().parents[1] / "triton_site")
-ENV = {"PYTHONPATH": os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)}
 MICROBATCHES = 3
 RUNS = {"prefill": (BATCH, 1), "decode": (BATCH, 5), "cut": (LONG, 3)}
 
@@ -30,17 +26,14 @@ RUNS = {"prefill": (BATCH, 1), "decode": (BATCH, 5), "cut": (LONG, 3)}
 def triton_runs(tmp_path_factory) -> dict[str, Any]:
     """Plain SGLang's tokens and tbo's (with its counters after each run), both on the Triton backend."""
     path = save_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe") / "qwen3_moe")
-    with engine(path, env=ENV, attention_backend="triton") as e:
+    with engine(path, env=TRITON_ENV, attention_backend="triton") as e:
         reference = {kind: greedy(e, prompts, new) for kind, (prompts, new) in RUNS.items()}
     stats_file = tmp_path_factory.mktemp("stats") / "stats.json"
     n = MICROBATCHES
     config = {"num_microbatches": n, "decode_token_threshold": n, "prefill_token_threshold": n,
               "stats_file": str(stats_file)}
-    runs = {}
-    with engine(path, config, env=ENV, attention_backend="triton") as e:
-        for kind, (prompts, new) in RUNS.items():
-            before = read_stats(stats_file)
-            runs[kind] = (greedy(e, prompts, new), before, read_stats(stats_file))
+    with engine(path, config, env=TRITON_ENV, attention_backend="triton") as e:
+        runs = counted_runs(e, RUNS, stats_file)
     return {"reference": reference, "runs": runs, "closed": read_stats(stats_file)}
 
 

@@ -16,16 +16,13 @@ without expert parallelism, ``moe_tp_*``: tried by hand).
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import BATCH, LONG, engine, greedy, hf_copy, hf_greedy, read_stats, save_deepseek_v3
+from .helpers import (BATCH, LONG, TRITON_ENV, counted_runs, engine, greedy, hf_copy, hf_greedy, read_stats,
+                      save_deepseek_v3)
 
-SITE = str(Path(__file__).resolve().parents[1] / "triton_site")
-ENV = {"PYTHONPATH": os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)}
 RUNS = {"batch": (BATCH, 6), "cut": (LONG, 3)}
 MOE_LAYERS = 1  #: of its two layers, the first is dense (``first_k_dense_replace``)
 
@@ -36,20 +33,17 @@ def deepseek_runs(tmp_path_factory) -> dict[str, Any]:
     path = save_deepseek_v3(root / "deepseek_v3")
     hf = hf_copy(path, root / "hf")
     oracle = {kind: hf_greedy(hf, prompts, new) for kind, (prompts, new) in RUNS.items()}
-    with engine(path, env=ENV, attention_backend="triton") as e:
+    with engine(path, env=TRITON_ENV, attention_backend="triton") as e:
         plain = {kind: greedy(e, prompts, new) for kind, (prompts, new) in RUNS.items()}
     stats_file = root / "stats.json"
     config = {"decode_token_threshold": 2, "prefill_token_threshold": 2, "op_times": True,
               "stats_file": str(stats_file)}
-    runs = {}
-    with engine(path, config, env=ENV, attention_backend="triton") as e:
-        for kind, (prompts, new) in RUNS.items():
-            before = read_stats(stats_file)
-            runs[kind] = (greedy(e, prompts, new), before, read_stats(stats_file))
+    with engine(path, config, env=TRITON_ENV, attention_backend="triton") as e:
+        runs = counted_runs(e, RUNS, stats_file)
     closed = read_stats(stats_file)
     tp_file = root / "tp_stats_{rank}.json"
-    with engine(path, {**config, "op_times": False, "stats_file": str(tp_file)}, env=ENV, attention_backend="triton",
-                tp_size=2, ep_size=2) as e:
+    with engine(path, {**config, "op_times": False, "stats_file": str(tp_file)}, env=TRITON_ENV,
+                attention_backend="triton", tp_size=2, ep_size=2) as e:
         tp = {kind: greedy(e, prompts, new) for kind, (prompts, new) in RUNS.items()}
     ranks = [read_stats(root / f"tp_stats_{rank}.json") for rank in (0, 1)]
     return {"oracle": oracle, "plain": plain, "runs": runs, "closed": closed, "tp": tp, "tp_ranks": ranks}

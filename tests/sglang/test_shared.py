@@ -17,17 +17,13 @@ and one tbo engine, each started once for the module, one after the other. The w
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import BATCH, LONG, engine, greedy, read_stats, save_qwen2_moe
+from .helpers import BATCH, LONG, TRITON_ENV, counted_runs, engine, greedy, read_stats, save_qwen2_moe
 
-SITE = str(Path(__file__).resolve().parents[1] / "triton_site")
-#: the engines' processes run SGLang's Triton kernels in Triton's interpreter (only these tests' engines)
-ENV = {"PYTHONPATH": os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)}
 N = 2  #: microbatches
 LAYERS = 2  #: save_qwen2_moe's layers, each a MoE block with a shared expert
 DECODE_TOKENS = 5
@@ -42,7 +38,7 @@ def qwen2_moe(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(qwen2_moe) -> dict[str, Any]:
     """Plain SGLang's tokens (its engine shut down before tbo's starts)."""
-    with engine(qwen2_moe, env=ENV) as e:
+    with engine(qwen2_moe, env=TRITON_ENV) as e:
         return {kind: greedy(e, prompts, new) for kind, (prompts, new) in RUNS.items()}
 
 
@@ -52,12 +48,8 @@ def tbo_runs(qwen2_moe, reference, tmp_path_factory) -> dict[str, Any]:
     stats_file = tmp_path_factory.mktemp("stats") / "shared.json"
     config = {"num_microbatches": N, "decode_token_threshold": N, "prefill_token_threshold": N,
               "stats_file": str(stats_file), "op_times": True, "link": "5,50"}
-    runs = {}
-    with engine(qwen2_moe, config, env=ENV) as e:
-        for kind, (prompts, new) in RUNS.items():
-            before = read_stats(stats_file)
-            runs[kind] = (greedy(e, prompts, new), before, read_stats(stats_file))
-    return runs
+    with engine(qwen2_moe, config, env=TRITON_ENV) as e:
+        return counted_runs(e, RUNS, stats_file)
 
 
 def _grew(before: dict[str, Any], after: dict[str, Any], key: str, name: str | None = None) -> int:
@@ -96,7 +88,7 @@ def tp_runs(qwen2_moe, reference, tmp_path_factory) -> dict[str, Any]:
     config = {"num_microbatches": N, "decode_token_threshold": N, "prefill_token_threshold": N,
               "stats_file": str(stats / "shared-{rank}.json"), "op_times": True}
     runs = {}
-    with engine(qwen2_moe, config, env=ENV, tp_size=2) as e:
+    with engine(qwen2_moe, config, env=TRITON_ENV, tp_size=2) as e:
         for kind, (prompts, new) in RUNS.items():
             before = [read_stats(f) for f in files]
             runs[kind] = (greedy(e, prompts, new), before, [read_stats(f) for f in files])
