@@ -508,3 +508,35 @@ def _tp2(script: Path, model: Path, tbo: dict | None, prompts: list, engine: dic
     assert [len(t) for t in tokens] == [max_tokens] * len(prompts), tokens
     assert len(report) == 2, report
     return tokens, report
+
+
+# ---- the AFD FFN server, a subprocess -------------------------------------------------------------------------
+
+
+class FfnServer:
+    """``tbo afd-ffn`` on a free loopback port (``--listen 127.0.0.1:0``; it prints the port it got)."""
+
+    def __init__(self, model: Path, dtype: str, idle_timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen", "127.0.0.1:0", "--dtype",
+             dtype, "--idle-timeout-s", str(idle_timeout_s), "--timeout-s", "20", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self._stdout: list[str] = []
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.kill()
+                raise RuntimeError(f"tbo afd-ffn died at start: {self.proc.stderr.read()[-3000:]}")
+            if line.startswith("tbo afd-ffn: serving"):
+                self.address = line.split(" on ", 1)[1].split(",", 1)[0]
+                break
+
+    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()

@@ -30,7 +30,7 @@ from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
 from .helpers import SCENARIOS as _ALL_SCENARIOS
-from .helpers import (_counted, _free, _free_port, _pinned, _reference_llm, _refusing_port,
+from .helpers import (FfnServer, _counted, _free, _free_port, _pinned, _reference_llm, _refusing_port,
                       _save_qwen2_moe, _tokens, needs_vllm)
 
 #: the shared tiny models, prompts and engine helpers (helpers.py; test_engine.py's docstring says how they split); its
@@ -130,42 +130,13 @@ c.flush()
 # ---- the FFN server, a subprocess ----------------------------------------------------------------------------------
 
 
-class Server:
-    """``tbo afd-ffn`` on a free loopback port (``--listen 127.0.0.1:0``; it prints the port it got)."""
-
-    def __init__(self, model: Path, dtype: str, idle_timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen", "127.0.0.1:0", "--dtype",
-             dtype, "--idle-timeout-s", str(idle_timeout_s), "--timeout-s", "20", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self._stdout: list[str] = []
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.kill()
-                raise RuntimeError(f"tbo afd-ffn died at start: {self.proc.stderr.read()[-3000:]}")
-            if line.startswith("tbo afd-ffn: serving"):
-                self.address = line.split(" on ", 1)[1].split(",", 1)[0]
-                break
-
-    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
-        out, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out, err
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()
-
-
 @pytest.fixture
 def servers():
     """Start servers with ``servers(model, dtype)``; every one still running at the end is killed."""
-    started: list[Server] = []
+    started: list[FfnServer] = []
 
-    def start(model: Path, dtype: str, **kw) -> Server:
-        started.append(Server(model, dtype, **kw))
+    def start(model: Path, dtype: str, **kw) -> FfnServer:
+        started.append(FfnServer(model, dtype, **kw))
         return started[-1]
 
     yield start
@@ -394,7 +365,7 @@ def test_an_answer_of_another_dtype_is_refused_by_name_in_a_real_engine(models):
         proc.communicate()
 
 
-def _afd_run(model: Path, tbo: dict, server: "Server", prompts: list, dtype: str) -> tuple:
+def _afd_run(model: Path, tbo: dict, server: FfnServer, prompts: list, dtype: str) -> tuple:
     """``prompts`` through an AFD engine on ``server``, then the engine shut down and the server exited 0; returns
     the outputs and what the tbo counters did."""
     llm = _llm(model, {**tbo, "afd": {"ffn": server.address}}, dtype=dtype)

@@ -2,9 +2,9 @@
 
 The V2 engines run in one process of their own (tests/vllm/v2_engine.py, with the Triton shims of tests/triton_site
 on its path only: they must never reach a V1 engine), one after the other, shared by every test here through the
-module-scoped `v2` fixture: plain V2, tbo at 2 and at 3 microbatches, tbo over an emulated link, and the engines tbo
-must refuse on V2. The
-interpreter costs about 0.15 s a step, so the scenarios are short.
+module-scoped `v2` fixture: plain V2, tbo at 2 and at 3 microbatches, tbo over an emulated link, the engines tbo
+must refuse on V2, and tbo with its FFN on an AFD server (``tbo afd-ffn``, a subprocess) beside a plain fp32
+engine. The interpreter costs about 0.15 s a step, so the scenarios are short.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ENGINE, SCENARIOS, TBO, _free, _generate, _llm, _prompt, _tokens, needs_vllm
+from .helpers import ENGINE, SCENARIOS, TBO, FfnServer, _free, _generate, _llm, _prompt, _tokens, needs_vllm
 
 pytestmark = needs_vllm
 
@@ -43,8 +43,9 @@ REFUSED = {
     "speculative": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_max": 2}}, TBO, "speculative_config='ngram'"),
     "deepep": ({}, {**TBO, "backend": "deepep"}, "backend='deepep'"),
-    "afd": ({}, {**TBO, "afd": {"ffn": "127.0.0.1:9"}}, "afd"),
 }
+#: AFD (its FFN on a ``tbo afd-ffn`` server), judged in fp32 by a plain fp32 engine (the server computes in fp32)
+AFD_DTYPE = "float32"
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +56,22 @@ def v2(qwen3_moe: Path, tmp_path_factory) -> dict[str, dict]:
 
     engine = {**ENGINE, "model": str(qwen3_moe)}
     runs = [{"prompts": prompts, "max_tokens": n} for prompts, n in RUNS.values()]
-    names: list = ["plain", *SPLIT, "link", *REFUSED]
+    names: list = ["plain", *SPLIT, "link", *REFUSED, "plain_fp32", "afd"]
     items = [{"engine": engine, "tbo": None, "runs": runs}]
     items += [{"engine": engine, "tbo": tbo, "runs": runs} for tbo in SPLIT.values()]
     items += [{"engine": engine, "tbo": LINK, "runs": [runs[list(RUNS).index(name)] for name in LINK_RUNS]}]
     items += [{"engine": {**engine, **kw}, "tbo": tbo, "runs": []} for kw, tbo, _ in REFUSED.values()]
-    return dict(zip(names, run_v2(tmp_path_factory.mktemp("v2"), items)))
+    fp32 = {**engine, "dtype": AFD_DTYPE}
+    server = FfnServer(qwen3_moe, AFD_DTYPE)
+    try:
+        items += [{"engine": fp32, "tbo": None, "runs": runs},
+                  {"engine": fp32, "tbo": {**TBO, "afd": {"ffn": server.address}}, "runs": runs}]
+        results = dict(zip(names, run_v2(tmp_path_factory.mktemp("v2"), items)))
+        rc, out, err = server.finish()  # the attention side's process has ended: the server exits
+        results["afd_server"] = {"rc": rc, "out": out, "err": err[-3000:]}
+    finally:
+        server.kill()
+    return results
 
 
 def _runs(result: dict) -> dict[str, dict]:
@@ -114,6 +125,24 @@ def test_v2_runs_an_emulated_link(v2):
     for name, run in zip(LINK_RUNS, result["runs"]):
         assert run["tokens"] == plain[name]["tokens"], name
         assert run["stats"]["split_steps"] > 0, (name, run["stats"])
+
+
+def test_v2_runs_afd_with_every_ffn_on_the_server(v2):
+    """AFD on V2: every layer of every stage of every step (each microbatch of a split one) sends its FFN to the
+    server and none runs here; tokens equal plain V2's in fp32 (the server computes in fp32);
+    the server exits 0 when the engine's process ends, having served every stage sent."""
+    result, plain = v2["afd"], _runs(v2["plain_fp32"])
+    assert result["tbo"], result
+    sent = 0
+    for name, run in _runs(result).items():
+        s = run["stats"]
+        assert run["tokens"] == plain[name]["tokens"], name
+        assert s["local_ffn_calls"] == 0 and s["split_steps"] > 0, (name, s)
+        assert s["afd_stages_sent"] == 3 * (s["steps"] - s["split_steps"] + s["microbatches"]), (name, s)
+        sent += s["afd_stages_sent"]
+    server = v2["afd_server"]
+    assert server["rc"] == 0, server["err"]
+    assert f"the attention side shut down; served {sent} requests (" in server["out"], server["out"]
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -60,8 +60,8 @@ def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_ver
     step alike from the same batch, its all-reduces tbo's transfers as on V1), split at any microbatch count by the
     config's thresholds or by the adaptive choice (``split: "adaptive"``, the TP workers exchanging their step times
     before each choice), over tbo's local backend, also over an emulated ``link`` (under TP it carries the
-    all-reduces too). Everything else (data parallelism with expert parallelism, AFD, compiled mode and CUDA graphs,
-    speculative decoding, DeepEP) runs on the V1 runner only. ``runner_cls``: the runner's class, as the refusal names it."""
+    all-reduces too), or with its FFN on an AFD server (``afd``). Everything else (data parallelism with expert
+    parallelism, compiled mode and CUDA graphs, speculative decoding, DeepEP) runs on the V1 runner only. ``runner_cls``: the runner's class, as the refusal names it."""
     where = f"vLLM {vllm_version}'s Model Runner V2 ({_name(runner_cls)})"
 
     def no(setting: dict[str, Any], what: str) -> None:
@@ -71,8 +71,6 @@ def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_ver
     par, model = vllm_config.parallel_config, vllm_config.model_config
     if par.data_parallel_size != 1:
         no({"data_parallel_size": par.data_parallel_size}, "data parallelism (DP attention + EP, tbo's step agreement)")
-    if config.afd is not None:
-        no({"afd": ON}, "attention-FFN disaggregation")
     if not model.enforce_eager:
         no({"enforce_eager": False}, "compiled mode and CUDA graphs (CudaGraphManager)")
     if vllm_config.speculative_config is not None:
