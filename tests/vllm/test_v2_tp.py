@@ -6,10 +6,10 @@ tests here through the module-scoped `v2_tp` fixture: plain V2 and tbo on a dens
 (Qwen3-MoE), and tbo's adaptive split on the dense one. Every prompt of a run goes in one ``generate`` call, so that
 the scheduler makes the same steps with and without tbo: a prefill step cut between requests, a long prompt chunked
 beside decodes (mixed steps, cut inside it), decode steps. The MoE engine's tbo runs over an emulated ``link``,
-which under TP carries the all-reduces (each worker's link booked). Greedy tokens must equal plain V2 TP = 2's exactly (fp32);
-each worker's counters must show split steps, the same on both workers (on V2 each worker's runner decides its own
-steps: the same batch, the same decision, or their all-reduces would not pair), and every reduction of those steps
-through tbo's transfers. The interpreter costs about 0.15 s a step, so the runs are short.
+which under TP carries the all-reduces (each worker's link booked). Greedy tokens must equal plain V2 TP = 2's
+exactly (fp32); each worker's counters must show split steps, the same on both workers (on V2 each worker's runner
+decides its own steps: the same batch, the same decision, or their all-reduces would not pair), and every reduction
+of those steps through tbo's transfers. The interpreter costs about 0.15 s a step, so the runs are short.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tbo.integrations.vllm.config import TboVllmConfig
-from tbo.integrations.vllm.errors import ON, TboConfigError, refuse
+from tbo.integrations.vllm.errors import TboConfigError, refuse
 
 __all__ = ["REFUSED_RUNNER_CLASSES", "V1_RUNNER_CLASSES", "V2_RUNNER_CLASSES", "V2_WAY_OUT", "check_v2",
            "runner_kind"]
@@ -61,7 +61,8 @@ def check_v2(runner_cls: type, vllm_config: Any, config: TboVllmConfig, vllm_ver
     config's thresholds or by the adaptive choice (``split: "adaptive"``, the TP workers exchanging their step times
     before each choice), over tbo's local backend, also over an emulated ``link`` (under TP it carries the
     all-reduces too), or with its FFN on an AFD server (``afd``). Everything else (data parallelism with expert
-    parallelism, compiled mode and CUDA graphs, speculative decoding, DeepEP) runs on the V1 runner only. ``runner_cls``: the runner's class, as the refusal names it."""
+    parallelism, compiled mode and CUDA graphs, speculative decoding, DeepEP) runs on the V1 runner only.
+    ``runner_cls``: the runner's class, as the refusal names it."""
     where = f"vLLM {vllm_version}'s Model Runner V2 ({_name(runner_cls)})"
 
     def no(setting: dict[str, Any], what: str) -> None:
