@@ -37,7 +37,6 @@ def test_tensor_parallelism_is_admitted(tp):
     ({}, {"tp_size": 2}, {"split": "adaptive"}, "split='adaptive' at SGLang's tp_size=2"),
     ({"enable_quant_communications": True}, {"tp_size": 2}, {}, "--enable-quant-communications"),
     ({"attention_backend": "flashmla"}, {"tp_size": 2}, {}, "attention_backend='flashmla'"),
-    ({"attention_backend": None}, {}, {}, "attention_backend=None"),
     ({"enable_two_batch_overlap": True}, {}, {}, "--enable-two-batch-overlap"),
 ])
 def test_what_tbo_does_not_drive_is_refused_by_name(args, parallel, config, named):
@@ -74,6 +73,11 @@ def test_the_runners_resolved_prefill_and_decode_backends_are_checked(prefill, d
     assert named in str(info.value)
     check_attention(_args(), SimpleNamespace(prefill_attention_backend_str="triton",
                                              decode_attention_backend_str="torch_native"))  # no refusal
+    # unnamed at launch (SGLang chooses per device and model): checked once the runner resolved it
+    check_attention(_args(attention_backend=None))
+    with pytest.raises(TboSglangError, match="prefill attention backend='flashmla'"):
+        check_attention(_args(attention_backend=None), SimpleNamespace(prefill_attention_backend_str="flashmla",
+                                                                       decode_attention_backend_str="flashmla"))
 
 
 def test_graphs_sglang_would_capture_are_refused_by_name():

@@ -32,12 +32,15 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "intel_amx", "fa3", "flashinfer"
 def check_attention(server_args: Any, runner: Any = None) -> None:
     """Refuse, by name, an attention backend tbo does not plan per microbatch: the prefill and decode backends the
     runner resolved (``--prefill-attention-backend`` / ``--decode-attention-backend`` may name others than
-    ``--attention-backend``), or before there is a runner, SGLang's ``attention_backend``."""
+    ``--attention-backend``), or before there is a runner, SGLang's ``attention_backend`` where one is named (None:
+    SGLang chooses per device and model, and the runner's resolved choice is checked once it is made)."""
     resolved = [(f"{attr.split('_', 1)[0]} attention backend", getattr(runner, attr, None))
                 for attr in ("prefill_attention_backend_str", "decode_attention_backend_str")]
     named = [x for x in resolved if x[1] is not None] or [
         ("attention_backend", getattr(server_args, "attention_backend", None))]
     for what, backend in named:
+        if backend is None and runner is None:
+            continue
         if backend not in ATTENTION_BACKENDS:
             refuse(f"SGLang's {what}={backend!r}", ", ".join(map(repr, ATTENTION_BACKENDS)),
                    "tbo gives each microbatch its own attention backend planned for its batch, and this backend "
