@@ -522,7 +522,6 @@ class FfnServer:
             [sys.executable, "-m", "tbo", "afd-ffn", "--model", str(model), "--listen", "127.0.0.1:0", "--dtype",
              dtype, "--idle-timeout-s", str(idle_timeout_s), "--timeout-s", "20", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self._stdout: list[str] = []
         while True:
             line = self.proc.stdout.readline()
             if not line:
@@ -540,3 +539,10 @@ class FfnServer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
+
+
+def _assert_remote(delta: dict, num_layers: int) -> None:
+    """The FFN ran on the server, for every layer of every stage of every step; never here."""
+    stages = num_layers * (delta["steps"] - delta["split_steps"] + delta["microbatches"])
+    assert delta["afd_stages_sent"] > 0 and delta["afd_stages_sent"] == stages, delta
+    assert delta["local_ffn_calls"] == 0, delta

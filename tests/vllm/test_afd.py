@@ -30,8 +30,8 @@ from tbo.afd.group import AFDGroup, AFDPeerError
 from tbo.integrations.vllm.config import TboConfigError, parse_config
 
 from .helpers import SCENARIOS as _ALL_SCENARIOS
-from .helpers import (FfnServer, _counted, _free, _free_port, _pinned, _reference_llm, _refusing_port,
-                      _save_qwen2_moe, _tokens, needs_vllm)
+from .helpers import (FfnServer, _assert_remote, _counted, _free, _free_port, _pinned, _reference_llm,
+                      _refusing_port, _save_qwen2_moe, _tokens, needs_vllm)
 
 #: the shared tiny models, prompts and engine helpers (helpers.py; test_engine.py's docstring says how they split); its
 #: batch shapes with max_num_batched_tokens=32: decode (18-token prefill, then 6-token decode steps), prefill (24
@@ -167,13 +167,6 @@ def _generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS):
 def _run(llm, prompts, **kw):
     """This file's `_generate` (its engine settings, no ``ignore_eos``) and what the tbo counters did meanwhile."""
     return _counted(lambda: _generate(llm, prompts, **kw))
-
-
-def _assert_remote(delta: dict, num_layers: int) -> None:
-    """The FFN ran on the server, for every layer of every stage of every step; never here."""
-    stages = num_layers * (delta["steps"] - delta["split_steps"] + delta["microbatches"])
-    assert delta["afd_stages_sent"] > 0 and delta["afd_stages_sent"] == stages, delta
-    assert delta["local_ffn_calls"] == 0, delta
 
 
 @needs_vllm

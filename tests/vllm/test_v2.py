@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ENGINE, SCENARIOS, TBO, FfnServer, _free, _generate, _llm, _prompt, _tokens, needs_vllm
+from .helpers import (ENGINE, SCENARIOS, TBO, FfnServer, _assert_remote, _free, _generate, _llm, _prompt, _tokens,
+                      needs_vllm)
 
 pytestmark = needs_vllm
 
@@ -137,8 +138,8 @@ def test_v2_runs_afd_with_every_ffn_on_the_server(v2):
     for name, run in _runs(result).items():
         s = run["stats"]
         assert run["tokens"] == plain[name]["tokens"], name
-        assert s["local_ffn_calls"] == 0 and s["split_steps"] > 0, (name, s)
-        assert s["afd_stages_sent"] == 3 * (s["steps"] - s["split_steps"] + s["microbatches"]), (name, s)
+        assert s["split_steps"] > 0, (name, s)
+        _assert_remote(s, 3)
         sent += s["afd_stages_sent"]
     server = v2["afd_server"]
     assert server["rc"] == 0, server["err"]
